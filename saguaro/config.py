@@ -1,0 +1,92 @@
+"""Engine configuration: one self-validating dataclass for every mode."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+MODES = ("ar", "sd", "ssd")
+SPECULATORS = ("draft", "ngram")
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+          "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class Config:
+    target: str
+    draft: str | None = None
+    mode: str = "ar"
+    speculator: str = "draft"  # SD proposer: the draft model or the n-gram matcher
+    num_speculative_tokens: int = 4  # K
+    fan_out: list[int] | str | None = None  # SSD: F_0..F_K, or "auto" from a calibration profile
+    fallback: str = "jit"  # SSD cache-miss fallback: "jit" (primary drafts), "ngram", "random", or "auto"
+    saguaro_c: float = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1]
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu" or "cuda:N" for the target
+    draft_device: str | None = None  # SSD worker device; default "cpu" or the next GPU
+    threads: int = 1  # torch threads per process
+    target_cores: list[int] | None = field(default_factory=lambda: [0])  # CPU affinity of the target process
+    draft_cores: list[int] | None = field(default_factory=lambda: [1])  # CPU affinity of the SSD worker
+    block_size: int = 16
+    kv_cache_tokens: int = 32768  # capacity of each model's paged KV cache
+    max_num_seqs: int = 16
+    max_prefill_tokens: int = 4096
+    max_model_len: int | None = None  # defaults to the model's context length
+    compile: bool = False  # torch.compile the decode path (bf16 speed); off for tests
+    worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.speculator not in SPECULATORS:
+            raise ValueError(f"speculator must be one of {SPECULATORS}, got {self.speculator!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.mode != "ar" and self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens (K) must be >= 1, got {self.num_speculative_tokens}")
+        needs_draft = self.mode == "ssd" or (self.mode == "sd" and self.speculator == "draft")
+        if needs_draft and not self.draft:
+            raise ValueError(f"mode {self.mode!r} with the draft speculator needs a draft model (draft=...)")
+        if self.threads < 1:
+            raise ValueError("threads must be >= 1")
+        for name in ("block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1")
+        if not 0.0 <= self.saguaro_c <= 1.0:
+            raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
+        if self.fallback not in ("jit", "ngram", "random", "auto"):
+            raise ValueError(f"fallback must be jit, ngram, random or auto, got {self.fallback!r}")
+        if isinstance(self.fan_out, list):
+            if len(self.fan_out) != self.num_speculative_tokens + 1:
+                raise ValueError(f"fan_out needs K+1 = {self.num_speculative_tokens + 1} entries, got {len(self.fan_out)}")
+            if any(f < 0 for f in self.fan_out):
+                raise ValueError(f"fan_out entries must be >= 0, got {self.fan_out}")
+        elif self.fan_out not in (None, "auto"):
+            raise ValueError(f"fan_out must be a list of K+1 ints, 'auto' or None, got {self.fan_out!r}")
+        check_device(self.device)
+        if self.draft_device is not None:
+            check_device(self.draft_device)
+        for cores in (self.target_cores, self.draft_cores):
+            if cores is not None:
+                bad = set(cores) - os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set()
+                if bad:
+                    raise ValueError(f"CPU cores {sorted(bad)} are not available to this process "
+                                     f"(have {sorted(os.sched_getaffinity(0))})")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+def check_device(device: str) -> None:
+    """Refuse a device that is not there, with a clear message."""
+    if device == "cpu":
+        return
+    if not device.startswith("cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda:N', got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available on this machine")
+    index = int(device.split(":")[1]) if ":" in device else 0
+    if index >= torch.cuda.device_count():
+        raise ValueError(f"device {device!r} requested but only {torch.cuda.device_count()} GPU(s) are present")

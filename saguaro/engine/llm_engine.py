@@ -1,0 +1,147 @@
+"""The engine loop: admit, prefill, run decode rounds, stop, free.
+
+It is mode-agnostic: AR, SD and SSD differ only in the ``Decoder`` plugged in.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from saguaro.engine.decoder import Decoder
+from saguaro.engine.metrics import summarize
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.engine.outputs import RequestOutput, Timings
+from saguaro.engine.scheduler import Scheduler
+from saguaro.engine.sequence import Sequence, Status
+from saguaro.loading.tokenizer import Tokenizer
+from saguaro.sampling.batch import sample_next
+from saguaro.sampling.params import SamplingParams
+
+
+class RequestError(ValueError):
+    """A request that can never be served (too long, bad parameters)."""
+
+
+class LLMEngine:
+    def __init__(self, target: ModelRunner, tokenizer: Tokenizer, decoder: Decoder,
+                 max_model_len: int, max_num_seqs: int, max_prefill_tokens: int):
+        self.target = target
+        self.tokenizer = tokenizer
+        self.decoder = decoder
+        self.max_model_len = max_model_len
+        self.scheduler = Scheduler(target.blocks, max_num_seqs, max_prefill_tokens, on_preempt=decoder.release)
+        self.eos_ids = set(tokenizer.eos_token_ids)
+        self.finished: list[Sequence] = []
+
+    # -- requests -----------------------------------------------------------------
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
+        if len(prompt_ids) >= self.max_model_len:
+            raise RequestError(f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
+                               "(the prompt must leave room for at least one generated token)")
+        footprint = min(len(prompt_ids) + params.max_tokens, self.max_model_len) + self.decoder.lookahead
+        capacity = self.target.blocks.num_blocks * self.target.block_size
+        if footprint > capacity:
+            raise RequestError(f"request needs up to {footprint} KV slots but the cache holds {capacity}; "
+                               "raise kv_cache_tokens or lower max_tokens")
+        vocab = self.target.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        seq = Sequence(prompt_ids, params, prompt)
+        self.scheduler.add(seq)
+        return seq
+
+    @property
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work
+
+    # -- one step -----------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Run one prefill or decode round; return (sequence, tokens it gained)."""
+        batch = self.scheduler.schedule(self.decoder.lookahead)
+        if batch is None:
+            return []
+        new_tokens = self._prefill(batch.seqs) if batch.is_prefill else self.decoder.decode(batch.seqs)
+        events = []
+        for seq, tokens in zip(batch.seqs, new_tokens):
+            gained = self._append(seq, tokens)
+            events.append((seq, gained))
+            if seq.finished:
+                self._finish(seq)
+        return events
+
+    def _prefill(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Fill the target cache; fresh requests sample their first token from the last logits."""
+        items = []
+        for seq in seqs:
+            fresh = not seq.output_ids
+            upto = len(seq) if fresh else len(seq) - 1  # a resumed request re-feeds its last token next round
+            items.append(ForwardItem(seq.tokens[seq.num_cached:upto], seq.num_cached, seq.block_table,
+                                     "last" if fresh else "none"))
+        logits = self.target.forward(items)
+        for seq, item in zip(seqs, items):
+            seq.num_cached += len(item.token_ids)
+        fresh = [(i, seq) for i, seq in enumerate(seqs) if logits[i] is not None]
+        new_tokens: list[list[int]] = [[] for _ in seqs]
+        if fresh:
+            sampled = sample_next(torch.cat([logits[i] for i, _ in fresh]), [s for _, s in fresh])
+            for (i, _), token in zip(fresh, sampled):
+                new_tokens[i] = [token]
+        return new_tokens
+
+    def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append tokens one by one, stopping at EOS, stop strings, max_tokens or the context end."""
+        gained = []
+        params = seq.params
+        for token in tokens:
+            seq.output_ids.append(token)
+            gained.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.perf_counter()
+            if token in self.eos_ids and not params.ignore_eos:
+                seq.finish_reason = "stop"
+            elif params.stop and self._hit_stop_string(seq):
+                seq.finish_reason = "stop"
+            elif len(seq.output_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
+                seq.finish_reason = "length"
+            if seq.finish_reason:
+                seq.status = Status.FINISHED
+                break
+        return gained
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        text = self.tokenizer.decode(seq.output_ids)
+        cuts = [text.find(s) for s in seq.params.stop if s and s in text]
+        if cuts:
+            seq.stop_text_cut = min(cuts)
+            return True
+        return False
+
+    def _finish(self, seq: Sequence) -> None:
+        seq.finish_time = time.perf_counter()
+        self.scheduler.finish(seq)
+        self.decoder.release(seq)
+        self.finished.append(seq)
+
+    def abort(self, seq: Sequence, reason: str = "abort") -> None:
+        if not seq.finished:
+            seq.status = Status.FINISHED
+            seq.finish_reason = reason
+            self._finish(seq)
+
+    # -- results ------------------------------------------------------------------
+    def output(self, seq: Sequence) -> RequestOutput:
+        text = self.tokenizer.decode(seq.output_ids)
+        if seq.stop_text_cut is not None:
+            text = text[:seq.stop_text_cut]
+        end = seq.finish_time or time.perf_counter()
+        first = seq.first_token_time or end
+        n = len(seq.output_ids)
+        timings = Timings(ttft_s=first - seq.arrival, total_s=end - seq.arrival,
+                          decode_tokens_per_s=(n - 1) / (end - first) if n > 1 and end > first else 0.0)
+        spec = summarize([seq.spec], self.decoder.reports_cache) if self.decoder.reports_spec else None
+        return RequestOutput(seq.seq_id, seq.prompt, list(seq.prompt_ids), list(seq.output_ids), text,
+                             seq.finish_reason or "length", timings, spec)
+
+    def close(self) -> None:
+        self.decoder.close()

@@ -1,0 +1,43 @@
+"""Turn per-request speculation counters into reported metrics."""
+from __future__ import annotations
+
+from saguaro.engine.outputs import SpecMetrics
+from saguaro.engine.sequence import SpecStats
+
+
+def _ratio(num: float, den: float) -> float | None:
+    return num / den if den else None
+
+
+def summarize(stats: list[SpecStats], with_cache: bool = False) -> SpecMetrics:
+    """Sum counters over requests, then form rates (so long requests weigh more)."""
+    total = SpecStats()
+    for s in stats:
+        total.rounds += s.rounds
+        total.drafted += s.drafted
+        total.accepted += s.accepted
+        for name in ("cache_hits", "hits_after_hit", "rounds_after_hit", "hits_after_miss", "rounds_after_miss"):
+            setattr(total, name, getattr(total, name) + getattr(s, name))
+        depth = len(s.drafted_by_position)
+        if depth > len(total.drafted_by_position):
+            pad = depth - len(total.drafted_by_position)
+            total.drafted_by_position += [0] * pad
+            total.accepted_by_position += [0] * pad
+        for i in range(depth):
+            total.drafted_by_position[i] += s.drafted_by_position[i]
+            total.accepted_by_position[i] += s.accepted_by_position[i]
+    metrics = SpecMetrics(
+        rounds=total.rounds,
+        drafted_tokens=total.drafted,
+        accepted_tokens=total.accepted,
+        acceptance_rate=_ratio(total.accepted, total.drafted) or 0.0,
+        mean_accepted_length=_ratio(total.accepted, total.rounds) or 0.0,
+        tokens_per_round=_ratio(total.accepted + total.rounds, total.rounds) or 0.0,
+        acceptance_by_position=[a / d if d else 0.0 for a, d in
+                                zip(total.accepted_by_position, total.drafted_by_position)],
+    )
+    if with_cache:
+        metrics.cache_hit_rate = _ratio(total.cache_hits, total.rounds)
+        metrics.hit_rate_after_hit = _ratio(total.hits_after_hit, total.rounds_after_hit)
+        metrics.hit_rate_after_miss = _ratio(total.hits_after_miss, total.rounds_after_miss)
+    return metrics

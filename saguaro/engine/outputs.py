@@ -1,0 +1,52 @@
+"""What the engine hands back for each request."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+@dataclass
+class Timings:
+    ttft_s: float  # arrival to first generated token
+    total_s: float  # arrival to finish
+    decode_tokens_per_s: float  # tokens after the first, over the time after the first
+
+
+@dataclass
+class SpecMetrics:
+    """Speculation counters of one request, or summed over many."""
+    rounds: int = 0
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    acceptance_rate: float = 0.0  # accepted / drafted
+    mean_accepted_length: float = 0.0  # accepted drafts per round (excludes the bonus token)
+    tokens_per_round: float = 0.0  # accepted + bonus per round
+    acceptance_by_position: list[float] = field(default_factory=list)
+    cache_hit_rate: float | None = None  # SSD: p_hit
+    hit_rate_after_hit: float | None = None  # SSD: p_hit,p
+    hit_rate_after_miss: float | None = None  # SSD: p_hit,b
+
+
+@dataclass
+class RequestOutput:
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str  # "stop" (EOS or stop string), "length", or "error"
+    timings: Timings
+    spec: SpecMetrics | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class StreamChunk:
+    request_id: int
+    token_ids: list[int]  # tokens added since the previous chunk
+    text: str  # text added since the previous chunk
+    finished: bool = False
+    finish_reason: str | None = None
+    output: RequestOutput | None = None  # set on the final chunk

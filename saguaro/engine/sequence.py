@@ -1,0 +1,85 @@
+"""One request as the engine tracks it."""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro.sampling.params import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculation counters (all zero in AR mode)."""
+    rounds: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_by_position: list[int] = field(default_factory=list)  # [i]: drafts accepted at depth i
+    drafted_by_position: list[int] = field(default_factory=list)  # [i]: drafts proposed at depth i
+    cache_hits: int = 0  # SSD only
+    hits_after_hit: int = 0
+    rounds_after_hit: int = 0
+    hits_after_miss: int = 0
+    rounds_after_miss: int = 0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += num_drafted
+        self.accepted += num_accepted
+        grow = num_drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(num_drafted):
+            self.drafted_by_position[i] += 1
+            self.accepted_by_position[i] += int(i < num_accepted)
+
+
+class Sequence:
+    def __init__(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None):
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        self.seq_id = next(_ids)
+        self.prompt = prompt
+        self.prompt_ids = list(prompt_ids)
+        self.output_ids: list[int] = []
+        self.params = params
+        self.generator: torch.Generator | None = None
+        if not params.greedy:
+            self.generator = torch.Generator()
+            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+        self.status = Status.WAITING
+        self.block_table: list[int] = []
+        self.num_cached = 0  # tokens whose k/v sit in the target cache
+        self.finish_reason: str | None = None
+        self.stop_text_cut: int | None = None  # char offset where a stop string began
+        self.arrival = time.perf_counter()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+        self.spec = SpecStats()
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
+
+    @property
+    def finished(self) -> bool:
+        return self.status is Status.FINISHED

@@ -1,0 +1,139 @@
+"""The public entry point: ``LLM(...).generate(prompts, params)``.
+
+One class serves all three modes. AR decodes with the target alone; SD adds a draft
+model (collocated) or the n-gram speculator; SSD runs the draft in its own process on
+its own device and answers each round from a speculation cache.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence as Seq
+from typing import Any
+
+from saguaro.config import Config
+from saguaro.engine.decoder import ARDecoder, Decoder
+from saguaro.engine.device import pin_process
+from saguaro.engine.llm_engine import LLMEngine
+from saguaro.engine.metrics import summarize
+from saguaro.engine.model_runner import ModelRunner
+from saguaro.engine.outputs import RequestOutput, SpecMetrics, StreamChunk
+from saguaro.loading import LoadedModel, load_model
+from saguaro.loading.tokenizer import check_shared_vocabulary
+from saguaro.sampling.params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str | LoadedModel | None = None, *, target: str | LoadedModel | None = None,
+                 draft: str | LoadedModel | None = None, **options: Any):
+        target = target if target is not None else model
+        if target is None:
+            raise ValueError("LLM needs a model: LLM('qwen2.5-coder-1.5b') or LLM(target=..., draft=...)")
+        self.config = Config(target=_name(target), draft=_name(draft) if draft is not None else None, **options)
+        cfg = self.config
+        if cfg.device == "cpu":
+            pin_process(cfg.target_cores, cfg.threads)
+        self.target = _load(target, cfg)
+        self.tokenizer = self.target.tokenizer
+        self.draft = _load(draft, cfg, cfg.draft_device or cfg.device) if draft is not None and cfg.mode != "ar" else None
+        if self.draft is not None:
+            check_shared_vocabulary(self.target.tokenizer, self.draft.tokenizer)
+        self.max_model_len = min(cfg.max_model_len or self.target.config.max_position_embeddings,
+                                 self.target.config.max_position_embeddings)
+        num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
+        runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device)
+        self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
+                                self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
+
+    def _decoder(self, runner: ModelRunner, num_blocks: int) -> Decoder:
+        cfg = self.config
+        if cfg.mode == "ar":
+            return ARDecoder(runner)
+        if cfg.mode == "sd":
+            from saguaro.spec.sd import build_sd_decoder
+            return build_sd_decoder(cfg, runner, self.draft, num_blocks)
+        from saguaro.ssd.decoder import build_ssd_decoder
+        return build_ssd_decoder(cfg, runner, self.target, self.draft, num_blocks)
+
+    # -- generation ----------------------------------------------------------------
+    def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt), prompt
+        return list(prompt), None
+
+    def generate(self, prompts: Prompt | Seq[Prompt], params: SamplingParams | Seq[SamplingParams] | None = None,
+                 ) -> list[RequestOutput]:
+        """Run every prompt to completion, batched continuously; outputs keep prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params_list = _params_for(params, len(prompts))
+        seqs = []
+        try:
+            for prompt, p in zip(prompts, params_list):
+                ids, text = self._encode(prompt)
+                seqs.append(self.engine.add_request(ids, p, text))
+        except Exception:
+            for seq in seqs:
+                self.engine.abort(seq)
+            raise
+        pending = set(s.seq_id for s in seqs)
+        while pending:
+            for seq, _ in self.engine.step():
+                if seq.finished:
+                    pending.discard(seq.seq_id)
+        return [self.engine.output(s) for s in seqs]
+
+    def stream(self, prompt: Prompt, params: SamplingParams | None = None) -> Iterator[StreamChunk]:
+        """Yield tokens of one request as rounds produce them."""
+        ids, text = self._encode(prompt)
+        seq = self.engine.add_request(ids, params or SamplingParams(), text)
+        shown = ""
+        try:
+            while not seq.finished:
+                for s, tokens in self.engine.step():
+                    if s is not seq or not tokens:
+                        continue
+                    full = self.engine.output(seq).text
+                    delta, shown = full[len(shown):], full
+                    yield StreamChunk(seq.seq_id, tokens, delta, seq.finished, seq.finish_reason,
+                                      self.engine.output(seq) if seq.finished else None)
+        finally:
+            self.engine.abort(seq)
+
+    def spec_metrics(self, outputs: list[RequestOutput]) -> SpecMetrics | None:
+        """Speculation metrics summed over the given outputs' requests."""
+        seqs = [s for s in self.engine.finished if s.seq_id in {o.request_id for o in outputs}]
+        if not self.engine.decoder.reports_spec:
+            return None
+        return summarize([s.spec for s in seqs], self.engine.decoder.reports_cache)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _name(model: str | LoadedModel) -> str:
+    return model if isinstance(model, str) else model.name
+
+
+def _load(model: str | LoadedModel, cfg: Config, device: str | None = None) -> LoadedModel:
+    device = device or cfg.device
+    if isinstance(model, LoadedModel):
+        return model.to(device, cfg.torch_dtype)
+    return load_model(model, dtype=cfg.torch_dtype, device=device)
+
+
+def _params_for(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams() for _ in range(n)]
+    if isinstance(params, SamplingParams):
+        return [params] * n
+    if len(params) != n:
+        raise ValueError(f"{len(params)} sampling params for {n} prompts")
+    return list(params)

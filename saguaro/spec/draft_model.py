@@ -1,0 +1,69 @@
+"""The draft model as a synchronous speculator (the paper's SD baseline).
+
+The draft keeps its own paged KV cache. Each ``propose`` first feeds the draft every
+token it has not yet seen (the whole prompt the first time, then the tokens the last
+round appended), then decodes K tokens one step at a time, sampling each from the
+sequence's processed draft distribution. ``commit`` rolls the draft cache back to the
+accepted prefix, so no rejected token's k/v survives and no block leaks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.engine.sequence import Sequence
+from saguaro.sampling.batch import processed_probs
+from saguaro.sampling.sampler import sample
+from saguaro.spec.types import Proposal, Proposer
+
+
+@dataclass
+class DraftState:
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, runner: ModelRunner):
+        self.runner = runner
+        self.states: dict[int, DraftState] = {}
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        k_max = max(num_tokens, default=0)
+        vocab = self.runner.config.vocab_size
+        tokens: list[list[int]] = [[] for _ in seqs]
+        probs = torch.zeros(len(seqs), max(k_max, 1), vocab)
+        active = [b for b, k in enumerate(num_tokens) if k > 0]
+        for step in range(k_max):
+            active = [b for b in active if num_tokens[b] > step]
+            items = []
+            for b in active:
+                seq, state = seqs[b], self.states.setdefault(seqs[b].seq_id, DraftState())
+                pending = seq.tokens[state.num_cached:] if step == 0 else [tokens[b][-1]]
+                self.runner.blocks.reserve(state.block_table, state.num_cached + len(pending))
+                items.append(ForwardItem(pending, state.num_cached, state.block_table))
+                state.num_cached += len(pending)
+            logits = torch.cat(self.runner.forward(items))
+            rows = [seqs[b] for b in active]
+            step_probs = processed_probs(logits, rows)
+            greedy = torch.tensor([s.params.greedy for s in rows])
+            drawn = sample(step_probs, [s.generator for s in rows], greedy).tolist()
+            for i, b in enumerate(active):
+                tokens[b].append(drawn[i])
+                probs[b, step] = step_probs[i]
+        return Proposal(tokens, probs, torch.zeros(len(seqs), dtype=torch.bool))
+
+    def commit(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """Keep the k/v of the accepted drafts only (the last draft was never fed back)."""
+        state = self.states.get(seq.seq_id)
+        if state is None or num_drafted == 0:
+            return
+        state.num_cached -= (num_drafted - 1) - min(num_accepted, num_drafted - 1)
+        self.runner.blocks.truncate(state.block_table, state.num_cached)
+
+    def release(self, seq: Sequence) -> None:
+        state = self.states.pop(seq.seq_id, None)
+        if state is not None:
+            self.runner.blocks.free(state.block_table)

@@ -1,0 +1,84 @@
+"""Synchronous speculative decoding: propose K, verify K+1 in one target pass, roll back.
+
+One round, per sequence with n tokens (the target caches the first n-1):
+  1. the proposer drafts k <= K tokens d_1..d_k;
+  2. the target runs once over [x_n, d_1..d_k] at positions n-1..n-1+k, giving k+1
+     distributions;
+  3. rejection sampling keeps a prefix d_1..d_a and draws one bonus token;
+  4. both caches roll back to the accepted prefix (target: n + a cached tokens).
+"""
+from __future__ import annotations
+
+import torch
+
+from saguaro.config import Config
+from saguaro.engine.decoder import Decoder
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.engine.sequence import Sequence
+from saguaro.loading import LoadedModel
+from saguaro.sampling.batch import processed_probs
+from saguaro.spec.types import Proposal, Proposer
+from saguaro.verify.rejection import VerifyResult, rejection_sample
+
+
+def draft_budget(seq: Sequence, k: int, max_model_len: int) -> int:
+    """Drafts worth proposing: a round yields at most k+1 tokens, so stay within limits."""
+    remaining = seq.params.max_tokens - len(seq.output_ids)
+    return max(0, min(k, remaining - 1, max_model_len - len(seq) - 1))
+
+
+def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) -> VerifyResult:
+    """Score the drafts with one target pass, rejection-sample, and roll the target cache back."""
+    items = [ForwardItem([seq.last_token] + drafts, seq.num_cached, seq.block_table, "all")
+             for seq, drafts in zip(seqs, proposal.tokens)]
+    logits = target.forward(items)
+    k_max = max(len(t) for t in proposal.tokens)
+    vocab = logits[0].shape[-1]
+    target_probs = torch.zeros(len(seqs), k_max + 1, vocab)
+    for b, (seq, rows) in enumerate(zip(seqs, logits)):
+        target_probs[b, :rows.shape[0]] = processed_probs(rows, [seq] * rows.shape[0])
+    draft_tokens = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long)
+    for b, drafts in enumerate(proposal.tokens):
+        draft_tokens[b, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)
+    draft_probs = proposal.probs[:, :max(k_max, 1)] if proposal.probs is not None else None
+    result = rejection_sample(
+        target_probs, draft_tokens[:, :k_max], None if draft_probs is None else draft_probs[:, :k_max],
+        torch.tensor([len(t) for t in proposal.tokens]), proposal.point_mass,
+        [s.generator for s in seqs], torch.tensor([s.params.greedy for s in seqs]))
+    for seq, drafts, accepted in zip(seqs, proposal.tokens, result.num_accepted):
+        seq.num_cached += 1 + accepted  # x_n and the accepted drafts; rejected k/v is dropped
+        target.blocks.truncate(seq.block_table, seq.num_cached)
+        seq.spec.record(len(drafts), accepted)
+    return result
+
+
+class SDDecoder(Decoder):
+    reports_spec = True
+
+    def __init__(self, target: ModelRunner, proposer: Proposer, k: int, max_model_len: int):
+        self.target = target
+        self.proposer = proposer
+        self.k = k
+        self.lookahead = k + 1
+        self.max_model_len = max_model_len
+
+    def decode(self, seqs: list[Sequence]) -> list[list[int]]:
+        budgets = [draft_budget(s, self.k, self.max_model_len) for s in seqs]
+        proposal = self.proposer.propose(seqs, budgets)
+        result = verify_round(self.target, seqs, proposal)
+        for seq, drafts, accepted in zip(seqs, proposal.tokens, result.num_accepted):
+            self.proposer.commit(seq, len(drafts), accepted)
+        return result.output_tokens
+
+    def release(self, seq: Sequence) -> None:
+        self.proposer.release(seq)
+
+
+def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None, num_blocks: int) -> SDDecoder:
+    max_len = target.config.max_position_embeddings
+    if cfg.speculator == "ngram":
+        from saguaro.spec.ngram_proposer import NgramProposer
+        return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
+    from saguaro.spec.draft_model import DraftModelProposer
+    runner = ModelRunner(draft.model, num_blocks, cfg.block_size, cfg.draft_device or cfg.device)
+    return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)

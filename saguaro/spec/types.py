@@ -1,0 +1,41 @@
+"""What a speculator hands the verifier."""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from saguaro.engine.sequence import Sequence
+
+
+@dataclass
+class Proposal:
+    """Drafted tokens for a batch, and the distributions they were drawn from.
+
+    ``tokens[b]`` holds up to K tokens for sequence ``b``. ``probs[b, i]`` is the exact
+    distribution token ``i`` was sampled from (after temperature, top-k/top-p and any
+    Saguaro down-weighting), which verification must use to stay lossless. Rows whose
+    proposer is deterministic (n-gram) have ``point_mass[b] = True`` and no distribution.
+    """
+    tokens: list[list[int]]
+    probs: torch.Tensor | None  # [B, K, V] float32, or None when every row is a point mass
+    point_mass: torch.Tensor  # [B] bool
+
+    @staticmethod
+    def deterministic(tokens: list[list[int]]) -> "Proposal":
+        return Proposal(tokens, None, torch.ones(len(tokens), dtype=torch.bool))
+
+
+class Proposer(ABC):
+    """Proposes draft tokens synchronously (SD) and tracks per-sequence draft state."""
+
+    @abstractmethod
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        """Draft ``num_tokens[b]`` tokens after all of ``seqs[b]``'s tokens."""
+
+    def commit(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
+        """The verifier kept ``num_accepted`` drafts and appended a bonus token."""
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished or preempted sequence."""
