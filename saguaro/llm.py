@@ -12,7 +12,7 @@ from typing import Any
 
 from saguaro.config import Config
 from saguaro.engine.decoder import ARDecoder, Decoder
-from saguaro.engine.device import pin_process
+from saguaro.engine.device import pin_process, place
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
@@ -52,9 +52,9 @@ class LLM:
             return ARDecoder(runner)
         if cfg.mode == "sd":
             from saguaro.spec.sd import build_sd_decoder
-            return build_sd_decoder(cfg, runner, self.draft, num_blocks)
+            return build_sd_decoder(cfg, runner, self.draft, num_blocks, self.max_model_len)
         from saguaro.ssd.decoder import build_ssd_decoder
-        return build_ssd_decoder(cfg, runner, self.target, self.draft, num_blocks)
+        return build_ssd_decoder(cfg, runner, self.target, self.draft, self.max_model_len)
 
     # -- generation ----------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -125,7 +125,7 @@ def _name(model: str | LoadedModel) -> str:
 def _load(model: str | LoadedModel, cfg: Config, device: str | None = None) -> LoadedModel:
     device = device or cfg.device
     if isinstance(model, LoadedModel):
-        return model.to(device, cfg.torch_dtype)
+        return place(model, device, cfg.torch_dtype)
     return load_model(model, dtype=cfg.torch_dtype, device=device)
 
 

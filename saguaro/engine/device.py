@@ -18,3 +18,9 @@ def describe(device: str, cores: list[int] | None, threads: int) -> str:
         return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
     where = f"cores {cores}" if cores else "all cores"
     return f"cpu, {where}, {threads} thread(s)"
+
+
+def place(loaded, device: str, dtype: torch.dtype):
+    """Move a ``LoadedModel``'s weights to ``device``/``dtype`` (in place) and return it."""
+    loaded.model.to(device=torch.device(device), dtype=dtype)
+    return loaded

@@ -74,8 +74,8 @@ class SDDecoder(Decoder):
         self.proposer.release(seq)
 
 
-def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None, num_blocks: int) -> SDDecoder:
-    max_len = target.config.max_position_embeddings
+def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None, num_blocks: int,
+                     max_len: int) -> SDDecoder:
     if cfg.speculator == "ngram":
         from saguaro.spec.ngram_proposer import NgramProposer
         return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)

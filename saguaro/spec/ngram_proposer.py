@@ -1,0 +1,28 @@
+"""The n-gram matcher as a ``Proposer``: one incremental index per sequence."""
+from __future__ import annotations
+
+from saguaro.engine.sequence import Sequence
+from saguaro.spec.ngram import NgramIndex
+from saguaro.spec.types import Proposal, Proposer
+
+
+class NgramProposer(Proposer):
+    def __init__(self, max_ngram: int = 4, min_ngram: int = 1):
+        self.max_ngram, self.min_ngram = max_ngram, min_ngram
+        self.indexes: dict[int, NgramIndex] = {}
+
+    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        tokens = []
+        for seq, k in zip(seqs, num_tokens):
+            index = self.indexes.get(seq.seq_id)
+            if index is None:
+                index = self.indexes[seq.seq_id] = NgramIndex(max_ngram=self.max_ngram, min_ngram=self.min_ngram)
+            all_tokens = seq.tokens
+            if len(index) > len(all_tokens) or index.tokens[-1:] != all_tokens[len(index) - 1:len(index)]:
+                index.truncate(0)  # history was rewritten (re-admission); rebuild
+            index.extend(all_tokens[len(index):])
+            tokens.append(index.propose(k))
+        return Proposal.deterministic(tokens)
+
+    def release(self, seq: Sequence) -> None:
+        self.indexes.pop(seq.seq_id, None)

@@ -1,0 +1,90 @@
+"""A point-to-point message channel between verifier and speculator over torch.distributed.
+
+Gloo on CPU, NCCL on CUDA. Built on its own ``TCPStore`` and process group object rather
+than the global default group, so several engines can live in one process (tests) and
+nothing leaks between them. A message is one tensor; its length travels in a fixed
+header frame so the receiver can size its buffer.
+"""
+from __future__ import annotations
+
+import socket
+import time
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = [torch.int64, torch.float32]
+
+
+class ChannelClosed(RuntimeError):
+    """The peer died, closed the connection, or did not answer in time."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Channel:
+    """One end of the link. ``counters`` are two shared ``multiprocessing.Value`` ints
+    (messages sent by rank 0 and by rank 1); they let a busy receiver check for a
+    waiting message without blocking, which gloo's receive handles do not offer."""
+
+    def __init__(self, rank: int, port: int, counters, backend: str = "gloo", device: str = "cpu",
+                 timeout_s: float = 60.0):
+        self.rank, self.peer = rank, 1 - rank
+        self.device = torch.device(device)
+        self.sent, self.peer_sent = counters[rank], counters[1 - rank]
+        self.received = 0
+        self.store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=timeout_s))
+        if backend == "gloo":
+            self.pg = dist.ProcessGroupGloo(self.store, rank, 2, timedelta(seconds=timeout_s))
+        elif backend == "nccl":
+            self.pg = dist.ProcessGroupNCCL(self.store, rank, 2, dist.ProcessGroupNCCL.Options())
+        else:
+            raise ValueError(f"unknown backend {backend!r}")
+
+    def send(self, tensor: torch.Tensor) -> None:
+        header = torch.tensor([tensor.numel(), _DTYPES.index(tensor.dtype)], dtype=torch.int64, device=self.device)
+        with self.sent.get_lock():
+            self.sent.value += 1
+        try:
+            self.pg.send([header], self.peer, 0).wait()
+            self.pg.send([tensor.to(self.device).contiguous()], self.peer, 1).wait()
+        except RuntimeError as e:
+            raise ChannelClosed(f"send failed: {e}") from e
+
+    def poll(self) -> bool:
+        """Is a message from the peer waiting?"""
+        return self.peer_sent.value > self.received
+
+    def recv(self, timeout_s: float | None = None, alive=lambda: True) -> torch.Tensor:
+        """Wait for the next message; raise ``ChannelClosed`` on timeout or if ``alive()`` turns false."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while not self.poll():
+            if deadline is not None and time.monotonic() > deadline:
+                raise ChannelClosed(f"no message within {timeout_s:.1f} s")
+            if not alive():
+                raise ChannelClosed("peer process is gone")
+            time.sleep(0.0002)
+        self.received += 1
+        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        try:
+            self.pg.recv([header], self.peer, 0).wait()
+            numel, code = header.tolist()
+            buf = torch.empty(numel, dtype=_DTYPES[code], device=self.device)
+            self.pg.recv([buf], self.peer, 1).wait()
+        except RuntimeError as e:
+            raise ChannelClosed(f"receive failed: {e}") from e
+        return buf.cpu()
+
+    def close(self) -> None:
+        self.pg = None
+        self.store = None
+
+
+def make_counters(ctx):
+    """Shared message counters for a ``Channel`` pair; create in the parent, pass to the child."""
+    return ctx.Value("q", 0), ctx.Value("q", 0)

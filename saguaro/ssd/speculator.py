@@ -1,0 +1,207 @@
+"""The speculator side of SSD (Algorithm 1), independent of transport and process.
+
+Per round it does two things, in this order:
+
+``respond(request)``: apply the verifier's outcomes to its copy of each sequence, then
+answer every sequence with its next speculation: from the speculation cache on a hit,
+otherwise from the fallback (just-in-time drafting by the primary draft for only the
+sequences that missed, or a fast n-gram / random backup).
+
+``build(interrupted)``: while the target verifies what was just sent, glue that
+speculation into the draft cache, predict the likely outcomes (top-F_k bonus guesses per
+depth k) and decode all branches together, one tree-masked draft pass per step. Each
+finished step makes every branch one token longer; if the next request arrives early the
+build stops and branches keep the tokens they have.
+"""
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.engine.sequence import Sequence
+from saguaro.kv.metadata import build_metadata
+from saguaro.sampling.batch import processed_probs
+from saguaro.sampling.sampler import sample
+from saguaro.spec.draft_model import DraftModelProposer, DraftState
+from saguaro.spec.ngram_proposer import NgramProposer
+from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
+from saguaro.ssd.outcomes import predict_outcomes
+from saguaro.ssd.protocol import RoundRequest, RoundResponse, SpecRow
+from saguaro.ssd.tree import BranchLayout
+
+
+@dataclass
+class BuildStats:
+    seconds: float = 0.0
+    steps: int = 0  # branch steps completed (0..K)
+    branches: int = 0
+
+
+class AsyncSpeculator:
+    def __init__(self, runner: ModelRunner, k: int, fan_out: list[int], fallback: str = "jit"):
+        if fallback not in ("jit", "ngram", "random"):
+            raise ValueError(f"unknown fallback {fallback!r}")
+        self.runner = runner
+        self.k = k
+        self.fan_out = fan_out
+        self.fallback = fallback
+        self.jit = DraftModelProposer(runner)  # also owns each sequence's draft KV state
+        self.ngram = NgramProposer()
+        self.seqs: dict[int, Sequence] = {}
+        self.sent: dict[int, list[int]] = {}  # speculation under verification, per sequence
+        self.cache = SpeculationCache()
+        self.last_build = BuildStats()
+        self._rng = random.Random(0)
+
+    # -- respond -----------------------------------------------------------------
+    def respond(self, req: RoundRequest) -> RoundResponse:
+        start = time.perf_counter()
+        for seq_id in req.releases:
+            self._forget(seq_id)
+        for adm in req.admissions:
+            self._forget(adm.seq_id)
+            seq = Sequence(adm.tokens, adm.params)
+            seq.seq_id = adm.seq_id
+            if seq.generator is not None:
+                seq.generator.manual_seed(adm.seed)
+            self.seqs[adm.seq_id] = seq
+        hits: dict[int, CachedSpeculation] = {}
+        for out in req.outcomes:
+            seq, sent = self.seqs[out.seq_id], self.sent.get(out.seq_id, [])
+            accepted = sent[:out.num_accepted] + [out.bonus]
+            state = self.jit.states.get(seq.seq_id)
+            if state is not None:  # the draft cache stays valid up to the accepted drafts
+                state.num_cached = min(state.num_cached, len(seq) + out.num_accepted)
+                self.runner.blocks.truncate(state.block_table, state.num_cached)
+            seq.output_ids += accepted
+            cached = self.cache.get(out.seq_id, out.num_accepted, out.bonus)
+            if cached is not None:
+                hits[out.seq_id] = cached
+        self.cache.clear()
+        order = [self.seqs[i] for i in req.order]
+        misses = [s for s in order if s.seq_id not in hits]
+        fallback_rows = self._fallback(misses)
+        rows = []
+        for seq in order:
+            if seq.seq_id in hits:
+                c = hits[seq.seq_id]
+                row = SpecRow(True, c.tokens, c.probs)
+            else:
+                row = fallback_rows[seq.seq_id]
+            self.sent[seq.seq_id] = row.tokens
+            rows.append(row)
+        return RoundResponse(rows, self.last_build.seconds, time.perf_counter() - start, self.last_build.steps)
+
+    def _fallback(self, seqs: list[Sequence]) -> dict[int, SpecRow]:
+        if not seqs:
+            return {}
+        if self.fallback == "jit":
+            proposal = self.jit.propose(seqs, [self.k] * len(seqs))
+            return {s.seq_id: SpecRow(False, toks, None if s.params.greedy else proposal.probs[b, :len(toks)].clone())
+                    for b, (s, toks) in enumerate(zip(seqs, proposal.tokens))}
+        if self.fallback == "ngram":
+            proposal = self.ngram.propose(seqs, [self.k] * len(seqs))
+            tokens = proposal.tokens
+        else:
+            vocab = self.runner.config.vocab_size
+            tokens = [[self._rng.randrange(vocab) for _ in range(self.k)] for _ in seqs]
+        return {s.seq_id: SpecRow(False, toks, None, point_mass=True) for s, toks in zip(seqs, tokens)}
+
+    def _forget(self, seq_id: int) -> None:
+        seq = self.seqs.pop(seq_id, None)
+        if seq is not None:
+            self.jit.release(seq)
+            self.ngram.release(seq)
+        self.sent.pop(seq_id, None)
+
+    # -- build -------------------------------------------------------------------
+    def build(self, interrupted: Callable[[], bool] = lambda: False) -> BuildStats:
+        """Prepare the speculation cache for the outcomes of what was just sent."""
+        start = time.perf_counter()
+        stats = BuildStats()
+        seqs = [self.seqs[i] for i, spec in self.sent.items() if spec and i in self.seqs]
+        if seqs and not interrupted():
+            layouts = self._glue(seqs)
+            scratch: list[list[int]] = [[] for _ in seqs]
+            try:
+                stats = self._decode_branches(seqs, layouts, scratch, interrupted)
+            finally:
+                for table in scratch:
+                    self.runner.blocks.free(table)
+        stats.seconds = time.perf_counter() - start
+        self.last_build = stats
+        return stats
+
+    def _glue(self, seqs: list[Sequence]) -> list[BranchLayout]:
+        """Extend each draft cache with the speculation under verification; pick the branches."""
+        items = []
+        for seq in seqs:
+            state = self.jit.states.setdefault(seq.seq_id, DraftState())
+            start = min(state.num_cached, len(seq) - 1)  # re-feed the last verified token for its logits
+            self.runner.blocks.truncate(state.block_table, start)
+            tokens = (seq.tokens + self.sent[seq.seq_id])[start:]
+            self.runner.blocks.reserve(state.block_table, start + len(tokens))
+            items.append(ForwardItem(tokens, start, state.block_table, "all"))
+            state.num_cached = start + len(tokens)
+        logits = self.runner.forward(items)
+        layouts = []
+        for seq, rows in zip(seqs, logits):
+            spec = self.sent[seq.seq_id]
+            outcomes = predict_outcomes(rows[-(len(spec) + 1):], spec, self.fan_out)
+            state = self.jit.states[seq.seq_id]
+            layouts.append(BranchLayout(self.runner.slots(state.block_table, 0, state.num_cached), len(seq),
+                                        [k for k, _ in outcomes], [t for _, t in outcomes]))
+        return layouts
+
+    def _decode_branches(self, seqs, layouts, scratch, interrupted) -> BuildStats:
+        blocks = self.runner.blocks
+        live = [i for i, lay in enumerate(layouts) if lay.num_branches]
+        for i in live:
+            n = layouts[i].num_branches
+            blocks.reserve(scratch[i], n * self.k)
+            layouts[i].scratch_slots = self.runner.slots(scratch[i], 0, n * self.k)
+        drafted = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        probs = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        inputs = {i: list(layouts[i].roots) for i in live}
+        steps = 0
+        for step in range(self.k):
+            if not live or (step > 0 and interrupted()):
+                break
+            contexts, masks, ids, positions = [], [], [], []
+            for i in live:
+                context, pos, mask = layouts[i].step_inputs(step)
+                contexts.append(context)
+                masks.append(mask)
+                ids += inputs[i]
+                positions += pos
+            meta = build_metadata(contexts, [layouts[i].num_branches for i in live], masks)
+            wanted = [ForwardItem(inputs[i], 0, [], "all") for i in live]  # only sizes the logits split
+            logits = self.runner.run(ids, positions, meta, wanted)
+            for i, rows in zip(live, logits):
+                seq = seqs[i]
+                p = processed_probs(rows, [seq] * rows.shape[0])
+                greedy = torch.full((rows.shape[0],), seq.params.greedy)
+                drawn = sample(p, [seq.generator] * rows.shape[0], greedy).tolist()
+                for q, token in enumerate(drawn):
+                    drafted[i][q].append(token)
+                    if not seq.params.greedy:
+                        probs[i][q].append(p[q])
+                inputs[i] = drawn
+            steps += 1
+        for i in live:
+            seq, lay = seqs[i], layouts[i]
+            for q in range(lay.num_branches):
+                if not drafted[i][q]:
+                    continue
+                p = torch.stack(probs[i][q]) if probs[i][q] else None
+                self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q], CachedSpeculation(drafted[i][q], p))
+        return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
+
+    def close(self) -> None:
+        for seq_id in list(self.seqs):
+            self._forget(seq_id)

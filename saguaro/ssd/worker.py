@@ -1,0 +1,107 @@
+"""The speculator process: its own device, its own draft model, one message each way per round.
+
+The engine spawns it, talks to it through a ``Channel`` and stops it. A worker that dies
+or goes silent is detected by the engine (``WorkerLink.exchange`` raises), which then
+finishes the requests itself.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+import signal
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from saguaro.engine.device import pin_process, place
+from saguaro.engine.model_runner import ModelRunner
+from saguaro.ssd.channel import Channel, ChannelClosed, free_port, make_counters
+from saguaro.ssd.protocol import (CMD_STOP, RoundRequest, RoundResponse, pack_request, pack_response,
+                                  unpack_request, unpack_response)
+from saguaro.ssd.speculator import AsyncSpeculator
+
+log = logging.getLogger("saguaro.ssd")
+
+
+@dataclass
+class WorkerOptions:
+    k: int
+    fan_out: list[int]
+    fallback: str
+    dtype: torch.dtype
+    device: str
+    cores: list[int] | None
+    threads: int
+    kv_cache_tokens: int
+    block_size: int
+    timeout_s: float
+
+
+def worker_main(port: int, counters: Any, draft: Any, opts: WorkerOptions) -> None:
+    """Entry point of the speculator process (spawned)."""
+    if opts.device == "cpu":
+        pin_process(opts.cores, opts.threads)
+    else:
+        torch.cuda.set_device(torch.device(opts.device))
+    backend = "gloo" if opts.device == "cpu" else "nccl"
+    channel = Channel(1, port, counters, backend, opts.device, opts.timeout_s)
+    if isinstance(draft, str):
+        from saguaro.loading import load_model
+        draft = load_model(draft, dtype=opts.dtype, device=opts.device)
+    else:
+        draft = place(draft, opts.device, opts.dtype)
+    # room for every sequence's context plus the branch scratch of a full batch
+    num_blocks = math.ceil(opts.kv_cache_tokens / opts.block_size) * 2
+    runner = ModelRunner(draft.model, num_blocks, opts.block_size, opts.device)
+    speculator = AsyncSpeculator(runner, opts.k, opts.fan_out, opts.fallback)
+    vocab = draft.config.vocab_size
+    channel.send(torch.tensor([vocab], dtype=torch.int64))  # ready
+    while True:
+        req = unpack_request(channel.recv())
+        if req.command == CMD_STOP:
+            break
+        channel.send(pack_response(speculator.respond(req), opts.k))
+        speculator.build(interrupted=channel.poll)
+    speculator.close()
+
+
+class WorkerLink:
+    """The engine's handle on a running speculator process."""
+
+    def __init__(self, draft: Any, opts: WorkerOptions):
+        ctx = mp.get_context("spawn")
+        port = free_port()
+        counters = make_counters(ctx)
+        self.opts = opts
+        self.process = ctx.Process(target=worker_main, args=(port, counters, draft, opts), daemon=True,
+                                   name="saguaro-speculator")
+        self.process.start()
+        backend = "gloo" if opts.device == "cpu" else "nccl"
+        device = "cpu" if opts.device == "cpu" else opts.device
+        self.channel = Channel(0, port, counters, backend, device, opts.timeout_s)
+        ready = self.channel.recv(timeout_s=max(opts.timeout_s, 600), alive=self.process.is_alive)
+        self.vocab = int(ready[0])
+
+    def exchange(self, request: RoundRequest) -> RoundResponse:
+        """Send one request, wait for the one response. Raises ``ChannelClosed`` on failure."""
+        self.channel.send(pack_request(request))
+        reply = self.channel.recv(timeout_s=self.opts.timeout_s, alive=self.process.is_alive)
+        return unpack_response(reply, self.opts.k, self.vocab)
+
+    def stop(self) -> None:
+        if self.process.is_alive():
+            try:
+                self.channel.send(pack_request(RoundRequest(command=CMD_STOP)))
+                self.process.join(timeout=5)
+            except ChannelClosed:
+                pass
+        self.kill()
+
+    def kill(self) -> None:
+        if self.process.is_alive():
+            os.kill(self.process.pid, signal.SIGKILL)
+        self.process.join(timeout=5)
+        self.channel.close()

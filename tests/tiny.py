@@ -1,0 +1,58 @@
+"""Tiny random models for fast engine tests (not a test file).
+
+A word-level tokenizer over tokens "t0".."t{V-1}" plus the real ``Tokenizer`` wrapper,
+and transformers-config-shaped ``ModelConfig``s, so the engine runs exactly as it does
+on real checkpoints, only smaller.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import WhitespaceSplit
+
+from saguaro.loading import LoadedModel
+from saguaro.loading.tokenizer import Tokenizer
+from saguaro.models.config import ModelConfig
+from saguaro.models.transformer import CausalLM
+
+
+def tiny_tokenizer(vocab: int, eos: int | None = None) -> Tokenizer:
+    backend = HFTokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    from tokenizers.decoders import WordPiece  # joins with spaces; good enough for tests
+    backend.decoder = WordPiece(prefix="##")
+    return Tokenizer(backend, [eos] if eos is not None else [])
+
+
+def tiny_model(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 64, arch: str = "qwen2",
+               eos: int | None = None, name: str = "tiny", sharpness: float = 1.0) -> LoadedModel:
+    """A random model; ``sharpness`` scales the output head (peakier next-token distributions)."""
+    cfg = ModelConfig(arch=arch, vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden,
+                      num_layers=layers, num_heads=4, num_kv_heads=2, head_dim=hidden // 4,
+                      max_position_embeddings=512, attention_bias=arch == "qwen2", qk_norm=arch == "qwen3",
+                      eos_token_ids=[eos] if eos is not None else [])
+    torch.manual_seed(seed)
+    model = CausalLM(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.3 if p.dim() > 1 else 0.1)
+        for m in model.modules():
+            if hasattr(m, "eps") and hasattr(m, "weight"):
+                m.weight.fill_(1.0)
+        model.lm_head.weight.mul_(sharpness)
+    model.eval().requires_grad_(False)
+    return LoadedModel(name, cfg, model, tiny_tokenizer(vocab, eos), Path("."), Path("."), True)
+
+
+def truncated(loaded: LoadedModel, layers: int, name: str = "tiny-draft") -> LoadedModel:
+    """A weaker draft: the same model with fewer layers (shares embeddings and head)."""
+    cfg = ModelConfig(**{**loaded.config.to_dict(), "num_layers": layers})
+    model = CausalLM(cfg)
+    state = {k: v for k, v in loaded.model.state_dict().items()
+             if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    model.load_state_dict(state)
+    model.eval().requires_grad_(False)
+    return LoadedModel(name, cfg, model, loaded.tokenizer, Path("."), Path("."), True)
