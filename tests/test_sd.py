@@ -1,0 +1,71 @@
+"""Lossless SD: greedy equality with AR, self-draft acceptance 1, mixed batches, rollback."""
+import pytest
+
+from saguaro import LLM, SamplingParams
+from saguaro.loading import VocabularyMismatchError
+from tests.tiny import tiny_model, truncated
+
+PROMPTS = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7], [3, 3, 3, 3, 8, 40, 2, 11, 60, 1, 5]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(seed=3, layers=3, sharpness=3.0)
+    return target, truncated(target, 1)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(pair):
+    llm = LLM(pair[0], block_size=4)
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=20))]
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_greedy_sd_equals_ar(pair, ar_outputs, k):
+    target, draft = pair
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=k, block_size=4)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=20))
+    assert [o.token_ids for o in outs] == ar_outputs
+    metrics = llm.spec_metrics(outs)
+    assert 0 < metrics.acceptance_rate < 1  # a weaker draft: some rejections exercised
+    assert len(metrics.acceptance_by_position) == k
+    runner = llm.engine.decoder.proposer.runner
+    assert runner.blocks.num_free == runner.blocks.num_blocks
+    assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
+
+
+def test_ngram_sd_equals_ar(pair, ar_outputs):
+    llm = LLM(target=pair[0], mode="sd", speculator="ngram", num_speculative_tokens=3, block_size=4)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=20))
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert llm.spec_metrics(outs).drafted_tokens > 0
+
+
+def test_self_draft_accepts_everything(pair):
+    target = pair[0]
+    llm = LLM(target=target, draft=target, mode="sd", num_speculative_tokens=4, block_size=4)
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16))
+    assert llm.spec_metrics(outs).acceptance_rate == 1.0
+
+
+def test_mixed_batch_matches_alone(pair):
+    target, draft = pair
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4)
+    params = [SamplingParams(temperature=1.0, seed=11, max_tokens=12),
+              SamplingParams(max_tokens=12),
+              SamplingParams(temperature=0.6, top_p=0.9, seed=5, max_tokens=12),
+              SamplingParams(temperature=1.3, top_k=8, seed=2, max_tokens=12)]
+    together = llm.generate(PROMPTS, params)
+    for prompt, p, out in zip(PROMPTS, params, together):
+        assert llm.generate([prompt], p)[0].token_ids == out.token_ids
+
+
+def test_draft_with_other_vocabulary_is_refused(pair):
+    other = tiny_model(seed=4, vocab=80)
+    with pytest.raises(VocabularyMismatchError):
+        LLM(target=pair[0], draft=other, mode="sd")
+
+
+def test_sd_needs_a_draft(pair):
+    with pytest.raises(ValueError, match="draft"):
+        LLM(target=pair[0], mode="sd")

@@ -1,0 +1,88 @@
+"""Lossless SSD: greedy equality with AR across hits and misses, batching, worker death."""
+import os
+import signal
+
+import pytest
+
+from saguaro import LLM, SamplingParams
+from tests.tiny import tiny_model, truncated
+
+PROMPTS = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7], [3, 3, 3, 3, 8, 40, 2, 11, 60, 1, 5]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(seed=3, layers=3, sharpness=3.0)
+    return target, truncated(target, 1)
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(pair):
+    llm = LLM(pair[0], block_size=4)
+    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24))]
+
+
+def ssd(pair, **kw):
+    options = dict(mode="ssd", num_speculative_tokens=3, block_size=4, worker_timeout_s=60)
+    options.update(kw)
+    return LLM(target=pair[0], draft=pair[1], **options)
+
+
+@pytest.mark.parametrize("fan_out, fallback", [([2, 2, 2, 4], "jit"), ([0, 0, 0, 0], "jit"), ([1, 1, 1, 2], "ngram"),
+                                               ([1, 1, 1, 1], "random")])
+def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback):
+    with ssd(pair, fan_out=fan_out, fallback=fallback) as llm:
+        single = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24))[0]
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
+        metrics = llm.spec_metrics(outs)
+        trace = llm.engine.decoder.trace
+    assert single.token_ids == ar_outputs[1]
+    assert [o.token_ids for o in outs] == ar_outputs
+    if sum(fan_out) == 0:
+        assert metrics.cache_hit_rate == 0
+    elif fan_out[-1] >= 2:
+        assert metrics.cache_hit_rate > 0
+    assert any(t.build_steps for t in trace) or sum(fan_out) == 0
+    assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
+
+
+def test_request_joining_mid_flight(pair, ar_outputs):
+    with ssd(pair, fan_out=[2, 2, 2, 3]) as llm:
+        engine = llm.engine
+        params = SamplingParams(max_tokens=24)
+        first = engine.add_request(PROMPTS[1], params)
+        for _ in range(5):
+            engine.step()
+        late = engine.add_request(PROMPTS[3], params)
+        while engine.has_unfinished:
+            engine.step()
+    assert first.output_ids == ar_outputs[1]
+    assert late.output_ids == ar_outputs[3]
+
+
+def test_worker_kill_mid_generation(pair, ar_outputs):
+    llm = ssd(pair, fan_out=[1, 1, 1, 2])
+    engine = llm.engine
+    params = SamplingParams(max_tokens=24)
+    seqs = [engine.add_request(p, params) for p in PROMPTS]
+    for _ in range(4):
+        engine.step()
+    os.kill(engine.decoder.link.process.pid, signal.SIGKILL)
+    while engine.has_unfinished:
+        engine.step()
+    assert engine.decoder.failure is not None
+    assert [s.output_ids for s in seqs] == ar_outputs
+    assert engine.target.blocks.num_free == engine.target.blocks.num_blocks
+    llm.close()
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(fan_out=[1, -1, 1, 1]), "fan_out"),
+    (dict(fan_out=[1, 1]), "K\\+1"),
+    (dict(fan_out=[1, 1, 1, 10_000]), "vocabulary"),
+    (dict(draft_device="cuda:7"), "cuda|CUDA"),
+    (dict(num_speculative_tokens=0), "K"),
+])
+def test_bad_ssd_config(pair, bad, message):
+    with pytest.raises(ValueError, match=message):
+        ssd(pair, **bad)
