@@ -1,0 +1,108 @@
+"""Small pieces of the loading layer: the streaming safetensors writer, the llama.cpp q/k
+un-permutation, GGUF name mapping, and the tokenizer's chat templating and vocabulary check."""
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.models import WordLevel
+from tokenizers.pre_tokenizers import Whitespace
+
+from saguaro.loading.gguf_loader import hf_name, unpermute_rope_rows
+from saguaro.loading.safetensors_stream import write_streaming
+from saguaro.loading.tokenizer import (ChatTemplateError, Tokenizer, VocabularyMismatchError,
+                                       check_shared_vocabulary)
+
+
+def _llama_cpp_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """What llama.cpp's converter does to q/k rows (the transformation we must invert)."""
+    return w.reshape(heads, 2, w.shape[0] // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+@pytest.mark.parametrize("heads,head_dim", [(9, 64), (3, 64), (4, 8)])
+def test_unpermute_inverts_llama_cpp(heads, head_dim):
+    w = torch.randn(heads * head_dim, 17)
+    assert torch.equal(unpermute_rope_rows(_llama_cpp_permute(w, heads), heads), w)
+    # the layout really changes: rows of a head come back as (first half, second half)
+    interleaved = _llama_cpp_permute(w, heads)
+    assert torch.equal(interleaved[1], w[head_dim // 2])
+
+
+def test_gguf_names():
+    assert hf_name("token_embd.weight") == "model.embed_tokens.weight"
+    assert hf_name("output.weight") == "lm_head.weight"
+    assert hf_name("blk.17.attn_k.bias") == "model.layers.17.self_attn.k_proj.bias"
+    assert hf_name("blk.3.ffn_norm.weight") == "model.layers.3.post_attention_layernorm.weight"
+    assert hf_name("blk.0.attn_q_norm.weight") == "model.layers.0.self_attn.q_norm.weight"
+    assert hf_name("rope_freqs.weight") is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_streaming_safetensors_round_trip(tmp_path, dtype):
+    tensors = {"a.weight": torch.randn(7, 5), "b": torch.randn(3), "c.big": torch.randn(2, 3, 4)}
+    path = tmp_path / "x.safetensors"
+    write_streaming(path, [(k, tuple(v.shape)) for k, v in tensors.items()], dtype, tensors.__getitem__,
+                    metadata={"format": "pt"})
+    back = load_file(str(path))
+    assert set(back) == set(tensors)
+    for k, v in tensors.items():
+        assert back[k].dtype == dtype and torch.equal(back[k], v.to(dtype))
+    with pytest.raises(ValueError, match="declared"):
+        write_streaming(path, [("a", (2, 2))], dtype, lambda name: torch.zeros(3))
+
+
+def _word_tokenizer(words: list[str], template: str | None = None) -> Tokenizer:
+    backend = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    backend.pre_tokenizer = Whitespace()
+    return Tokenizer(backend, eos_token_ids=[1], bos_token_id=0, chat_template=template)
+
+
+def test_template_variables_and_raise_exception():
+    template = ("{{ bos_token }}{% for m in messages %}{% if m['role'] == 'bad' %}"
+                "{{ raise_exception('no bad roles') }}{% endif %}[{{ m['role'] }}]{{ m['content'] | tojson }}"
+                "{{ eos_token }}{% endfor %}{% if add_generation_prompt %}[assistant]{% endif %}")
+    tok = _word_tokenizer(["<s>", "</s>", "hi"], template)
+    out = tok.apply_chat_template([{"role": "user", "content": "héllo <b>"}])
+    assert out == '<s>[user]"héllo <b>"</s>[assistant]'  # tojson neither escapes HTML nor non-ASCII
+    assert not tok.apply_chat_template([{"role": "user", "content": "x"}], add_generation_prompt=False).endswith("]")
+    with pytest.raises(ChatTemplateError, match="no bad roles"):
+        tok.apply_chat_template([{"role": "bad", "content": "x"}])
+    with pytest.raises(ChatTemplateError, match="no chat template"):
+        _word_tokenizer(["<s>", "</s>"]).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_vocabulary_check():
+    a = _word_tokenizer(["<s>", "</s>", "x", "y"])
+    same = _word_tokenizer(["<s>", "</s>", "x", "y"])
+    swapped = _word_tokenizer(["<s>", "</s>", "y", "x"])
+    longer = _word_tokenizer(["<s>", "</s>", "x", "y", "z"])
+    check_shared_vocabulary(a, same)
+    assert a.vocab_fingerprint() == same.vocab_fingerprint()
+    with pytest.raises(VocabularyMismatchError, match="different ids"):
+        check_shared_vocabulary(a, swapped)
+    with pytest.raises(VocabularyMismatchError, match="only in target"):
+        check_shared_vocabulary(a, longer)
+
+
+def test_chat_template_matches_transformers_rendering(tmp_path):
+    """Our jinja setup renders a tools-using (Qwen-style) template exactly like transformers."""
+    transformers = pytest.importorskip("transformers")
+    template = (
+        "{%- if tools %}{{- '<|sys|>' }}{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+        "{{- '<|end|>\\n' }}{%- endif %}"
+        "{%- for message in messages %}\n  {{- '<|' + message.role + '|>' + message.content + '<|end|>\\n' }}\n"
+        "{%- endfor %}{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}")
+    words = ["<unk>", "<|end|>", "a"]
+    backend = HFTokenizer(WordLevel({w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    backend.save(str(tmp_path / "tokenizer.json"))
+    ref = transformers.PreTrainedTokenizerFast(tokenizer_file=str(tmp_path / "tokenizer.json"), chat_template=template)
+    ours = Tokenizer.from_file(tmp_path / "tokenizer.json", chat_template=template)
+    tools = [{"type": "function", "function": {"name": "f", "description": "ü <x>", "parameters": {}}}]
+    for messages, kwargs in [
+        ([{"role": "user", "content": "hi"}], {}),
+        ([{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+          {"role": "assistant", "content": "a"}, {"role": "user", "content": "q2"}], {"tools": tools}),
+    ]:
+        expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
+        assert ours.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == expected
