@@ -47,6 +47,10 @@ def _gguf_magic(path: Path) -> bool:
         return f.read(4) == b"GGUF"
 
 
+def _registered_name(sha256: str) -> str | None:
+    return next((spec.name for spec in MODELS.values() if spec.sha256 == sha256), None)
+
+
 def _resolve_source(name_or_path: str | Path, progress: bool) -> tuple[str, Path, str | None, str | None]:
     """(display name, path, expected sha256 or None, cache key name or None)."""
     path = Path(name_or_path).expanduser()
@@ -72,6 +76,7 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
             raise GGUFFormatError(f"{path} is not a GGUF file; pass a .gguf file, a model directory or a model name")
         if sha256 is None:
             sha256 = file_sha256(path, progress)
+            key = _registered_name(sha256)  # a registered model's file shares that model's cache
         weights_dir, cache_hit = converted_cache.ensure_converted(path, sha256, key, progress)
     else:
         weights_dir = path  # an HF directory or a converted cache directory
@@ -89,6 +94,7 @@ def load_tokenizer(name_or_path: str | Path, progress: bool = True) -> Tokenizer
     if path.is_file():
         if sha256 is None:
             sha256 = file_sha256(path, progress)
+            key = _registered_name(sha256)
         path, _ = converted_cache.ensure_converted(path, sha256, key, progress)
     from saguaro.loading.hf_loader import read_config, read_tokenizer
     return read_tokenizer(path, read_config(path))

@@ -22,7 +22,7 @@ from typing import BinaryIO, Iterable
 
 from tqdm import tqdm
 
-from saguaro.loading.paths import cache_root
+from saguaro.loading.paths import cache_root, remove_dead_temporaries
 
 _PART_RE = re.compile(r"^part(\d+)\.bin$")
 _BUF = 8 * 1024 * 1024
@@ -96,12 +96,13 @@ def assemble(parts: list[Path], dest: Path, sha256: str | None = None,
              desc: str | None = None) -> Path:
     """Concatenate ``parts`` into ``dest`` while hashing; verify against ``sha256``.
 
-    Writes to ``dest.partial`` and renames at the end, so an interrupted assembly never
+    Writes to ``dest.partial-<pid>`` and renames at the end, so an interrupted assembly never
     leaves a file that looks complete. On a mismatch nothing is left behind.
     """
     dest = Path(dest)
     dest.parent.mkdir(parents=True, exist_ok=True)
-    tmp = dest.with_name(dest.name + ".partial")
+    remove_dead_temporaries(dest.parent, f"{dest.name}.partial-")
+    tmp = dest.with_name(f"{dest.name}.partial-{os.getpid()}")  # per-writer: concurrent assemblies don't mix
     total = sum(p.stat().st_size for p in parts)
     digest = hashlib.sha256()
     try:

@@ -38,7 +38,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from saguaro.loading.gguf_loader import convert_tokenizer, open_gguf
-from saguaro.loading.paths import cache_root
+from saguaro.loading.paths import cache_root, remove_dead_temporaries
 from saguaro.loading.safetensors_stream import write_streaming
 
 FORMAT_VERSION = 1
@@ -91,6 +91,7 @@ def is_fresh(directory: Path, sha256: str) -> bool:
 def convert(gguf_path: Path, directory: Path, sha256: str, progress: bool = True) -> None:
     """Dequantize ``gguf_path`` into ``directory`` (replacing a stale one atomically)."""
     directory.parent.mkdir(parents=True, exist_ok=True)
+    remove_dead_temporaries(directory.parent, f".{directory.name}.tmp-")
     tmp = directory.with_name(f".{directory.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     tmp.mkdir()
     try:
@@ -148,7 +149,8 @@ def weights_file(directory: Path, dtype: torch.dtype, progress: bool = True) -> 
     target = directory / name
     if _complete(target):
         return name
-    tmp = directory / f".{name}.tmp-{uuid.uuid4().hex[:8]}"
+    remove_dead_temporaries(directory, f".{name}.tmp-")
+    tmp = directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
         with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
             keys = list(f.keys())
