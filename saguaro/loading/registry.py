@@ -102,8 +102,26 @@ def missing_packages(spec: ModelSpec) -> list[str]:
     return problems
 
 
+def assembled_path(spec: ModelSpec) -> Path:
+    """Where a chunked model's GGUF is assembled (in the cache, as site-packages may be read-only)."""
+    return cache_root() / "gguf" / spec.file_name
+
+
+def gguf_location(spec: ModelSpec) -> Path:
+    """Where the model's GGUF is (or will be once assembled); nothing is checked or built."""
+    if spec.chunked:
+        return assembled_path(spec)
+    root = package_dir(spec.packages[0][0])
+    return (root / spec.file_name) if root is not None else Path(spec.file_name)
+
+
 def installed(spec: ModelSpec) -> bool:
-    return not missing_packages(spec)
+    """Loadable without installing anything: the pinned packages are present, or (for chunked
+    models) the assembled file already sits in the cache, so the chunks may be uninstalled."""
+    if not missing_packages(spec):
+        return True
+    path = assembled_path(spec)
+    return spec.chunked and path.is_file() and path.stat().st_size == spec.size
 
 
 def require_installed(spec: ModelSpec) -> None:
@@ -111,7 +129,7 @@ def require_installed(spec: ModelSpec) -> None:
     if problems:
         shown = ", ".join(problems[:4]) + (f" and {len(problems) - 4} more" if len(problems) > 4 else "")
         raise ModelNotInstalledError(
-            f"model {spec.name!r} needs packages that are missing: {shown}.\n"
+            f"model {spec.name!r} needs packages that are missing or at another version: {shown}.\n"
             f"Install them with:\n  {spec.pip_command}")
 
 
@@ -121,19 +139,20 @@ def asset_path(spec: ModelSpec, progress: bool = True) -> Path:
     Verification is sha256 against the spec, remembered per size+mtime (see chunks.py),
     so only the first call pays for hashing.
     """
-    require_installed(spec)
     if not spec.chunked:
+        require_installed(spec)
         root = package_dir(spec.packages[0][0])
         assert root is not None  # checked by require_installed
         path = root / spec.file_name
         verify_file(path, spec.sha256, progress)
         return path
-    path = cache_root() / "gguf" / spec.file_name
+    path = assembled_path(spec)
     if path.exists():
         try:
             verify_file(path, spec.sha256, progress)
             return path
         except ChecksumError:
             path.unlink()  # a damaged earlier assembly: rebuild it from the parts below
+    require_installed(spec)
     parts = part_paths(dist for dist, _ in spec.packages)
     return assemble(parts, path, spec.sha256, desc=f"assembling {spec.name}")
