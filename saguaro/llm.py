@@ -103,10 +103,9 @@ class LLM:
 
     def spec_metrics(self, outputs: list[RequestOutput]) -> SpecMetrics | None:
         """Speculation metrics summed over the given outputs' requests."""
-        seqs = [s for s in self.engine.finished if s.seq_id in {o.request_id for o in outputs}]
         if not self.engine.decoder.reports_spec:
             return None
-        return summarize([s.spec for s in seqs], self.engine.decoder.reports_cache)
+        return summarize([o.spec_counts for o in outputs], self.engine.decoder.reports_cache)
 
     def close(self) -> None:
         self.engine.close()

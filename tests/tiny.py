@@ -56,3 +56,16 @@ def truncated(loaded: LoadedModel, layers: int, name: str = "tiny-draft") -> Loa
     model.load_state_dict(state)
     model.eval().requires_grad_(False)
     return LoadedModel(name, cfg, model, loaded.tokenizer, Path("."), Path("."), True)
+
+
+def perturbed(loaded: LoadedModel, noise: float, seed: int = 100, name: str = "tiny-perturbed") -> LoadedModel:
+    """A draft that agrees with the target only partly: its weights plus Gaussian noise."""
+    model = CausalLM(loaded.config)
+    model.load_state_dict(loaded.model.state_dict())
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
+    model.eval().requires_grad_(False)
+    return LoadedModel(name, loaded.config, model, loaded.tokenizer, Path("."), Path("."), True)

@@ -32,7 +32,6 @@ class LLMEngine:
         self.max_model_len = max_model_len
         self.scheduler = Scheduler(target.blocks, max_num_seqs, max_prefill_tokens, on_preempt=decoder.release)
         self.eos_ids = set(tokenizer.eos_token_ids)
-        self.finished: list[Sequence] = []
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
@@ -121,7 +120,6 @@ class LLMEngine:
         seq.finish_time = time.perf_counter()
         self.scheduler.finish(seq)
         self.decoder.release(seq)
-        self.finished.append(seq)
 
     def abort(self, seq: Sequence, reason: str = "abort") -> None:
         if not seq.finished:
@@ -141,7 +139,7 @@ class LLMEngine:
                           decode_tokens_per_s=(n - 1) / (end - first) if n > 1 and end > first else 0.0)
         spec = summarize([seq.spec], self.decoder.reports_cache) if self.decoder.reports_spec else None
         return RequestOutput(seq.seq_id, seq.prompt, list(seq.prompt_ids), list(seq.output_ids), text,
-                             seq.finish_reason or "length", timings, spec)
+                             seq.finish_reason or "length", timings, spec, seq.spec)
 
     def close(self) -> None:
         self.decoder.close()

@@ -37,9 +37,12 @@ class RequestOutput:
     finish_reason: str  # "stop" (EOS or stop string), "length", or "error"
     timings: Timings
     spec: SpecMetrics | None = None
+    spec_counts: Any = field(default=None, repr=False)  # raw SpecStats, summed by LLM.spec_metrics
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        d = asdict(self)
+        d.pop("spec_counts")
+        return d
 
 
 @dataclass

@@ -58,7 +58,10 @@ class Sequence:
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
-            self.generator.manual_seed(params.seed if params.seed is not None else torch.seed())
+            if params.seed is None:
+                self.generator.seed()  # nondeterministic
+            else:
+                self.generator.manual_seed(params.seed)
         self.status = Status.WAITING
         self.block_table: list[int] = []
         self.num_cached = 0  # tokens whose k/v sit in the target cache

@@ -1,0 +1,76 @@
+"""Engine-level distribution checks (not a test file).
+
+Runs N independent seeded requests through the real engine and compares the empirical
+joint law of chosen output positions with the target's exact law, computed from the
+target model alone by enumerating every continuation (the AR definition of the output
+distribution). Threshold, from ``tests/stats.py``: with n samples over m outcomes of
+positive probability, TV <= 0.5*sqrt((m-1)/n) + sqrt(ln(1/delta)/(2n)) fails a correct
+engine with probability below delta = 1e-6. For n = 50,000 this is about 0.047 at
+m = 256 (V = 16, two tokens) and 0.030 at m = 64 (V = 8, two tokens).
+"""
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from saguaro import LLM, SamplingParams
+from saguaro.kv.kv_cache import KVCache
+from saguaro.kv.metadata import build_metadata
+from saguaro.sampling.processors import probs_from_logits, sampling_tensors
+from tests.stats import empirical, tv_distance, tv_threshold
+
+NUM_SAMPLES = 50_000
+PROMPT = [3, 7, 1]
+
+
+@torch.no_grad()
+def exact_law(loaded, params: SamplingParams, n: int) -> torch.Tensor:
+    """P(t_1..t_n) under the target alone, as a tensor of shape [V] * n."""
+    vocab = loaded.config.vocab_size
+    prefixes = list(itertools.product(range(vocab), repeat=n - 1))
+    length = len(PROMPT) + n - 1
+    cache = KVCache(loaded.config, len(prefixes) * length, 1, torch.float32)
+    ids = [t for pre in prefixes for t in PROMPT + list(pre)]
+    slots = [list(range(i * length, (i + 1) * length)) for i in range(len(prefixes))]
+    meta = build_metadata(slots, [length] * len(prefixes))
+    hidden = loaded.model(torch.tensor(ids), torch.arange(length).repeat(len(prefixes)), cache, meta)
+    hidden = hidden.view(len(prefixes), length, -1)[:, len(PROMPT) - 1:]  # rows predicting t_1..t_n
+    logits = loaded.model.logits(hidden.reshape(-1, hidden.shape[-1]))
+    probs = probs_from_logits(logits, *sampling_tensors([params] * logits.shape[0])).double()
+    probs = probs.view(len(prefixes), n, vocab)
+    law = torch.ones([vocab] * n, dtype=torch.float64)
+    for j in range(n):
+        # factor j: P(t_{j+1} | prompt, t_1..t_j), read off any prefix that starts with t_1..t_j
+        index = [slice(None)] * j + [0] * (n - 1 - j)
+        factor = probs[:, j].view([vocab] * (n - 1) + [vocab])[tuple(index)]
+        law = law * factor.view([vocab] * (j + 1) + [1] * (n - 1 - j))
+    return law
+
+
+def sample_positions(llm: LLM, params: SamplingParams, positions: list[int], n: int = NUM_SAMPLES) -> torch.Tensor:
+    """Outcome index of output tokens at ``positions`` (0-based) for n seeded requests.
+
+    Requests run K tokens past the last position, so that speculation is never cut short
+    by ``max_tokens`` before the positions we look at (the engine drafts no more than a
+    request can still use).
+    """
+    vocab = llm.target.config.vocab_size
+    extra = llm.config.num_speculative_tokens if llm.config.mode != "ar" else 0
+    base = dict(temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+                max_tokens=max(positions) + 1 + extra, ignore_eos=True)
+    outs = llm.generate([PROMPT] * n, [SamplingParams(seed=i, **base) for i in range(n)])
+    index = torch.zeros(n, dtype=torch.long)
+    for j in positions:
+        index = index * vocab + torch.tensor([o.token_ids[j] for o in outs])
+    return index
+
+
+def measure(llm: LLM, target, params: SamplingParams, positions: list[int], n: int = NUM_SAMPLES
+            ) -> tuple[float, float]:
+    """(TV distance between engine samples and the exact law at ``positions``, threshold)."""
+    law = exact_law(target, params, max(positions) + 1)
+    drop = tuple(d for d in range(law.dim()) if d not in positions)
+    p = law.sum(dim=drop).reshape(-1) if drop else law.reshape(-1)
+    samples = sample_positions(llm, params, positions, n)
+    return tv_distance(empirical(samples, p.numel()), p), tv_threshold(n, int((p > 0).sum()))
