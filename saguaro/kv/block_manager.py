@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from collections import deque
 
-import torch
-
 
 class OutOfBlocks(RuntimeError):
     """Raised when a reservation cannot be met; callers preempt or queue instead."""
@@ -68,6 +66,4 @@ class BlockManager:
 
 def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of token positions ``start..end-1`` under a block table."""
-    positions = torch.arange(start, end)
-    blocks = torch.tensor(table, dtype=torch.long)[positions // block_size]
-    return (blocks * block_size + positions % block_size).tolist()
+    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]

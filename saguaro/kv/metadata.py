@@ -35,36 +35,36 @@ def build_metadata(context_slots: list[list[int]], query_lens: list[int],
     ``context_slots[s]`` lists every slot group ``s`` reads, ending with the slots of its
     ``query_lens[s]`` new tokens (so new tokens write exactly those last slots). Without
     ``masks`` attention is causal; with them ``masks[s]`` is a ``[Q_s, L_s]`` bool tensor.
+    Built with a handful of batched tensor ops: this runs once per forward pass, for
+    batches of thousands of sequences in the distribution tests.
     """
     if len(context_slots) != len(query_lens):
         raise ValueError("context_slots and query_lens differ in length")
-    num_groups = len(query_lens)
-    max_q = max(query_lens)
-    max_l = max(len(c) for c in context_slots)
-    slot_mapping: list[int] = []
-    query_index = torch.zeros(num_groups, max_q, dtype=torch.long)
-    query_valid = torch.zeros(num_groups, max_q, dtype=torch.bool)
-    ctx = torch.zeros(num_groups, max_l, dtype=torch.long)
-    mask = torch.zeros(num_groups, max_q, max_l, dtype=torch.bool)
-    offset = 0
-    for s, (slots, q) in enumerate(zip(context_slots, query_lens)):
-        length = len(slots)
+    lengths = [len(c) for c in context_slots]
+    for s, (q, length) in enumerate(zip(query_lens, lengths)):
         if q < 1 or q > length:
             raise ValueError(f"group {s}: {q} new tokens but {length} context slots")
-        slot_mapping.extend(slots[length - q:])
-        query_index[s, :q] = torch.arange(offset, offset + q)
-        query_index[s, q:] = offset
-        query_valid[s, :q] = True
-        ctx[s, :length] = torch.tensor(slots, dtype=torch.long)
-        if masks is None:
-            # query i sits at context position length - q + i and sees everything up to it
-            mask[s, :q, :length] = torch.ones(q, length, dtype=torch.bool).tril(length - q)
-        else:
+    max_q, max_l = max(query_lens), max(lengths)
+    slot_mapping = [slot for slots, q in zip(context_slots, query_lens) for slot in slots[len(slots) - q:]]
+    ctx = torch.tensor([c + [0] * (max_l - len(c)) for c in context_slots], dtype=torch.long)
+    q_lens = torch.tensor(query_lens)
+    l_lens = torch.tensor(lengths)
+    q_idx = torch.arange(max_q)
+    query_valid = q_idx[None, :] < q_lens[:, None]
+    starts = torch.cumsum(q_lens, 0) - q_lens
+    query_index = starts[:, None] + torch.where(query_valid, q_idx[None, :], 0)
+    if masks is None:
+        # query i of group s sits at context position L_s - Q_s + i and sees everything up to it
+        last_visible = (l_lens - q_lens)[:, None] + q_idx[None, :]
+        mask = torch.arange(max_l)[None, None, :] <= last_visible[:, :, None]
+        mask &= query_valid[:, :, None]
+    else:
+        mask = torch.zeros(len(query_lens), max_q, max_l, dtype=torch.bool)
+        for s, (q, length) in enumerate(zip(query_lens, lengths)):
             if tuple(masks[s].shape) != (q, length):
                 raise ValueError(f"group {s}: mask shape {tuple(masks[s].shape)} != {(q, length)}")
             mask[s, :q, :length] = masks[s]
-        mask[s, q:, 0] = True  # padding rows attend somewhere so softmax stays finite
-        offset += q
+    mask[:, :, 0] |= ~query_valid  # padding rows attend somewhere so softmax stays finite
     uniform = all(q == max_q for q in query_lens)
     return AttentionMetadata(torch.tensor(slot_mapping, dtype=torch.long), query_index, query_valid,
                              ctx, mask, uniform)

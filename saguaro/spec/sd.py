@@ -34,9 +34,11 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
     logits = target.forward(items)
     k_max = max(len(t) for t in proposal.tokens)
     vocab = logits[0].shape[-1]
+    counts = [rows.shape[0] for rows in logits]
+    flat = processed_probs(torch.cat(logits), [s for s, n in zip(seqs, counts) for _ in range(n)])
     target_probs = torch.zeros(len(seqs), k_max + 1, vocab)
-    for b, (seq, rows) in enumerate(zip(seqs, logits)):
-        target_probs[b, :rows.shape[0]] = processed_probs(rows, [seq] * rows.shape[0])
+    for b, rows in enumerate(flat.split(counts)):
+        target_probs[b, :rows.shape[0]] = rows
     draft_tokens = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long)
     for b, drafts in enumerate(proposal.tokens):
         draft_tokens[b, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)

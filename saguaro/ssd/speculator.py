@@ -159,48 +159,46 @@ class AsyncSpeculator:
         return layouts
 
     def _decode_branches(self, seqs, layouts, scratch, interrupted) -> BuildStats:
-        blocks = self.runner.blocks
+        """Decode every branch of every sequence together, one tree-masked pass per step."""
         live = [i for i, lay in enumerate(layouts) if lay.num_branches]
         for i in live:
             n = layouts[i].num_branches
-            blocks.reserve(scratch[i], n * self.k)
+            self.runner.blocks.reserve(scratch[i], n * self.k)
             layouts[i].scratch_slots = self.runner.slots(scratch[i], 0, n * self.k)
-        drafted = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
-        probs = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
-        inputs = {i: list(layouts[i].roots) for i in live}
-        steps = 0
+        row_seqs = [seqs[i] for i in live for _ in range(layouts[i].num_branches)]
+        if not row_seqs:
+            return BuildStats()
+        greedy = torch.tensor([s.params.greedy for s in row_seqs])
+        generators = [s.generator for s in row_seqs]
+        inputs = [t for i in live for t in layouts[i].roots]
+        drafted: list[list[int]] = []  # per step, the token of every row
+        step_probs: list[torch.Tensor] = []  # per step, [rows, V]
         for step in range(self.k):
-            if not live or (step > 0 and interrupted()):
+            if step > 0 and interrupted():
                 break
-            contexts, masks, ids, positions = [], [], [], []
+            contexts, masks, positions = [], [], []
             for i in live:
                 context, pos, mask = layouts[i].step_inputs(step)
                 contexts.append(context)
                 masks.append(mask)
-                ids += inputs[i]
                 positions += pos
             meta = build_metadata(contexts, [layouts[i].num_branches for i in live], masks)
-            wanted = [ForwardItem(inputs[i], 0, [], "all") for i in live]  # only sizes the logits split
-            logits = self.runner.run(ids, positions, meta, wanted)
-            for i, rows in zip(live, logits):
-                seq = seqs[i]
-                p = processed_probs(rows, [seq] * rows.shape[0])
-                greedy = torch.full((rows.shape[0],), seq.params.greedy)
-                drawn = sample(p, [seq.generator] * rows.shape[0], greedy).tolist()
-                for q, token in enumerate(drawn):
-                    drafted[i][q].append(token)
-                    if not seq.params.greedy:
-                        probs[i][q].append(p[q])
-                inputs[i] = drawn
-            steps += 1
+            logits = self.runner.run(inputs, positions, meta, [ForwardItem(inputs, 0, [], "all")])[0]
+            probs = processed_probs(logits, row_seqs)
+            inputs = sample(probs, generators, greedy).tolist()
+            drafted.append(inputs)
+            step_probs.append(probs)
+        steps = len(drafted)
+        stacked = torch.stack(step_probs, dim=1) if steps and not bool(greedy.all()) else None  # [rows, steps, V]
+        row = 0
         for i in live:
             seq, lay = seqs[i], layouts[i]
             for q in range(lay.num_branches):
-                if not drafted[i][q]:
-                    continue
-                p = torch.stack(probs[i][q]) if probs[i][q] else None
-                self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q], CachedSpeculation(drafted[i][q], p))
-        return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
+                tokens = [drafted[j][row] for j in range(steps)]
+                probs = None if seq.params.greedy or stacked is None else stacked[row]
+                self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q], CachedSpeculation(tokens, probs))
+                row += 1
+        return BuildStats(steps=steps, branches=len(row_seqs))
 
     def close(self) -> None:
         for seq_id in list(self.seqs):

@@ -40,13 +40,14 @@ class WorkerOptions:
     timeout_s: float
 
 
-def worker_main(port: int, counters: Any, draft: Any, opts: WorkerOptions) -> None:
+def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: WorkerOptions) -> None:
     """Entry point of the speculator process (spawned)."""
     if opts.device == "cpu":
         pin_process(opts.cores, opts.threads)
     else:
         torch.cuda.set_device(torch.device(opts.device))
     backend = "gloo" if opts.device == "cpu" else "nccl"
+    started.set()
     channel = Channel(1, port, counters, backend, opts.device, opts.timeout_s)
     if isinstance(draft, str):
         from saguaro.loading import load_model
@@ -75,10 +76,14 @@ class WorkerLink:
         ctx = mp.get_context("spawn")
         port = free_port()
         counters = make_counters(ctx)
+        started = ctx.Event()
         self.opts = opts
-        self.process = ctx.Process(target=worker_main, args=(port, counters, draft, opts), daemon=True,
+        self.process = ctx.Process(target=worker_main, args=(port, counters, started, draft, opts), daemon=True,
                                    name="saguaro-speculator")
         self.process.start()
+        while not started.wait(0.05):  # a worker that dies while starting must not leave us waiting
+            if not self.process.is_alive():
+                raise RuntimeError(f"speculator process exited during start-up (exit code {self.process.exitcode})")
         backend = "gloo" if opts.device == "cpu" else "nccl"
         device = "cpu" if opts.device == "cpu" else opts.device
         self.channel = Channel(0, port, counters, backend, device, opts.timeout_s)

@@ -1,0 +1,67 @@
+"""SSD at temperature > 0 samples exactly the target's distribution: hits, misses, and both.
+
+K = 1, vocabulary 8. Prefill yields token 0; the first verification (a just-in-time
+speculation, the sequence is new to the speculator) yields token 1 and maybe 2; so tokens 3
+and 4 always come from rounds whose speculation went through the cache (a hit) or through
+the fallback (a miss). Their joint law is compared with the exact AR law by total
+variation over 50,000 seeded requests (threshold derivation: tests/dist_harness.py).
+
+- all hits: fan-out 8 at both depths covers every possible outcome on an 8-token vocabulary;
+- all misses: fan-out 0 prepares nothing, so every round takes the fallback;
+- mixed: fan-out [1, 2], with top-p, gives both in one batch.
+The negative control plants a wrong verifier and must fail the same check.
+"""
+import pytest
+import torch
+
+import saguaro.spec.sd as sd_module
+from saguaro import LLM, SamplingParams
+from tests.dist_harness import measure
+from tests.test_distribution_sd import wrong_verifier
+from tests.tiny import perturbed, tiny_model
+
+POSITIONS = [3, 4]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(seed=5, vocab=8, layers=2, sharpness=2.0)
+    return target, perturbed(target, noise=0.03)
+
+
+def run(pair, fan_out, params, n=50_000):
+    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=fan_out,
+              block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
+    try:
+        tv, threshold = measure(llm, pair[0], params, POSITIONS, n)
+        trace = llm.engine.decoder.trace
+    finally:
+        llm.close()
+    hits = [h for t in trace for h in t.hits]
+    return tv, threshold, sum(hits) / len(hits)
+
+
+@pytest.mark.parametrize("fan_out, params, hit_range", [
+    ([8, 8], SamplingParams(temperature=1.0), (0.6, 1.0)),
+    ([0, 0], SamplingParams(temperature=1.0), (0.0, 0.0)),
+    ([1, 2], SamplingParams(temperature=0.8, top_p=0.9), (0.1, 0.9)),
+], ids=["all-hits", "all-misses", "mixed"])
+def test_ssd_distribution(pair, fan_out, params, hit_range):
+    tv, threshold, hit_rate = run(pair, fan_out, params)
+    assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
+    assert hit_range[0] <= hit_rate <= hit_range[1], f"hit rate {hit_rate:.3f} outside {hit_range}"
+
+
+def test_all_hits_after_the_first_round(pair):
+    """With every outcome cached, only each request's first verified round can miss."""
+    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[8, 8], block_size=4)
+    with llm:
+        outs = llm.generate([[3, 7, 1]] * 8, [SamplingParams(temperature=1.0, seed=i, max_tokens=12) for i in range(8)])
+        metrics = llm.spec_metrics(outs)
+    assert metrics.hit_rate_after_hit == 1.0 and metrics.hit_rate_after_miss == 1.0
+
+
+def test_negative_control_wrong_verifier_fails(pair, monkeypatch):
+    monkeypatch.setattr(sd_module, "rejection_sample", wrong_verifier)
+    tv, threshold, _ = run(pair, [1, 2], SamplingParams(temperature=1.0), n=20_000)
+    assert tv > threshold, f"the check did not catch a wrong verifier (TV {tv:.4f} < {threshold:.4f})"
