@@ -82,6 +82,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from saguaro import LLM
+    from saguaro.server.app import serve
+    target = args.target or args.model
+    draft = args.draft if args.mode == "ssd" or (args.mode == "sd" and args.speculator == "draft") else None
+    llm = LLM(target=target, draft=draft, **_engine_options(args))
+    serve(llm, target, args.host, args.port)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
     try:
@@ -131,6 +141,14 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--k", type=int, default=4)
     d.add_argument("--no-compile", dest="compile", action="store_false")
     d.set_defaults(func=cmd_demo)
+    s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    s.add_argument("--model")
+    s.add_argument("--target")
+    s.add_argument("--draft")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    _add_engine_flags(s)
+    s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
     b.add_argument("name", help="ar, sd or ssd")
     b.add_argument("rest", nargs=argparse.REMAINDER)

@@ -35,6 +35,15 @@ class LLMEngine:
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
+        self.check_request(prompt_ids, params)
+        seq = Sequence(prompt_ids, params, prompt)
+        self.scheduler.add(seq)
+        return seq
+
+    def check_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raise ``RequestError`` for a request that can never be served."""
+        if not prompt_ids:
+            raise RequestError("prompt is empty")
         if len(prompt_ids) >= self.max_model_len:
             raise RequestError(f"prompt has {len(prompt_ids)} tokens but the context holds {self.max_model_len} "
                                "(the prompt must leave room for at least one generated token)")
@@ -46,9 +55,6 @@ class LLMEngine:
         vocab = self.target.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must lie in [0, {vocab})")
-        seq = Sequence(prompt_ids, params, prompt)
-        self.scheduler.add(seq)
-        return seq
 
     @property
     def has_unfinished(self) -> bool:
