@@ -1,0 +1,232 @@
+"""SSD against SD and AR on the Qwen pair, with the hardware each one uses made visible.
+
+Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct, bf16, batch 1, the same
+real prompts for every configuration, in one run:
+  - AR and SD (draft collocated) on one core, one thread: the paper's baselines;
+  - AR and SD with two threads over both cores: the extra hardware SSD uses, given to them;
+  - SSD with the target on core 0 and the speculator process on core 1, for several fan-outs.
+Reported: decode tok/s (median over prompts), ratios against AR and SD of this run, acceptance,
+tokens per round, p_hit (and after a hit / after a miss), and per round: verification time,
+the target's wait for the speculator, the speculator's cache-build time. The memory-bus
+contention between the cores is measured twice: verification per round in SSD against SD on
+one core (the other core idle) at the same K, and a controlled probe (contention.py). A round
+timeline of one request is drawn to results/ssd_timeline.png.
+
+    python -m benchmarks.bench_ssd                         # defaults: 2+2 prompts, 64 tokens, greedy, K=4
+    python -m benchmarks.bench_ssd --fan-out-sweep 1,2,3,4,6  # adds F=[1,..,1,F_K] for each F_K
+    saguaro bench ssd --prompts 1 --max-tokens 8 --probe-reps 2   # smoke test
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, engine_options,
+                               environment, fmt, group_records, int_list, log, mean, prepare_prompts, ratio,
+                               run_engine, same_tokens, settings, table, temp_key, write_results)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="saguaro bench ssd", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, temperatures="0")
+    p.add_argument("--k", type=int, default=4, help="speculative tokens per round for SD and SSD (default 4)")
+    p.add_argument("--fan-outs", default="uniform;last3",
+                   help="SSD fan-outs, ';' separated: 'uniform' (1 per depth), 'lastN' ([1,..,1,N]), 'auto', "
+                        "or K+1 comma separated counts (default 'uniform;last3')")
+    p.add_argument("--fan-out-sweep", type=int_list, default=[],
+                   help="also run F=[1,..,1,F_K] for each F_K given (comma separated)")
+    p.add_argument("--fallback", default="jit", choices=["jit", "ngram", "random"], help="SSD cache-miss fallback")
+    p.add_argument("--skip-two-threads", action="store_true", help="skip AR and SD with two threads")
+    p.add_argument("--skip-probe", action="store_true", help="skip the controlled contention probe")
+    p.add_argument("--probe-reps", type=int, default=8, help="timed passes per probe phase (default 8)")
+    p.add_argument("--probe-context", type=int, default=256, help="KV context of the probe's passes (default 256)")
+    p.add_argument("--timeline-request", type=int, default=0,
+                   help="which request of the first SSD configuration to draw (default 0: the first prompt)")
+    p.add_argument("--timeline-rounds", type=int, default=40, help="rounds shown in the timeline (default 40)")
+    return p.parse_args(argv)
+
+
+def fan_outs(args: argparse.Namespace) -> list[list[int] | str]:
+    k, out = args.k, []
+    for spec in [s.strip() for s in args.fan_outs.replace(" ", ";").split(";") if s.strip()]:
+        if spec == "uniform":
+            out.append([1] * (k + 1))
+        elif spec.startswith("last"):
+            out.append([1] * k + [int(spec[4:])])
+        elif spec == "auto":
+            out.append("auto")
+        else:
+            out.append(int_list(spec))
+    out += [[1] * k + [f] for f in args.fan_out_sweep]
+    unique = []
+    for f in out:
+        if f not in unique:
+            unique.append(f)
+    return unique
+
+
+def fan_out_label(f: list[int] | str) -> str:
+    return f if isinstance(f, str) else "[" + ",".join(map(str, f)) + "]"
+
+
+def plan(args: argparse.Namespace) -> dict[str, Any]:
+    k = args.k
+    one = engine_options(args.compile, threads=1, target_cores=[0])
+    two = engine_options(args.compile, threads=2, target_cores=[0, 1])
+    names = {"ar1": "AR (1 core)", "sd1": f"SD K={k} (1 core)", "ar2": "AR (2 threads)", "sd2": f"SD K={k} (2 threads)"}
+    configs = [(names["ar1"], dict(one, mode="ar")),
+               (names["sd1"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=k))]
+    if not args.skip_two_threads:
+        configs += [(names["ar2"], dict(two, mode="ar")),
+                    (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=k))]
+    ssd = []
+    for f in fan_outs(args):
+        name = f"SSD K={k} F={fan_out_label(f)} (2 cores)"
+        ssd.append(name)
+        configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k, fan_out=f,
+                                   fallback=args.fallback, draft_cores=[1])))
+    return {"configs": configs, "names": names, "ssd": ssd}
+
+
+def build_stats(records: list[Record], k: int) -> dict[str, Any]:
+    """Builds that overlapped a verification: how long, how many steps, how many ran all K steps."""
+    builds = [r for rec in records for r in rec.rounds if r.get("build_ms") is not None]
+    overlap = [min(r["build_ms"], r["verify_ms"]) / r["verify_ms"] for r in builds if r.get("verify_ms")]
+    return {"builds": len(builds),
+            "full_build_fraction": mean(float(r["build_steps"] == k) for r in builds),
+            "build_within_verify_fraction": mean(float(r["build_ms"] <= (r["verify_ms"] or 0)) for r in builds),
+            "verify_overlapped_by_build_mean": mean(overlap)}
+
+
+def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[str, Any], str]:
+    names, k = plan_["names"], args.k
+    base = {key: summaries.get(name) for key, name in names.items()}
+    ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t], k)
+                         for t in args.temperatures} for name in plan_["ssd"]}
+    lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
+             f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k}, "
+             f"compile={args.compile}, fallback={args.fallback}, temperatures "
+             f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
+             "", "Hardware: '1 core' = target (and a collocated draft) pinned to core 0, one thread; '2 threads' = "
+             "pinned to cores 0-1, two threads; SSD '2 cores' = target on core 0 (one thread), speculator process "
+             "on core 1 (one thread).", ""]
+    lines += [f"- `{name}`: {label}" for name, label in labels.items()]
+    lines += ["", "tok/s: decode tokens per second, median over prompts; ratios are ratios of medians from this run. "
+              "accept: acceptance rate; tok/rnd: tokens per round (accepted + bonus), pooled over prompts. "
+              "Per-round times are medians over rounds (ms). SD/AR verify = the round minus drafting; SSD verify = "
+              "the target pass with rejection sampling; wait = from sending the outcome to holding the next "
+              "speculation; build = the speculator's cache build that overlapped that round's verification. "
+              "full builds: builds that finished all K steps before the next request arrived."]
+    for tk in summaries[names["ar1"]]:
+        speed_rows, round_rows = [], []
+        for name, by_t in summaries.items():
+            s = by_t[tk][ALL]
+            x = {key: ratio(s["tok_s_median"], (b or {}).get(tk, {}).get(ALL, {}).get("tok_s_median"))
+                 for key, b in base.items()}
+            speed_rows.append([name, fmt(s["tok_s_median"]), fmt(x["ar1"]), fmt(x["sd1"]), fmt(x["ar2"]),
+                               fmt(x["sd2"]), fmt(s.get("acceptance_rate"), ".3f"), fmt(s.get("tokens_per_round")),
+                               fmt(s.get("p_hit")), s["requests"]])
+            if name == names["ar1"] or name == names["ar2"]:
+                continue
+            b = ssd_builds.get(name, {}).get(tk, {})
+            round_rows.append([name, fmt(s.get("p_hit")), fmt(s.get("p_hit_after_hit")), fmt(s.get("p_hit_after_miss")),
+                               fmt(s.get("draft_ms_median"), ".0f"), fmt(s.get("verify_ms_median"), ".0f"),
+                               fmt(s.get("wait_ms_median"), ".0f"), fmt(s.get("wait_ms_mean"), ".0f"),
+                               fmt(s.get("build_ms_median"), ".0f"), fmt(s.get("build_steps_mean"), ".1f"),
+                               fmt(b.get("full_build_fraction")), fmt(s.get("admit_wait_ms_median"), ".0f")])
+        per_dataset = [[name] + [fmt(g["tok_s_median"]) for g in by_t[tk].values()] for name, by_t in summaries.items()]
+        lines += ["", f"## {tk}{' (greedy)' if tk == 'T=0' else ''}: speed", "",
+                  table(["config", "tok/s", "xAR 1c", "xSD 1c", "xAR 2t", "xSD 2t", "accept", "tok/rnd", "p_hit", "n"],
+                        speed_rows),
+                  "", f"## {tk}: rounds", "",
+                  table(["config", "p_hit", "p_hit,p", "p_hit,b", "draft ms", "verify ms", "wait ms", "wait mean",
+                         "build ms", "build steps", "full builds", "admit wait ms"], round_rows),
+                  "", f"## {tk}: tok/s per dataset", "",
+                  table(["config"] + list(next(iter(summaries.values()))[tk]), per_dataset)]
+    # contention: in the run, and from the probe
+    sd1 = summaries[names["sd1"]]
+    rows = []
+    for tk in sd1:
+        sd_verify = sd1[tk][ALL].get("verify_ms_median")
+        rows.append([f"in run, {tk}: {names['sd1']} (other core idle)", fmt(sd_verify, ".0f"), "1.00"])
+        for name in plan_["ssd"]:
+            v = summaries[name][tk][ALL].get("verify_ms_median")
+            rows.append([f"in run, {tk}: {name} (draft building on core 1)", fmt(v, ".0f"), fmt(ratio(v, sd_verify))])
+    if contention:
+        rows.append([f"probe: {contention['rows']} rows, other core idle", fmt(contention["idle_ms_median"], ".0f"),
+                     "1.00"])
+        rows += [[f"probe: beside a busy draft, {b['draft_rows']}-row passes back to back",
+                  fmt(b["verify_ms_median"], ".0f"), fmt(b["slowdown"])] for b in contention["busy"]]
+    lines += ["", "## Memory-bus contention: target verification time per round", "",
+              f"Same number of rows (K+1 = {k + 1}). In run: median verify time per round. In SSD the build may "
+              "finish before verification does (see full builds), so the in-run figure is a blend of contended and "
+              "uncontended time; the probe keeps the draft busy for the whole pass (eager path, made-up tokens).", "",
+              table(["measurement", "verify ms", "slowdown"], rows)]
+    equal = {name: same_tokens(recs, records[names["ar1"]]) for name, recs in records.items() if name != names["ar1"]}
+    if any(b for _, b in equal.values()):
+        lines += ["", "Greedy outputs equal to AR (1 core), token for token: " +
+                  ", ".join(f"{n}: {a}/{b}" for n, (a, b) in equal.items() if b) +
+                  " (bf16: a K+1-row pass may round an argmax tie differently; exactness is tested in fp32)."]
+    payload = {
+        "benchmark": "ssd",
+        "description": __doc__.split("\n\n")[0],
+        "models": {"target": TARGET, "draft": DRAFT, "dtype": "bfloat16", "batch": 1},
+        "settings": settings(args),
+        "environment": environment(),
+        "datasets": labels,
+        "configs": {name: {k_: v for k_, v in opts.items()} for name, opts in plan_["configs"]},
+        "summary": summaries,
+        "ratios": {name: {tk: {key: ratio(by_t[tk][ALL]["tok_s_median"],
+                                          (b or {}).get(tk, {}).get(ALL, {}).get("tok_s_median"))
+                               for key, b in base.items()} for tk in by_t} for name, by_t in summaries.items()},
+        "ssd_builds": ssd_builds,
+        "contention_probe": contention,
+        "greedy_equal_to_ar": {name: {"equal": a, "compared": b} for name, (a, b) in equal.items()},
+        "requests": [r.to_json(with_rounds=True) for recs in records.values() for r in recs],
+    }
+    return payload, "\n".join(lines)
+
+
+def draw_timeline(args, plan_, records) -> str | None:
+    from benchmarks.timeline import CAPTION, plot_timeline
+    if not plan_["ssd"]:
+        return None
+    name = plan_["ssd"][0]
+    recs = records[name]
+    rec = recs[min(args.timeline_request, len(recs) - 1)]
+    path = plot_timeline(rec.rounds, args.out / "ssd_timeline.png",
+                         f"{name}: {rec.dataset}[{rec.prompt_index}], T={rec.temperature:g}, {rec.new_tokens} tokens, "
+                         f"{rec.tok_s:.2f} tok/s", args.k, args.timeline_rounds)
+    log(f"wrote {path}")
+    return f"![SSD round timeline]({path.name})\n\n{CAPTION}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from saguaro.loading import load_tokenizer
+    prompts = prepare_prompts(load_tokenizer(TARGET, progress=False), args.datasets, args.prompts)
+    labels = dataset_labels(args.datasets)
+    plan_ = plan(args)
+    log(f"{len(prompts)} prompts x {len(args.temperatures)} temperatures x {len(plan_['configs'])} configurations, "
+        f"{args.max_tokens} new tokens each")
+    records = {name: run_engine(name, options, prompts, args) for name, options in plan_["configs"]}
+    summaries = {name: group_records(recs) for name, recs in records.items()}
+    contention = None
+    if not args.skip_probe:
+        from benchmarks.contention import measure
+        widths = sorted({1} | {sum(f) for f in fan_outs(args) if isinstance(f, list)})
+        contention = measure(args.k + 1, widths, args.probe_context, args.probe_reps)
+    payload, markdown = report(args, labels, plan_, records, summaries, contention)
+    timeline = draw_timeline(args, plan_, records)
+    if timeline:
+        markdown += "\n\n## Round timeline of one request\n\n" + timeline
+    print(markdown)
+    json_path, md_path = write_results(args.out, "bench_ssd", payload, markdown)
+    log(f"wrote {json_path} and {md_path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
