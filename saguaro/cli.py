@@ -1,4 +1,4 @@
-"""Command line: ``saguaro generate | models | demo | bench``."""
+"""Command line: ``saguaro generate | models | demo | bench | calibrate``."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         opts["fan_out"] = "auto" if args.fan_out == "auto" else _int_list(args.fan_out)
     if args.fallback:
         opts["fallback"] = args.fallback
+    if args.saguaro_c:
+        opts["saguaro_c"] = "auto" if args.saguaro_c == "auto" else float(args.saguaro_c)
     return opts
 
 
@@ -94,13 +96,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
-    try:
-        module = importlib.import_module(f"benchmarks.bench_{args.name}")
-    except ModuleNotFoundError:
+    import os
+    from pathlib import Path
+    if not (Path.cwd() / "benchmarks" / f"bench_{args.name}.py").exists():
         print(f"benchmark {args.name!r} not found: run from the repository root (benchmarks/bench_{args.name}.py)",
               file=sys.stderr)
         return 2
+    sys.path.insert(0, os.getcwd())  # benchmarks/ lives in the repository, not in the installed package
+    module = importlib.import_module(f"benchmarks.bench_{args.name}")
     return module.main(args.rest) or 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from saguaro.calibration.command import run
+    return run(args)
 
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
@@ -109,6 +118,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculator", choices=["draft", "ngram"], default="draft")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--fallback", choices=["jit", "ngram", "random", "auto"])
+    p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="compile the decode path (faster bf16 on CPU)")
@@ -153,6 +163,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="ar, sd or ssd")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
+    c = sub.add_parser("calibrate", help="measure a target/draft pair and store its profile (fan_out/fallback 'auto')")
+    from saguaro.calibration.command import add_arguments
+    add_arguments(c)
+    c.set_defaults(func=cmd_calibrate)
     return parser
 
 
