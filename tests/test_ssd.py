@@ -5,21 +5,18 @@ import signal
 import pytest
 
 from saguaro import LLM, SamplingParams
-from tests.tiny import tiny_model, truncated
+from tests.tiny import PROMPTS, greedy_tokens, weak_pair
 
-PROMPTS = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7], [3, 3, 3, 3, 8, 40, 2, 11, 60, 1, 5]]
 
 
 @pytest.fixture(scope="module")
 def pair():
-    target = tiny_model(seed=3, layers=3, sharpness=3.0)
-    return target, truncated(target, 1)
+    return weak_pair()
 
 
 @pytest.fixture(scope="module")
 def ar_outputs(pair):
-    llm = LLM(pair[0], block_size=4)
-    return [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=24))]
+    return greedy_tokens(pair[0], PROMPTS, 24)
 
 
 def ssd(pair, **kw):

@@ -69,3 +69,19 @@ def perturbed(loaded: LoadedModel, noise: float, seed: int = 100, name: str = "t
                 p.add_(torch.randn(p.shape, generator=gen) * noise * p.std())
     model.eval().requires_grad_(False)
     return LoadedModel(name, loaded.config, model, loaded.tokenizer, Path("."), Path("."), True)
+
+
+PROMPTS = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7], [3, 3, 3, 3, 8, 40, 2, 11, 60, 1, 5]]
+
+
+def weak_pair() -> tuple[LoadedModel, LoadedModel]:
+    """A peaky 3-layer target and its 1-layer truncation: acceptance well below 1."""
+    target = tiny_model(seed=3, layers=3, sharpness=3.0)
+    return target, truncated(target, 1)
+
+
+def greedy_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy AR outputs from the engine: the reference every speculative mode must equal."""
+    from saguaro import LLM, SamplingParams
+    with LLM(loaded, block_size=4) as llm:
+        return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))]
