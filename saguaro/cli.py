@@ -114,7 +114,8 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
 
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
-    p.add_argument("--k", type=int, default=4, help="speculative tokens per round (K)")
+    p.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=4,
+                   help="speculative tokens per round (K), or 'auto' (from the calibration profile)")
     p.add_argument("--speculator", choices=["draft", "ngram"], default="draft")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--fallback", choices=["jit", "ngram", "random", "auto"])

@@ -18,10 +18,10 @@ class Config:
     draft: str | None = None
     mode: str = "ar"
     speculator: str = "draft"  # SD proposer: the draft model or the n-gram matcher
-    num_speculative_tokens: int = 4  # K
+    num_speculative_tokens: int | str = 4  # K, or "auto": the calibration profile's best K (resolved here)
     fan_out: list[int] | str | None = None  # SSD: F_0..F_K, or "auto" from a calibration profile
     fallback: str = "jit"  # SSD cache-miss fallback: "jit" (primary drafts), "ngram", "random", or "auto"
-    saguaro_c: float = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1]
+    saguaro_c: float | str = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1], or "auto"
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" or "cuda:N" for the target
     draft_device: str | None = None  # SSD worker device; default "cpu" or the next GPU
@@ -37,6 +37,8 @@ class Config:
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
 
     def __post_init__(self) -> None:
+        if self.num_speculative_tokens == "auto":
+            self.num_speculative_tokens = self._profile_k()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.speculator not in SPECULATORS:
@@ -53,7 +55,8 @@ class Config:
         for name in ("block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        if not 0.0 <= self.saguaro_c <= 1.0:
+        c = self.saguaro_c
+        if c != "auto" and not (isinstance(c, (int, float)) and 0.0 <= c <= 1.0):
             raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
         if self.fallback not in ("jit", "ngram", "random", "auto"):
             raise ValueError(f"fallback must be jit, ngram, random or auto, got {self.fallback!r}")
@@ -72,6 +75,13 @@ class Config:
                 bad = [c for c in cores if not 0 <= c < (os.cpu_count() or 1)]
                 if bad:
                     raise ValueError(f"CPU cores {bad} do not exist (this machine has {os.cpu_count()})")
+
+    def _profile_k(self) -> int:
+        """K = "auto": the K with the best predicted speedup for this pair (saguaro.calibration.policy)."""
+        if not self.draft:
+            raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
+        from saguaro.calibration.policy import recommended_k, resolve_profile
+        return recommended_k(resolve_profile(self.target, self.draft, self.dtype, 4), self.fallback, mode=self.mode)
 
     @property
     def torch_dtype(self) -> torch.dtype:

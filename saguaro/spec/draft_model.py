@@ -5,10 +5,15 @@ token it has not yet seen (the whole prompt the first time, then the tokens the 
 round appended), then decodes K tokens one step at a time, sampling each from the
 sequence's processed draft distribution. ``commit`` rolls the draft cache back to the
 accepted prefix, so no rejected token's k/v survives and no block leaks.
+
+``reweight`` (optional) transforms the distribution step j is drawn from, and the proposal
+records the transformed one: the SSD worker passes Saguaro sampling (Def. 14,
+``saguaro.ssd.saguaro_sampling``) so just-in-time drafts follow the same law as cached ones.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -25,9 +30,13 @@ class DraftState:
     num_cached: int = 0
 
 
+Reweight = Callable[[torch.Tensor, int, list[Sequence]], torch.Tensor]  # (probs [N, V], step j, rows) -> probs
+
+
 class DraftModelProposer(Proposer):
-    def __init__(self, runner: ModelRunner):
+    def __init__(self, runner: ModelRunner, reweight: Reweight | None = None):
         self.runner = runner
+        self.reweight = reweight
         self.states: dict[int, DraftState] = {}
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
@@ -48,6 +57,8 @@ class DraftModelProposer(Proposer):
             logits = torch.cat(self.runner.forward(items))
             rows = [seqs[b] for b in active]
             step_probs = processed_probs(logits, rows)
+            if self.reweight is not None:
+                step_probs = self.reweight(step_probs, step, rows)
             greedy = torch.tensor([s.params.greedy for s in rows])
             drawn = sample(step_probs, [s.generator for s in rows], greedy).tolist()
             for i, b in enumerate(active):

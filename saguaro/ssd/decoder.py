@@ -26,6 +26,7 @@ from saguaro.spec.ngram_proposer import NgramProposer
 from saguaro.spec.sd import SDDecoder, draft_budget, verify_round
 from saguaro.spec.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
+from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest, SpecRow
 from saguaro.ssd.worker import WorkerLink, WorkerOptions
 
@@ -58,6 +59,7 @@ class SSDDecoder(Decoder):
         self.trace: list[RoundTrace] = []
         self.fallback: SDDecoder | None = None
         self.failure: str | None = None
+        self.plan: SpecPlan | None = None  # what the speculator was told (fan-outs, C, fallback)
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
@@ -147,13 +149,40 @@ def uniform_fan_out(k: int, per_depth: int = 1) -> list[int]:
     return [per_depth] * (k + 1)
 
 
+def build_plan(cfg: Config, vocab: int) -> SpecPlan:
+    """Fan-outs, Saguaro C and fallback for the speculator.
+
+    Explicit settings (a ``fan_out`` list or None for uniform 1s, a numeric ``saguaro_c``, a named
+    ``fallback``) give a fixed plan. Any "auto" loads the calibration profile for (target, draft, dtype) --
+    or the documented defaults, with a warning -- and lets ``saguaro.calibration.policy.make_plan`` choose
+    (Thm 12 / Thm 13 fan-outs per temperature, batch size and source; C; Thm 18's b*); explicit settings
+    still override their part of it.
+    """
+    k = cfg.num_speculative_tokens
+    fixed = cfg.fan_out if isinstance(cfg.fan_out, list) else uniform_fan_out(k)
+    if cfg.fan_out != "auto" and cfg.fallback != "auto" and cfg.saguaro_c != "auto":
+        return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback)
+    from saguaro.calibration.policy import describe, make_plan, resolve_profile
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k)
+    plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab)
+    if cfg.fan_out != "auto":
+        plan.primary = [[list(fixed)] for _ in plan.temperatures]
+        plan.backup = [[list(fixed)] for _ in plan.temperatures]
+    log.info("SSD plan (%s): %s", "defaults" if profile.get("default") else "calibrated", describe(plan))
+    return plan
+
+
 def build_ssd_decoder(cfg: Config, target: ModelRunner, target_model: LoadedModel, draft: LoadedModel,
                       max_model_len: int) -> SSDDecoder:
-    fan_out = cfg.fan_out if isinstance(cfg.fan_out, list) else uniform_fan_out(cfg.num_speculative_tokens)
-    if max(fan_out) > target.config.vocab_size:
-        raise ValueError(f"fan_out entries must not exceed the vocabulary size ({target.config.vocab_size})")
+    vocab = target.config.vocab_size
+    if isinstance(cfg.fan_out, list) and max(cfg.fan_out) > vocab:
+        raise ValueError(f"fan_out entries must not exceed the vocabulary size ({vocab})")
+    plan = build_plan(cfg, vocab)
     device = cfg.draft_device or cfg.device
-    opts = WorkerOptions(cfg.num_speculative_tokens, fan_out, "jit" if cfg.fallback == "auto" else cfg.fallback,
+    c = 1.0 if cfg.saguaro_c == "auto" else float(cfg.saguaro_c)
+    opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
                          cfg.torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
-                         cfg.block_size, cfg.worker_timeout_s)
-    return SSDDecoder(target, WorkerLink(draft, opts), cfg.num_speculative_tokens, max_model_len)
+                         cfg.block_size, cfg.worker_timeout_s, c, plan)
+    decoder = SSDDecoder(target, WorkerLink(draft, opts), cfg.num_speculative_tokens, max_model_len)
+    decoder.plan = plan
+    return decoder

@@ -5,16 +5,25 @@ Per round it does two things, in this order:
 ``respond(request)``: apply the verifier's outcomes to its copy of each sequence, then
 answer every sequence with its next speculation: from the speculation cache on a hit,
 otherwise from the fallback (just-in-time drafting by the primary draft for only the
-sequences that missed, or a fast n-gram / random backup).
+sequences that missed, or a fast n-gram / random backup; with fallback "auto" the choice
+follows the batch size, Thm 18).
 
 ``build(interrupted)``: while the target verifies what was just sent, glue that
 speculation into the draft cache, predict the likely outcomes (top-F_k bonus guesses per
 depth k) and decode all branches together, one tree-masked draft pass per step. Each
 finished step makes every branch one token longer; if the next request arrives early the
 build stops and branches keep the tokens they have.
+
+Fan-outs, the Saguaro sampling constant C and the fallback come from a ``SpecPlan`` (per
+temperature, per batch size, and per source: the cache for a speculation drafted by the
+primary uses F^p, one drafted by the backup uses F^b). Every token the primary draws for
+index j of a speculation -- branch step j, or just-in-time step j -- is drawn from
+sigma_{F_j, C} (Def. 14, ``saguaro_sampling``), and that distribution is what the verifier
+receives, so the output stays exact.
 """
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass
@@ -31,8 +40,13 @@ from saguaro.spec.draft_model import DraftModelProposer, DraftState
 from saguaro.spec.ngram_proposer import NgramProposer
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
+from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import RoundRequest, RoundResponse, SpecRow
+from saguaro.ssd.ranks import RankRecorder
+from saguaro.ssd.saguaro_sampling import SaguaroSampling
 from saguaro.ssd.tree import BranchLayout
+
+log = logging.getLogger("saguaro.ssd")
 
 
 @dataclass
@@ -42,21 +56,50 @@ class BuildStats:
     branches: int = 0
 
 
+def _temperature(seq: Sequence) -> float:
+    return 0.0 if seq.params.greedy else float(seq.params.temperature)
+
+
 class AsyncSpeculator:
-    def __init__(self, runner: ModelRunner, k: int, fan_out: list[int], fallback: str = "jit"):
-        if fallback not in ("jit", "ngram", "random"):
-            raise ValueError(f"unknown fallback {fallback!r}")
+    """``fan_out`` is a ``SpecPlan`` or one F_0..F_K list (then ``fallback`` and ``saguaro_c`` apply to all)."""
+
+    def __init__(self, runner: ModelRunner, k: int, fan_out: list[int] | SpecPlan, fallback: str = "jit",
+                 saguaro_c: float = 1.0, recorder: RankRecorder | None = None):
+        self.plan = fan_out if isinstance(fan_out, SpecPlan) else SpecPlan.fixed(list(fan_out), saguaro_c, fallback)
+        if self.plan.k != k:
+            raise ValueError(f"plan is for K={self.plan.k}, speculator for K={k}")
         self.runner = runner
         self.k = k
-        self.fan_out = fan_out
-        self.fallback = fallback
-        self.jit = DraftModelProposer(runner)  # also owns each sequence's draft KV state
+        self.batch = 1  # size of the batch in the last request
+        self.fallback = self.plan.fallback_for(self.batch)
+        self.fallback_switches: list[tuple[int, str]] = []  # (batch size, new fallback) for fallback "auto"
+        self.saguaro = None  # Def. 14 sampling, only when some temperature uses C < 1
+        if min(self.plan.c) < 1.0:
+            self.saguaro = SaguaroSampling(lambda s: self.plan.fan_out(_temperature(s), "p", self.batch),
+                                           lambda s: self.plan.c_for(_temperature(s)))
+        # the jit drafter also owns each sequence's draft KV state
+        self.jit = DraftModelProposer(runner, self.saguaro.apply if self.saguaro else None)
         self.ngram = NgramProposer()
+        self.recorder = recorder
         self.seqs: dict[int, Sequence] = {}
         self.sent: dict[int, list[int]] = {}  # speculation under verification, per sequence
+        self.source: dict[int, str] = {}  # who drafted it: "p" (primary draft) or "b" (fast backup)
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
         self._rng = random.Random(0)
+
+    def fan_out_for(self, seq: Sequence) -> list[int]:
+        """F_0..F_K for the cache of ``seq``'s speculation under verification."""
+        return self.plan.fan_out(_temperature(seq), self.source.get(seq.seq_id, "p"), self.batch)
+
+    def _set_batch(self, batch: int) -> None:
+        self.batch = max(1, batch)
+        fallback = self.plan.fallback_for(self.batch)
+        if fallback != self.fallback:
+            log.info("batch size %d: cache-miss fallback %s -> %s (b* = %.2f)", self.batch, self.fallback, fallback,
+                     self.plan.b_star)
+            self.fallback_switches.append((self.batch, fallback))
+            self.fallback = fallback
 
     # -- respond -----------------------------------------------------------------
     def respond(self, req: RoundRequest) -> RoundResponse:
@@ -70,9 +113,13 @@ class AsyncSpeculator:
             if seq.generator is not None:
                 seq.generator.manual_seed(adm.seed)
             self.seqs[adm.seq_id] = seq
+        self._set_batch(len(req.order))
         hits: dict[int, CachedSpeculation] = {}
         for out in req.outcomes:
             seq, sent = self.seqs[out.seq_id], self.sent.get(out.seq_id, [])
+            if self.recorder is not None:
+                self.recorder.observe(out.seq_id, self.source.get(out.seq_id, "p"), len(sent), out.num_accepted,
+                                      out.bonus, _temperature(seq))
             accepted = sent[:out.num_accepted] + [out.bonus]
             state = self.jit.states.get(seq.seq_id)
             if state is not None:  # the draft cache stays valid up to the accepted drafts
@@ -82,6 +129,8 @@ class AsyncSpeculator:
             cached = self.cache.get(out.seq_id, out.num_accepted, out.bonus)
             if cached is not None:
                 hits[out.seq_id] = cached
+            if self.recorder is not None:
+                self.recorder.records[-1].hit = cached is not None
         self.cache.clear()
         order = [self.seqs[i] for i in req.order]
         misses = [s for s in order if s.seq_id not in hits]
@@ -94,6 +143,7 @@ class AsyncSpeculator:
             else:
                 row = fallback_rows[seq.seq_id]
             self.sent[seq.seq_id] = row.tokens
+            self.source[seq.seq_id] = "b" if row.point_mass else "p"
             rows.append(row)
         return RoundResponse(rows, self.last_build.seconds, time.perf_counter() - start, self.last_build.steps)
 
@@ -118,6 +168,9 @@ class AsyncSpeculator:
             self.jit.release(seq)
             self.ngram.release(seq)
         self.sent.pop(seq_id, None)
+        self.source.pop(seq_id, None)
+        if self.recorder is not None:
+            self.recorder.forget(seq_id)
 
     # -- build -------------------------------------------------------------------
     def build(self, interrupted: Callable[[], bool] = lambda: False) -> BuildStats:
@@ -125,7 +178,7 @@ class AsyncSpeculator:
         start = time.perf_counter()
         stats = BuildStats()
         seqs = [self.seqs[i] for i, spec in self.sent.items() if spec and i in self.seqs]
-        if seqs and not interrupted():
+        if seqs and (self.recorder is not None or not interrupted()):  # calibration needs every glue
             layouts = self._glue(seqs)
             scratch: list[list[int]] = [[] for _ in seqs]
             try:
@@ -152,7 +205,12 @@ class AsyncSpeculator:
         layouts = []
         for seq, rows in zip(seqs, logits):
             spec = self.sent[seq.seq_id]
-            outcomes = predict_outcomes(rows[-(len(spec) + 1):], spec, self.fan_out)
+            depth_logits = rows[-(len(spec) + 1):]
+            if self.recorder is not None:
+                self.recorder.remember(seq.seq_id, depth_logits, spec)
+            outcomes = predict_outcomes(depth_logits, spec, self.fan_out_for(seq))
+            if self.recorder is not None and not self.recorder.build_branches:
+                outcomes = []
             state = self.jit.states[seq.seq_id]
             layouts.append(BranchLayout(self.runner.slots(state.block_table, 0, state.num_cached), len(seq),
                                         [k for k, _ in outcomes], [t for _, t in outcomes]))
@@ -185,6 +243,8 @@ class AsyncSpeculator:
             meta = build_metadata(contexts, [layouts[i].num_branches for i in live], masks)
             logits = self.runner.run(inputs, positions, meta, [ForwardItem(inputs, 0, [], "all")])[0]
             probs = processed_probs(logits, row_seqs)
+            if self.saguaro is not None:
+                probs = self.saguaro.apply(probs, step, row_seqs)  # Def. 14 for index ``step``
             inputs = sample(probs, generators, greedy).tolist()
             drafted.append(inputs)
             step_probs.append(probs)

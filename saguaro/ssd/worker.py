@@ -3,6 +3,10 @@
 The engine spawns it, talks to it through a ``Channel`` and stops it. A worker that dies
 or goes silent is detected by the engine (``WorkerLink.exchange`` raises), which then
 finishes the requests itself.
+
+``InProcessLink`` is the same speculator without a process: each exchange responds and then
+builds the whole cache before returning (a build that is never interrupted). Calibration uses
+it to record bonus-token ranks deterministically; it is not meant for speed.
 """
 from __future__ import annotations
 
@@ -19,8 +23,10 @@ import torch.multiprocessing as mp
 from saguaro.engine.device import pin_process, place
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.channel import Channel, ChannelClosed, free_port, make_counters
+from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import (CMD_STOP, RoundRequest, RoundResponse, pack_request, pack_response,
                                   unpack_request, unpack_response)
+from saguaro.ssd.ranks import RankRecorder
 from saguaro.ssd.speculator import AsyncSpeculator
 
 log = logging.getLogger("saguaro.ssd")
@@ -38,6 +44,15 @@ class WorkerOptions:
     kv_cache_tokens: int
     block_size: int
     timeout_s: float
+    saguaro_c: float = 1.0  # Saguaro sampling C (Def. 14) when no plan is given
+    plan: SpecPlan | None = None  # overrides fan_out / fallback / saguaro_c (fan_out="auto", fallback="auto")
+
+    def make_speculator(self, runner: ModelRunner, recorder: RankRecorder | None = None) -> AsyncSpeculator:
+        return AsyncSpeculator(runner, self.k, self.plan or self.fan_out, self.fallback, self.saguaro_c, recorder)
+
+    def draft_blocks(self) -> int:
+        """Room for every sequence's context plus the branch scratch of a full batch."""
+        return math.ceil(self.kv_cache_tokens / self.block_size) * 2
 
 
 def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: WorkerOptions) -> None:
@@ -54,10 +69,8 @@ def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: Worker
         draft = load_model(draft, dtype=opts.dtype, device=opts.device)
     else:
         draft = place(draft, opts.device, opts.dtype)
-    # room for every sequence's context plus the branch scratch of a full batch
-    num_blocks = math.ceil(opts.kv_cache_tokens / opts.block_size) * 2
-    runner = ModelRunner(draft.model, num_blocks, opts.block_size, opts.device)
-    speculator = AsyncSpeculator(runner, opts.k, opts.fan_out, opts.fallback)
+    runner = ModelRunner(draft.model, opts.draft_blocks(), opts.block_size, opts.device)
+    speculator = opts.make_speculator(runner)
     vocab = draft.config.vocab_size
     channel.send(torch.tensor([vocab], dtype=torch.int64))  # ready
     while True:
@@ -110,3 +123,27 @@ class WorkerLink:
             os.kill(self.process.pid, signal.SIGKILL)
         self.process.join(timeout=5)
         self.channel.close()
+
+
+class InProcessLink:
+    """A ``WorkerLink`` stand-in that runs the speculator in this process, synchronously."""
+
+    def __init__(self, draft: Any, opts: WorkerOptions, recorder: RankRecorder | None = None):
+        self.opts = opts
+        runner = ModelRunner(place(draft, opts.device, opts.dtype).model, opts.draft_blocks(), opts.block_size,
+                             opts.device)
+        self.speculator: AsyncSpeculator | None = opts.make_speculator(runner, recorder)
+
+    def exchange(self, request: RoundRequest) -> RoundResponse:
+        if self.speculator is None:
+            raise ChannelClosed("in-process speculator was stopped")
+        response = self.speculator.respond(request)
+        self.speculator.build()
+        return response
+
+    def stop(self) -> None:
+        if self.speculator is not None:
+            self.speculator.close()
+            self.speculator = None
+
+    kill = stop

@@ -1,0 +1,72 @@
+"""``saguaro calibrate``: load the pair, measure it, store the profile, print what the engine will pick."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default="qwen2.5-coder-1.5b")
+    p.add_argument("--draft", default="qwen2.5-coder-0.5b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--k", type=int, default=4, help="lookahead K used while calibrating")
+    p.add_argument("--temperatures", default="0,1", help="comma separated")
+    p.add_argument("--c-values", default="",
+                   help="Saguaro C values < 1 to calibrate at temperatures > 0, e.g. 0.5,0.25")
+    p.add_argument("--prompts", type=int, default=8, help="held-out prompts (last HumanEval and MT-Bench items)")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--batch", type=int, default=8, help="sequences decoded together while recording ranks")
+    p.add_argument("--max-rows", type=int, default=64, help="largest forward (rows) to time")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--core", type=int, default=0, help="CPU core to pin to (-1: no pinning)")
+    p.add_argument("--max-batch", type=int, default=16, help="batch sizes to show the plan for")
+    p.add_argument("--timing-only", action="store_true",
+                   help="re-measure only the timings of the stored profile (e.g. on a quieter machine)")
+    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--json", help="also write the profile to this path")
+
+
+def _floats(text: str) -> list[float]:
+    return [float(x) for x in text.split(",") if x.strip()]
+
+
+def run(args: argparse.Namespace) -> int:
+    from saguaro.calibration.measure import calibrate, measure_timing
+    from saguaro.calibration.policy import describe, make_plan, recommended_k
+    from saguaro.calibration.profile import load_profile, profile_path, save_profile
+    from saguaro.config import DTYPES
+    from saguaro.engine.device import pin_process
+    from saguaro.loading import check_shared_vocabulary, load_model
+    pin_process([args.core] if args.core >= 0 else None, args.threads)
+    dtype = DTYPES[args.dtype]
+    target = load_model(args.target, dtype=dtype)
+    draft = load_model(args.draft, dtype=dtype)
+    check_shared_vocabulary(target.tokenizer, draft.tokenizer)
+    if args.timing_only:
+        profile = load_profile(args.target, args.draft, args.dtype)
+        if profile is None:
+            raise FileNotFoundError(f"no profile at {profile_path(args.target, args.draft, args.dtype)}; "
+                                    "run `saguaro calibrate` without --timing-only first")
+        args.k = profile["k"]
+        context = profile["timing"].get("context", 256)
+        profile["timing"] = measure_timing(target, draft, args.k, context, args.max_rows)
+        print(f"timing: verify(K+1) {profile['timing']['verify_s'] * 1e3:.1f} ms, "
+              f"draft step {profile['timing']['draft_step_s'] * 1e3:.1f} ms, T_p {profile['timing']['T_p']:.2f}")
+    else:
+        profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
+                            c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
+                            batch=args.batch, max_rows=args.max_rows)
+    if not args.no_save:
+        print(f"profile saved to {save_profile(profile)}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(profile, f, indent=1)
+    vocab = target.config.vocab_size
+    plan = make_plan(profile, args.k, "auto", "auto", args.max_batch, vocab)
+    print(f"fan_out='auto', saguaro_c='auto', fallback='auto' at K={args.k}: {describe(plan)}")
+    b_star = plan.b_star
+    print(f"fallback='auto': jit for batch < {b_star:.2f}, n-gram from then on"
+          if math.isfinite(b_star) else "fallback='auto': jit at every batch size")
+    print(f"num_speculative_tokens='auto' would pick K={recommended_k(profile, 'jit', vocab)}")
+    return 0

@@ -1,0 +1,257 @@
+"""``saguaro calibrate``: measure a target/draft pair on held-out prompts and store its profile.
+
+What is measured (schema in ``saguaro.calibration.profile``):
+
+1. **Timings** on one core: a target forward over n rows (n = K+1 is a verification) and a draft forward
+   over n rows (a branch step of n rows, or a glue), for n on a grid, on a context of the prompts' mean
+   length; one n-gram proposal. Min over repeats. T_p = K draft steps / verification, T_b = n-gram /
+   verification (Thm 2's symbols).
+2. **Acceptance and hit curves** per temperature, from SSD runs through the real engine with the
+   speculator in this process (``InProcessLink``) and a ``RankRecorder``: one run where every speculation is
+   drafted by the primary (jit fallback, empty cache) and one where every speculation comes from the n-gram
+   backup. For each verified round with outcome (k, t*), the rank of t* among the draft's logits at depth
+   k (the drafted token excluded when k < n) gives p_hit^k(F) = P(rank < F) for every F at once (Thm 13's
+   curves), after a primary and after a backup speculation separately; the uniform-fan-out miss rate is
+   fitted with the power law 1 - p_hit(F) = F^{-r} (Def. 11, ``theory.fit_power_law``).
+3. **Saguaro C sweep** (optional, temperatures > 0): the primary run again with sigma_{F,C} sampling, F from
+   the plan chosen at C = 1, giving a_p(C) and the hit curves under C (the trade-off of Thm 15).
+
+Prompts are held out from the benchmarks, which take their prompts from the start of each set: the last
+HumanEval items and the last MT-Bench questions.
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, dtype_name
+from saguaro.engine.llm_engine import LLMEngine
+from saguaro.engine.metrics import summarize
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.engine.sequence import Sequence
+from saguaro.sampling.params import SamplingParams
+from saguaro.spec.ngram_proposer import NgramProposer
+from saguaro.ssd.decoder import SSDDecoder
+from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.ranks import RankRecord, RankRecorder
+from saguaro.ssd.worker import InProcessLink, WorkerOptions
+from saguaro.theory import fit_power_law
+
+
+def calibration_prompts(tokenizer, n: int) -> list[list[int]]:
+    """``n`` chat prompts: the last HumanEval items and the last MT-Bench questions, alternating."""
+    from saguaro.bench import datasets
+    n_code = (n + 1) // 2
+    code = [f"Complete this Python function:\n\n{p}" for p in datasets.humaneval()[::-1][:n_code]]
+    chat = datasets.mtbench()[::-1][:n - n_code]
+    texts = [t for pair in zip(code, chat) for t in pair] + code[len(chat):]
+    return datasets.as_chat(tokenizer, texts[:n])
+
+
+# -- timings -------------------------------------------------------------------------------------------
+class _RowTimer:
+    """One model over ``context`` cached tokens; ``once(n)`` times a forward over n new rows (all logits)."""
+
+    def __init__(self, model, context: int, max_rows: int, block_size: int = 16):
+        vocab = model.config.vocab_size
+        self.runner = ModelRunner(model, math.ceil((context + max_rows) / block_size) + 1, block_size)
+        self.table: list[int] = []
+        self.runner.blocks.reserve(self.table, context + max_rows)
+        self.tokens = [(101 + 7 * i) % vocab for i in range(context + max_rows)]
+        self.context = context
+        self.runner.forward([ForwardItem(self.tokens[:context], 0, self.table, "none")])
+
+    @torch.inference_mode()
+    def once(self, n: int) -> float:
+        start = time.perf_counter()
+        self.runner.forward([ForwardItem(self.tokens[self.context:self.context + n], self.context, self.table, "all")])
+        return time.perf_counter() - start
+
+
+def monotone(times: dict[str, float]) -> dict[str, float]:
+    """More rows never cost less: replace each time by the least time measured at >= as many rows.
+
+    On a shared machine a load spike inflates single measurements; the lower envelope discards them.
+    """
+    out, best = {}, math.inf
+    for n in sorted(times, key=int, reverse=True):
+        best = min(best, times[n])
+        out[n] = best
+    return {n: out[n] for n in sorted(out, key=int)}
+
+
+def time_rows(models: dict, rows: list[int], context: int, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Per model, seconds for one forward over n new rows after ``context`` tokens: min over ``repeats``
+    interleaved rounds (every model and row count once per round, so slow spells hit all of them)."""
+    timers = {name: _RowTimer(m, context, max(rows)) for name, m in models.items()}
+    raw = {name: {str(n): math.inf for n in rows} for name in models}
+    for _ in range(repeats):
+        for n in rows:
+            for name, timer in timers.items():
+                raw[name][str(n)] = min(raw[name][str(n)], timer.once(n))
+    return raw
+
+
+def time_ngram(prompt: list[int], k: int, repeats: int = 20) -> float:
+    seq = Sequence(prompt, SamplingParams())
+    proposer = NgramProposer()
+    proposer.propose([seq], [k])  # builds the index
+    best = math.inf
+    for i in range(repeats):
+        seq.output_ids.append(prompt[i % len(prompt)])
+        start = time.perf_counter()
+        proposer.propose([seq], [k])
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repeats: int = 5,
+                   prompt: list[int] | None = None) -> dict:
+    rows = sorted(set([n for n in ROW_GRID if n <= max_rows] + [k + 1]))
+    raw = time_rows({"target": target.model, "draft": draft.model}, rows, context, repeats)
+    target_rows, draft_rows = monotone(raw["target"]), monotone(raw["draft"])
+    ngram = time_ngram(prompt or list(range(context)), k)
+    verify, step = target_rows[str(k + 1)], draft_rows["1"]
+    return {"target_rows": target_rows, "draft_rows": draft_rows, "ngram_s": ngram, "verify_s": verify,
+            "draft_step_s": step, "T_p": k * step / verify, "T_b": ngram / verify, "context": context,
+            "repeats": repeats, "raw": raw}
+
+
+# -- ranks ---------------------------------------------------------------------------------------------
+def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingParams], k: int, plan: SpecPlan,
+               max_num_seqs: int = 8, block_size: int = 16, build_branches: bool = False
+               ) -> tuple[list[RankRecord], dict]:
+    """Run SSD over the prompts with the speculator in this process, recording bonus-token ranks.
+
+    ``build_branches=False`` skips decoding the cache (ranks need only the glue's logits)."""
+    max_len = max(len(p) for p in prompts) + max(p.max_tokens for p in params) + 2 * (k + 1)
+    kv_tokens = (max_len + block_size) * max_num_seqs
+    runner = ModelRunner(target.model, math.ceil(kv_tokens / block_size), block_size)
+    dtype = next(draft.model.parameters()).dtype
+    opts = WorkerOptions(k, plan.fan_out(0.0, "p"), plan.fallback_for(1), dtype, "cpu", None, 1, kv_tokens,
+                         block_size, 600.0, 1.0, plan)
+    recorder = RankRecorder(build_branches=build_branches)
+    decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), k, max_len)
+    engine = LLMEngine(runner, target.tokenizer, decoder, max_len, max_num_seqs, 1 << 14)
+    try:
+        seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
+        while engine.has_unfinished:
+            engine.step()
+    finally:
+        engine.close()
+    metrics = summarize([s.spec for s in seqs], True)
+    return recorder.records, {"acceptance": metrics.acceptance_rate, "tokens_per_round": metrics.tokens_per_round,
+                              "acceptance_by_position": metrics.acceptance_by_position, "rounds": metrics.rounds}
+
+
+def _r2(F: np.ndarray, miss: np.ndarray, r: float) -> float:
+    keep = (F > 0) & (miss > 0) & (miss <= 1)
+    lf, lm = np.log(F[keep]), np.log(miss[keep])
+    if lm.size < 2:
+        return 0.0
+    ss_tot = float(np.sum((lm - lm.mean()) ** 2))
+    ss_res = float(np.sum((lm + r * lf) ** 2))
+    return 1.0 - ss_res / ss_tot if ss_tot > 0 else (1.0 if ss_res < 1e-12 else 0.0)
+
+
+def free_power_law(F: np.ndarray, miss: np.ndarray) -> dict:
+    """Ordinary log-log fit miss = A F^{-r} (a prefactor A, unlike Def. 11): its exponent, A and R^2.
+
+    Reported next to Def. 11's r because measured curves sit below 1 at F = 1. A prefactor shared by every
+    depth leaves Thm 12's geometric shape unchanged (it cancels in the Lagrange conditions)."""
+    keep = (F > 0) & (miss > 0) & (miss <= 1)
+    if keep.sum() < 2:
+        return {"r_free": None, "prefactor": None, "r2_free": 0.0}
+    lf, lm = np.log(F[keep]), np.log(miss[keep])
+    slope, intercept = np.polyfit(lf, lm, 1)
+    ss_tot = float(np.sum((lm - lm.mean()) ** 2))
+    r2 = 1.0 - float(np.sum((lm - slope * lf - intercept) ** 2)) / ss_tot if ss_tot > 0 else 1.0
+    return {"r_free": float(-slope), "prefactor": float(np.exp(intercept)), "r2_free": r2}
+
+
+def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) -> dict:
+    """A profile SOURCE entry from one run's rank records (see ``saguaro.calibration.profile``)."""
+    ranked = [r for r in records if r.rank >= 0]
+    depth = np.array([r.accepted if r.accepted < r.drafted else k for r in ranked], dtype=int)
+    ranks = np.array([r.rank for r in ranked], dtype=int)
+    grid = np.arange(F_MAX + 1)
+
+    def curve(sel: np.ndarray) -> list[float]:
+        return (ranks[sel][:, None] < grid[None, :]).mean(axis=0).tolist() if sel.any() else None
+
+    pooled = curve(np.ones(len(ranks), dtype=bool)) if len(ranks) else [0.0] + [1.0] * F_MAX
+    curves = [curve(depth == d) or pooled for d in range(k + 1)]
+    miss = 1.0 - np.asarray(pooled)
+    try:
+        r = fit_power_law(grid[1:], miss[1:])
+        r2 = _r2(grid[1:].astype(float), miss[1:], r)
+    except ValueError:  # no miss at any F >= 1
+        r, r2 = None, 0.0
+    free = free_power_law(grid[1:].astype(float), miss[1:])
+    full = [rec for rec in records if rec.drafted == k]
+    pmf = np.bincount([rec.accepted for rec in full], minlength=k + 1)[:k + 1] / max(len(full), 1)
+    drafted = sum(rec.drafted for rec in records)
+    accepted = sum(rec.accepted for rec in records)
+    return {"rounds": len(records), "ranked_rounds": len(ranked),
+            "acceptance": accepted / drafted if drafted else 0.0,
+            "acceptance_by_position": engine_metrics.get("acceptance_by_position", []),
+            "tokens_per_round": (accepted + len(records)) / max(len(records), 1),
+            "outcome_pmf": pmf.tolist(), "hit_curves": curves, "miss_uniform": miss.tolist(),
+            "r": r, "r2": r2, "power_law": bool(r is not None and r > 0 and r2 >= POWER_LAW_R2), **free}
+
+
+def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens, batch, plan=None) -> dict:
+    plan = plan or SpecPlan.fixed([0] * (k + 1), 1.0, "jit" if source == "primary" else "ngram")
+    params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
+              for i in range(len(prompts))]
+    records, metrics = run_ranked(target, draft, prompts, params, k, plan, batch)
+    return summarize_source([r for r in records if r.source == ("p" if source == "primary" else "b")], k, metrics)
+
+
+def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0, 1.0), c_values=(),
+              prompts: int = 8, max_tokens: int = 64, batch: int = 8, max_rows: int = 64,
+              prompt_ids: list[list[int]] | None = None, log: Callable[[str], None] = print) -> dict:
+    """Measure the pair (``LoadedModel``s, already on their device and dtype) and return its profile."""
+    from saguaro.calibration.policy import make_plan
+    start = time.perf_counter()
+    prompt_ids = prompt_ids or calibration_prompts(target.tokenizer, prompts)
+    context = int(np.mean([len(p) for p in prompt_ids]))
+    log(f"calibrating {target.name} / {draft.name} ({dtype_name(dtype)}), K={k}, {len(prompt_ids)} prompts, "
+        f"{max_tokens} tokens each, temperatures {list(temperatures)}")
+    timing = measure_timing(target, draft, k, context, max_rows, prompt=prompt_ids[0])
+    log(f"  timing: verify(K+1) {timing['verify_s'] * 1e3:.1f} ms, draft step {timing['draft_step_s'] * 1e3:.1f} ms, "
+        f"T_p {timing['T_p']:.2f}, T_b {timing['T_b']:.4f}")
+    profile = {"version": PROFILE_VERSION, "target": target.name, "draft": draft.name, "dtype": dtype_name(dtype),
+               "k": k, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
+               "settings": {"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
+                            "temperatures": list(temperatures), "c_values": list(c_values),
+                            "threads": torch.get_num_threads(), "torch": torch.__version__},
+               "timing": timing, "temperatures": {}}
+    for t in temperatures:
+        entry = {}
+        for source in ("primary", "backup"):
+            entry[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch)
+            s = entry[source]
+            log(f"  T={t} {source}: acceptance {s['acceptance']:.3f}, {s['rounds']} rounds, "
+                f"p_hit(F=1) {1 - s['miss_uniform'][1]:.2f}, r {s['r'] if s['r'] is None else round(s['r'], 3)} "
+                f"(R^2 {s['r2']:.2f})")
+        entry["c_sweep"] = []
+        profile["temperatures"][str(float(t))] = entry
+    vocab = target.config.vocab_size
+    for t in [t for t in temperatures if t > 0]:
+        key = str(float(t))
+        for c in [c for c in c_values if c < 1.0]:
+            plan = make_plan({**profile, "temperatures": {key: profile["temperatures"][key]}}, k, 1.0, "jit", 1, vocab)
+            reweight = plan.primary[0][0]
+            s = _source_run(target, draft, prompt_ids, t, k, "primary", max_tokens, batch,
+                            SpecPlan.fixed(reweight, c, "jit"))
+            s.update(c=float(c), fan_out=reweight)
+            profile["temperatures"][key]["c_sweep"].append(s)
+            log(f"  T={t} C={c}: acceptance {s['acceptance']:.3f}, p_hit(F=1) {1 - s['miss_uniform'][1]:.2f} "
+                f"(sigma_F,C with F={reweight})")
+    profile["settings"]["seconds"] = round(time.perf_counter() - start, 1)
+    return profile

@@ -1,0 +1,260 @@
+"""From a calibration profile to the engine's choices: fan-outs, budget, C, K and b* (paper Sec. 4).
+
+Per temperature and batch size b, for each candidate per-sequence branch budget B:
+
+* **Timing** (profile, seconds): a verification of the batch takes t_v = target(b (K+1) rows); the build
+  glues the speculation (draft(b (K+1) rows)) and then runs branch steps of b B rows each. The speculator
+  always runs one step and starts another only while the verification is still running, so a cached
+  speculation has L = min(K, max(1, ceil((t_v - t_glue) / t_step))) tokens, and a hit round lasts
+  max(t_v, t_glue + L t_step).
+* **Fan-out** for a speculation of length L (depths 0..L-1 and the all-accepted depth, which the engine
+  stores at index K): Thm 12's geometric series (``theory.integer_geometric_fanout``) when the measured
+  miss curve follows a power law (R^2 >= ``POWER_LAW_R2``), else Thm 13's optimum on the empirical per-depth
+  curves (``theory.optimal_fanout``). Lists are chosen separately after a primary and after a backup
+  speculation (F^p, F^b), each from its own curves and acceptance.
+* **Hit rates**: p_hit,p = sum_k P(k) p_hit^k(F_k) (Appendix A, proof of Thm 13); with the fast backup,
+  p_hit,b likewise and the stationary p_hit = p_hit,b / (1 + p_hit,b - p_hit,p) (Thm 2); with the jit
+  fallback every speculation is the primary's, so p_hit = p_hit,p.
+* **Speedup**: Cor. 17 (``theory.ssd_speedup_batch``) with E_hit = E(a_p, L), E_miss = E(a_p, K) (jit) or the
+  backup's measured tokens per round, T_p = hit-round time / t_v, T_b = miss drafting time / t_v.
+
+B is the budget with the best predicted speedup (the paper's B, "what the draft can finish during one
+verification", is the special case where L = K fits). C (Def. 14) is the calibrated value with the best
+predicted speedup (greedy: 1); K ("auto") the one with the best predicted speedup at b = 1; and b* comes
+from ``theory.critical_batch_size`` (Thm 18) with the jit and n-gram options' measured quantities.
+"""
+from __future__ import annotations
+
+import logging
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+
+from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, default_profile, load_profile
+from saguaro.ssd.plan import SpecPlan
+from saguaro.theory import (critical_batch_size, choose_fallback, expected_tokens, fanout_objective,
+                            integer_geometric_fanout, optimal_fanout, ssd_speedup_batch, unconditional_hit_rate)
+
+log = logging.getLogger("saguaro.calibration")
+BUDGETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64)
+
+
+def rows_time(table: dict, n: float) -> float:
+    """Seconds for a forward over ``n`` rows: piecewise-linear in the measured points, linear beyond them."""
+    pts = sorted((int(k), float(v)) for k, v in table.items())
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    if n <= xs[0] or len(xs) == 1:
+        return ys[0]
+    if n >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(slope, 0.0) * (n - xs[-1])
+    return float(np.interp(n, xs, ys))
+
+
+def depth_curves(source: dict, k: int) -> list[np.ndarray]:
+    """Hit curves for depths 0..k (index k = all accepted) from a profile calibrated at any K."""
+    stored = [np.asarray(c, dtype=float) for c in source["hit_curves"]]
+    kc = len(stored) - 1
+    return [stored[min(d, kc - 1)] for d in range(k)] + [stored[kc]]
+
+
+def fan_out_for_budget(source: dict, length: int, k: int, budget: int, vocab: int) -> tuple[list[int], str]:
+    """F_0..F_K for speculations of ``length`` tokens: Thm 12 if the power law fits, else Thm 13."""
+    a = float(source["acceptance"])
+    curves = depth_curves(source, k)
+    caps = [min(vocab - 1, F_MAX)] * length + [min(vocab, F_MAX)]
+    sub = [curves[d][:caps[i] + 1] for i, d in enumerate(list(range(length)) + [k])]
+    budget = int(min(budget, sum(caps)))
+    r = source.get("r")
+    if source.get("power_law") and 0.0 < a < 1.0 and r and r > 0:
+        f = integer_geometric_fanout(a, r, length, budget, max_fanout=caps)
+        method = "thm12-geometric"
+    else:
+        f = optimal_fanout(sub, budget, a=a)
+        method = "thm13-empirical"
+    f = [int(x) for x in f]
+    return f[:length] + [0] * (k - length) + [f[length]], method
+
+
+def hit_rate(source: dict, fan_out: list[int], length: int) -> float:
+    """p_hit = sum_k P(k) p_hit^k(F_k) for speculations of ``length`` tokens (Appendix A)."""
+    k = len(fan_out) - 1
+    curves = depth_curves(source, k)
+    depths = list(range(length)) + [k]
+    sub = [curves[d] for d in depths]
+    f = [min(fan_out[d], len(c) - 1) for d, c in zip(depths, sub)]
+    return min(1.0, max(0.0, fanout_objective(f, float(source["acceptance"]), hit_curves=sub)))  # float round-off
+
+
+@dataclass
+class Choice:
+    """The predicted best configuration at one (temperature, batch size, fallback)."""
+    batch: int
+    fallback: str  # "jit" or "fast"
+    budget: int
+    steps: int  # L, tokens in a cached speculation
+    primary: list[int]
+    backup: list[int]
+    method: str
+    p_hit_p: float
+    p_hit_b: float
+    p_hit: float
+    e_hit: float
+    e_miss: float
+    t_hit: float  # hit-round time / verification (T_p of Thm 2)
+    t_miss: float  # miss drafting time / verification (T_b)
+    verify_s: float
+    speedup: float  # Cor. 17, tokens per verification time
+    tok_s: float  # predicted per-sequence tokens per second
+    speedup_vs_ar: float
+
+
+def _steps(timing: dict, k: int, batch: int, rows: int) -> tuple[int, float, float]:
+    """(L, hit-round time / t_v, t_v) when each branch step decodes ``rows`` rows per sequence."""
+    t_v = rows_time(timing["target_rows"], batch * (k + 1))
+    t_glue = rows_time(timing["draft_rows"], batch * (k + 1))
+    t_step = rows_time(timing["draft_rows"], batch * max(rows, 1))
+    steps = k if t_step <= 0 else min(k, max(1, math.ceil((t_v - t_glue) / t_step)))
+    return steps, (t_glue + steps * t_step) / t_v, t_v
+
+
+def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, steps: int, t_hit: float, t_v: float,
+            f_p: list[int], f_b: list[int], fallback: str, method: str = "given") -> Choice:
+    """Thm 2 / Cor. 17 prediction for given fan-outs (see module doc); ``fallback`` is "jit" or "fast"."""
+    timing = profile["timing"]
+    primary, backup = entry["primary"], entry["backup"]
+    p_p = hit_rate(primary, f_p, steps)
+    p_b = hit_rate(backup, f_b, k)
+    a_p = float(primary["acceptance"])
+    e_hit = float(expected_tokens(a_p, steps))
+    if fallback == "jit":
+        e_miss = float(expected_tokens(a_p, k))
+        t_miss = (rows_time(timing["draft_rows"], 2 * batch) + (k - 1) * rows_time(timing["draft_rows"], batch)) / t_v
+        p_hit = p_p
+    else:
+        e_miss = float(backup.get("tokens_per_round") or expected_tokens(float(backup["acceptance"]), k))
+        t_miss = batch * float(timing.get("ngram_s", 0.0)) / t_v
+        p_hit = float(unconditional_hit_rate(p_p, p_b)) if abs(p_p - p_b) < 1 else p_p
+    speedup = float(ssd_speedup_batch(p_hit, e_hit, e_miss, t_hit, t_miss, batch))
+    tok_s = speedup / t_v
+    return Choice(batch, fallback, budget, steps, list(f_p), list(f_b), method, p_p, p_b, p_hit, e_hit, e_miss,
+                  t_hit, t_miss, t_v, speedup, tok_s, tok_s * rows_time(timing["target_rows"], batch))
+
+
+def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallback: str, vocab: int) -> Choice:
+    """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "fast" fallback (see module doc)."""
+    steps, t_hit, t_v = _steps(profile["timing"], k, batch, budget)
+    f_p, method = fan_out_for_budget(entry["primary"], steps, k, budget, vocab)
+    f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab)
+    return predict(profile, entry, k, batch, budget, steps, t_hit, t_v, f_p, f_b, fallback, method)
+
+
+def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: list[int], f_b: list[int],
+                  fallback: str, c: float = 1.0) -> Choice:
+    """Prediction for explicit fan-out lists at the nearest calibrated temperature (for measured-vs-theory)."""
+    key = min(profile["temperatures"], key=lambda t: abs(float(t) - temperature))
+    entry = _entry_with_c(profile["temperatures"][key], c)
+    budget = max(sum(f_p), sum(f_b))
+    steps, t_hit, t_v = _steps(profile["timing"], k, batch, sum(f_p))
+    return predict(profile, entry, k, batch, budget, steps, t_hit, t_v, f_p, f_b, fallback)
+
+
+def best_choice(profile: dict, entry: dict, k: int, batch: int, fallback: str, vocab: int) -> Choice:
+    """The budget B with the best predicted speedup."""
+    return max((evaluate(profile, entry, k, batch, b, fallback, vocab) for b in BUDGETS), key=lambda c: c.speedup)
+
+
+def _entry_with_c(entry: dict, c: float) -> dict:
+    """The temperature entry whose primary source is the one calibrated at the C nearest to ``c``."""
+    options = [(1.0, entry["primary"])] + [(float(s["c"]), s) for s in entry.get("c_sweep", [])]
+    nearest = min(options, key=lambda o: abs(o[0] - c))[1]
+    return entry if nearest is entry["primary"] else {**entry, "primary": nearest}
+
+
+def calibrated_cs(entry: dict) -> list[float]:
+    return [1.0] + sorted(float(s["c"]) for s in entry.get("c_sweep", []))
+
+
+def choose_c(profile: dict, temperature: str, k: int, fallback: str, vocab: int) -> float:
+    """The calibrated C with the best predicted speedup at b = 1 (1 when no C < 1 was calibrated or greedy)."""
+    entry = profile["temperatures"][temperature]
+    if float(temperature) <= 0:
+        return 1.0
+    return max(calibrated_cs(entry),
+               key=lambda c: best_choice(profile, _entry_with_c(entry, c), k, 1, fallback, vocab).speedup)
+
+
+def critical_batch(profile: dict, temperature: str, k: int, vocab: int, c: float = 1.0) -> tuple[float, dict]:
+    """Thm 18's b* (jit below, n-gram at or above) from the jit option's b = 1 prediction."""
+    entry = _entry_with_c(profile["temperatures"][temperature], c)
+    jit = best_choice(profile, entry, k, 1, "jit", vocab)
+    fast = best_choice(profile, entry, k, 1, "fast", vocab)
+    args = dict(p_hit=jit.p_hit, E_hit=jit.e_hit, T_p=jit.t_hit, E_miss_fast=fast.e_miss, T_fast=fast.t_miss,
+                E_miss_jit=jit.e_miss, T_jit=jit.t_miss)
+    try:
+        b_star = critical_batch_size(**args)
+    except ValueError:  # no threshold of the form "jit below b*": decide once
+        b_star = math.inf if choose_fallback(1, **args) == "jit" else 0.0
+    return float(b_star), args
+
+
+def sd_tokens_per_s(profile: dict, entry: dict, k: int) -> float:
+    """SD at b = 1: E(a_p, K) tokens per (K draft steps + one verification over K+1 rows)."""
+    timing = profile["timing"]
+    t = rows_time(timing["target_rows"], k + 1) + k * rows_time(timing["draft_rows"], 1)
+    return float(expected_tokens(float(entry["primary"]["acceptance"]), k)) / t
+
+
+def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9), mode: str = "ssd") -> int:
+    """K with the best predicted speed at b = 1 (SSD: Cor. 17 per K; SD: E / (1 + T_SD)), summed over the
+    calibrated temperatures."""
+    kind = "jit" if fallback in ("jit", "auto") else "fast"
+    entries = list(profile["temperatures"].values())
+    if mode == "sd":
+        return max(ks, key=lambda k: sum(sd_tokens_per_s(profile, e, k) for e in entries))
+    return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab).tok_s for e in entries))
+
+
+def resolve_profile(target: str, draft: str, dtype, k: int) -> dict:
+    """The stored profile, or the documented defaults (logged)."""
+    profile = load_profile(target, draft, dtype)
+    if profile is None:
+        log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
+                    "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)
+        profile = default_profile(target, draft, dtype, k)
+    return profile
+
+
+def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_batch: int, vocab: int) -> SpecPlan:
+    """The engine's plan for ``fan_out="auto"``: per temperature C, per batch size F^p and F^b, and b*."""
+    temps = sorted(profile["temperatures"], key=float)
+    cs = [choose_c(profile, t, k, "jit" if fallback in ("jit", "auto") else "fast", vocab) if c_setting == "auto"
+          else float(c_setting) for t in temps]  # greedy rows ignore C
+    b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0]) if fallback == "auto" else (math.inf, {})
+    primary, backup, notes = [], [], {"default_profile": bool(profile.get("default")), "b_star": b_star,
+                                      "thm18_inputs": thm18, "temperatures": {}}
+    for t, c in zip(temps, cs):
+        entry = _entry_with_c(profile["temperatures"][t], c)
+        p_table, b_table = [], []
+        for b in range(1, max_batch + 1):
+            kind = {"jit": "jit", "auto": "jit" if b < b_star else "fast"}.get(fallback, "fast")
+            choice = best_choice(profile, entry, k, b, kind, vocab)
+            p_table.append(choice.primary)
+            b_table.append(choice.backup)
+            if b == 1:
+                notes["temperatures"][t] = {"c": c, **asdict(choice)}
+        primary.append(p_table)
+        backup.append(b_table)
+    return SpecPlan(k, [float(t) for t in temps], primary, backup, cs, fallback, b_star, notes)
+
+
+def describe(plan: SpecPlan) -> str:
+    parts = []
+    for t, n in plan.notes.get("temperatures", {}).items():
+        parts.append(f"T={t}: F^p={n['primary']} F^b={n['backup']} (B={n['budget']}, L={n['steps']}, {n['method']}, "
+                     f"p_hit,p={n['p_hit_p']:.2f}, p_hit,b={n['p_hit_b']:.2f}, C={n['c']:.2f}, "
+                     f"predicted {n['speedup_vs_ar']:.2f}x AR)")
+    if plan.fallback == "auto":
+        parts.append(f"b*={plan.b_star:.2f}")
+    return "; ".join(parts)

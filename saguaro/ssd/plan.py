@@ -1,0 +1,67 @@
+"""The speculator's plan: fan-outs, Saguaro C and the cache-miss fallback, looked up per round.
+
+A ``SpecPlan`` is computed once by the engine (``saguaro.calibration.policy.make_plan`` from a calibration
+profile, or ``SpecPlan.fixed`` from an explicit ``fan_out`` list) and shipped to the speculator process.
+Every round the speculator asks it, per sequence:
+
+* ``fan_out(temperature, source, batch)`` -- F_0..F_K for building the cache of a speculation that was
+  produced by the primary draft (``source="p"``: a cache hit or just-in-time drafting) or by the fast
+  backup (``"b"``: n-gram / random), at the current batch size. Separate lists per source are the paper's
+  F^p_k and F^b_k (Thm 12 / Thm 13); per batch size because the branch budget B is shared by the batch.
+* ``c(temperature)`` -- the Saguaro sampling constant (Def. 14) for that temperature.
+* ``fallback_for(batch)`` -- "jit" below the critical batch size b* and "ngram" at or above it when the
+  fallback is "auto" (Thm 18); the configured fallback otherwise.
+
+Temperatures are matched to the nearest calibrated one (greedy is temperature 0).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecPlan:
+    k: int
+    temperatures: list[float]  # sorted calibrated temperatures
+    primary: list[list[list[int]]]  # [temperature index][batch - 1] -> F_0..F_K after a primary speculation
+    backup: list[list[list[int]]]  # same, after a backup speculation
+    c: list[float]  # Saguaro C per temperature
+    fallback: str = "jit"  # "jit" | "ngram" | "random" | "auto"
+    b_star: float = math.inf  # "auto": jit for batch < b_star, n-gram otherwise
+    notes: dict = field(default_factory=dict)  # how the plan was chosen (for logs and reports)
+
+    def __post_init__(self) -> None:
+        if self.fallback not in ("jit", "ngram", "random", "auto"):
+            raise ValueError(f"unknown fallback {self.fallback!r}")
+        n = len(self.temperatures)
+        if not n or len(self.primary) != n or len(self.backup) != n or len(self.c) != n:
+            raise ValueError("a plan needs one fan-out table and one C per temperature")
+        for table in self.primary + self.backup:
+            if not table or any(len(f) != self.k + 1 or min(f) < 0 for f in table):
+                raise ValueError(f"every fan-out list needs K+1 = {self.k + 1} non-negative entries")
+        if any(not 0.0 <= c <= 1.0 for c in self.c):
+            raise ValueError(f"Saguaro C must lie in [0, 1], got {self.c}")
+
+    @classmethod
+    def fixed(cls, fan_out: list[int], c: float = 1.0, fallback: str = "jit", b_star: float = math.inf) -> "SpecPlan":
+        """One fan-out list for every temperature, source and batch size (the explicit ``fan_out=[...]``)."""
+        return cls(len(fan_out) - 1, [0.0], [[list(fan_out)]], [[list(fan_out)]], [float(c)], fallback, b_star)
+
+    def _index(self, temperature: float) -> int:
+        return min(range(len(self.temperatures)), key=lambda i: abs(self.temperatures[i] - temperature))
+
+    def fan_out(self, temperature: float, source: str, batch: int = 1) -> list[int]:
+        table = (self.primary if source == "p" else self.backup)[self._index(temperature)]
+        return table[max(1, min(batch, len(table))) - 1]
+
+    def c_for(self, temperature: float) -> float:
+        return self.c[self._index(temperature)]
+
+    def fallback_for(self, batch: int) -> str:
+        if self.fallback != "auto":
+            return self.fallback
+        return "jit" if batch < self.b_star else "ngram"
+
+    def max_fan_out(self) -> int:
+        return max(max(f) for table in self.primary + self.backup for f in table)

@@ -1,0 +1,91 @@
+"""Calibration: bonus-token ranks predict cache hits exactly, the profile's contents, and its storage."""
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from saguaro import SamplingParams
+from saguaro.calibration import default_profile, load_profile, profile_path, save_profile
+from saguaro.calibration.measure import calibrate, run_ranked, summarize_source
+from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.ranks import RankRecorder
+from tests.tiny import perturbed, tiny_model
+
+PROMPTS = [[3, 7, 1], [5, 9, 13, 17, 21], [2, 2, 8, 40, 11], [60, 1, 5, 30]]
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(seed=3, vocab=64, layers=2, sharpness=2.5)
+    return target, perturbed(target, noise=0.15)
+
+
+def test_rank_excludes_the_drafted_token():
+    rec = RankRecorder()
+    rec.remember(0, torch.tensor([[5.0, 4.0, 3.0, 2.0], [1.0, 2.0, 3.0, 4.0]]), [0])
+    rec.observe(0, "p", 1, 0, 2, 1.0)  # rejected at depth 0: token 0 (drafted) does not count -> rank 1
+    rec.remember(0, torch.tensor([[5.0, 4.0, 3.0, 2.0], [1.0, 2.0, 3.0, 4.0]]), [0])
+    rec.observe(0, "p", 1, 1, 2, 1.0)  # all accepted: depth 1, tokens 3 is above 2 -> rank 1
+    rec.observe(0, "p", 1, 1, 2, 1.0)  # nothing remembered -> -1
+    assert [r.rank for r in rec.records] == [1, 1, -1]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_ranks_predict_the_engine_cache_hits(pair, temperature):
+    """hit at fan-out F iff rank < F: checked against the speculation cache's own answer, every round."""
+    fan_out = [2, 1, 1, 3]
+    params = [SamplingParams(temperature=temperature, max_tokens=20, seed=i, ignore_eos=True) for i in range(4)]
+    records, _ = run_ranked(pair[0], pair[1], PROMPTS, params, 3, SpecPlan.fixed(fan_out), 4, 4,
+                             build_branches=True)
+    checked = [r for r in records if r.rank >= 0 and r.hit is not None]
+    assert len(checked) > 20
+    for r in checked:
+        depth = r.accepted if r.accepted < r.drafted else 3
+        assert r.hit == (r.rank < fan_out[depth]), r
+    assert any(r.hit for r in checked) and not all(r.hit for r in checked)
+
+
+def test_summarize_source_curves():
+    from saguaro.ssd.ranks import RankRecord
+    records = [RankRecord("p", 2, k, rank, 1.0) for k, rank in [(0, 0), (0, 3), (1, 1), (2, 0), (2, 5), (2, 70)]]
+    s = summarize_source(records, 2, {})
+    curves = np.array(s["hit_curves"])
+    assert curves.shape == (3, 65) and np.all(np.diff(curves, axis=1) >= 0) and np.all(curves[:, 0] == 0)
+    assert curves[0, 1] == 0.5 and curves[0, 4] == 1.0 and curves[2, 1] == pytest.approx(1 / 3)
+    assert s["acceptance"] == pytest.approx(7 / 12) and s["outcome_pmf"] == pytest.approx([1 / 3, 1 / 6, 1 / 2])
+    assert s["miss_uniform"][64] == pytest.approx(1 / 6)  # rank 70 misses at every stored fan-out
+
+
+def test_calibrate_tiny_pair_and_store(pair, tmp_path, monkeypatch):
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    profile = calibrate(pair[0], pair[1], dtype="float32", k=3, temperatures=(0.0, 1.0), c_values=(0.3,),
+                        max_tokens=16, batch=4, max_rows=8, prompt_ids=PROMPTS, log=lambda s: None)
+    timing = profile["timing"]
+    assert timing["verify_s"] > 0 and timing["draft_step_s"] > 0 and set(timing["draft_rows"]) >= {"1", "4", "8"}
+    for t in ("0.0", "1.0"):
+        for source in ("primary", "backup"):
+            s = profile["temperatures"][t][source]
+            assert 0 <= s["acceptance"] <= 1 and s["rounds"] > 0 and s["ranked_rounds"] > 0
+            assert len(s["hit_curves"]) == 4 and sum(s["outcome_pmf"]) == pytest.approx(1.0)
+            assert all(np.all(np.diff(c) >= 0) for c in s["hit_curves"])
+    sweep = profile["temperatures"]["1.0"]["c_sweep"]
+    assert len(sweep) == 1 and sweep[0]["c"] == 0.3 and len(sweep[0]["fan_out"]) == 4
+    assert profile["temperatures"]["0.0"]["c_sweep"] == []  # greedy rows ignore C
+    path = save_profile(profile)
+    assert path == profile_path(pair[0].name, pair[1].name, "float32") and path.parent == tmp_path / "profiles"
+    assert load_profile(pair[0].name, pair[1].name, "fp32") == json.loads(json.dumps(profile))
+
+
+def test_missing_or_stale_profile_reads_as_none(tmp_path, monkeypatch):
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    assert load_profile("a", "b", "bfloat16") is None
+    profile = default_profile("a", "b", "bfloat16", 4)
+    assert profile["default"] and len(profile["temperatures"]["1.0"]["primary"]["hit_curves"]) == 5
+    profile["version"] = 0
+    save_profile(profile)
+    assert load_profile("a", "b", "bfloat16") is None
+    profile_path("a", "b", "bfloat16").write_text("{not json")
+    assert load_profile("a", "b", "bf16") is None
+    assert math.isclose(default_profile("a", "b", "bf16", 2)["timing"]["target_rows"]["3"], 1.0)

@@ -1,0 +1,145 @@
+"""fan_out / saguaro_c / fallback / K = "auto": choices from a profile (Thm 12, 13, 18) and their wiring."""
+import logging
+import math
+
+import numpy as np
+import pytest
+
+from saguaro import LLM, SamplingParams
+from saguaro.calibration import default_profile, save_profile
+from saguaro.calibration.policy import (best_choice, critical_batch, evaluate, fan_out_for_budget, make_plan,
+                                        recommended_k, rows_time)
+from saguaro.engine.model_runner import ModelRunner
+from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
+from saguaro.ssd.speculator import AsyncSpeculator
+from saguaro.theory import critical_batch_size, integer_geometric_fanout, optimal_fanout
+from tests.tiny import tiny_model, truncated
+
+VOCAB = 151936
+
+
+def _empirical(profile: dict) -> dict:
+    """Replace the power-law curves with a saturating, non-power-law curve (forces Thm 13)."""
+    f = np.arange(65)
+    curve = np.where(f > 0, 0.9 - 0.5 * 0.5 ** f, 0.0)
+    for entry in profile["temperatures"].values():
+        for source in ("primary", "backup"):
+            s = entry[source]
+            s.update(hit_curves=[curve.tolist()] * len(s["hit_curves"]), power_law=False, r2=0.3)
+    return profile
+
+
+def test_rows_time_interpolates_and_extrapolates():
+    table = {"1": 1.0, "4": 1.3, "8": 2.1}
+    assert rows_time(table, 1) == 1.0 and rows_time(table, 2) == pytest.approx(1.1)
+    assert rows_time(table, 16) == pytest.approx(2.1 + 0.2 * 8)
+
+
+def test_geometric_when_the_power_law_fits():
+    source = default_profile("a", "b", "bf16", 4)["temperatures"]["1.0"]["primary"]
+    f, method = fan_out_for_budget(source, 4, 4, 24, VOCAB)
+    assert method == "thm12-geometric" and sum(f) == 24
+    assert f == integer_geometric_fanout(source["acceptance"], source["r"], 4, 24, max_fanout=[64] * 5).tolist()
+    f, _ = fan_out_for_budget(source, 2, 4, 10, VOCAB)  # speculations of 2 tokens: depths 0, 1 and "all" at K
+    assert f[2:4] == [0, 0] and sum(f) == 10
+
+
+def test_empirical_curves_use_thm13():
+    source = _empirical(default_profile("a", "b", "bf16", 3))["temperatures"]["1.0"]["primary"]
+    f, method = fan_out_for_budget(source, 3, 3, 9, VOCAB)
+    curves = [np.asarray(c) for c in source["hit_curves"]]
+    assert method == "thm13-empirical" and f == optimal_fanout(curves, 9, a=source["acceptance"]).tolist()
+
+
+def test_budget_choice_is_the_best_prediction():
+    profile = default_profile("a", "b", "bf16", 4)
+    entry = profile["temperatures"]["0.0"]
+    best = best_choice(profile, entry, 4, 1, "jit", VOCAB)
+    for budget in (1, 4, 16, 64):
+        assert evaluate(profile, entry, 4, 1, budget, "jit", VOCAB).speedup <= best.speedup + 1e-12
+    assert best.steps >= 1 and sum(best.primary) <= best.budget
+
+
+def test_critical_batch_size_is_thm18_on_the_measured_inputs():
+    profile = default_profile("a", "b", "bf16", 4)
+    profile["timing"]["ngram_s"] = 0.001
+    for t in profile["temperatures"].values():
+        t["backup"]["tokens_per_round"] = 1.3
+    b_star, args = critical_batch(profile, "0.0", 4, VOCAB)
+    try:
+        want = critical_batch_size(**args)
+    except ValueError:
+        want = None
+    assert want is None or math.isclose(b_star, want)
+
+
+def test_plan_tables_and_c():
+    profile = default_profile("a", "b", "bf16", 2)
+    sweep = dict(profile["temperatures"]["1.0"]["primary"], c=0.5, acceptance=0.74)
+    profile["temperatures"]["1.0"] = dict(profile["temperatures"]["1.0"], c_sweep=[sweep])
+    plan = make_plan(profile, 2, "auto", "auto", 4, VOCAB)
+    assert plan.temperatures == [0.0, 1.0] and plan.c[0] == 1.0 and plan.c[1] in (1.0, 0.5)
+    assert all(len(t) == 4 for t in plan.primary + plan.backup)
+    assert plan.notes["b_star"] == plan.b_star
+    fixed = make_plan(profile, 2, 0.3, "jit", 2, VOCAB)
+    assert fixed.c == [0.3, 0.3] and fixed.b_star == math.inf
+    assert 1 <= recommended_k(profile) <= 8
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = tiny_model(seed=3, layers=3, sharpness=3.0)
+    return target, truncated(target, 1)
+
+
+def test_auto_fallback_switches_with_batch_size_and_uses_backup_fan_out(pair, caplog):
+    plan = SpecPlan(2, [0.0], [[[1, 1, 1]]], [[[0, 0, 3]]], [1.0], "auto", b_star=2.5)
+    spec = AsyncSpeculator(ModelRunner(pair[1].model, 512, 4), 2, plan)
+    greedy = SamplingParams()
+    adm = [Admission(i, [3, 7, 1 + i], greedy, 0) for i in range(3)]
+    with caplog.at_level(logging.INFO, logger="saguaro.ssd"):
+        rows = spec.respond(RoundRequest([], adm[:2], [], [0, 1])).rows  # batch 2 < b*: just in time
+        assert not any(r.point_mass for r in rows) and spec.fallback == "jit"
+        spec.build()
+        outs = [Outcome(i, 0, 63) for i in range(2)]  # unlikely outcomes: misses
+        rows = spec.respond(RoundRequest(outs, adm[2:], [], [0, 1, 2])).rows  # batch 3 >= b*: n-gram
+        assert all(r.point_mass for r in rows) and spec.fallback == "ngram"
+        spec.build()
+        keys = spec.cache._entries
+        assert keys and all(k == len(spec.sent[seq]) for seq, k, _ in keys)  # F^b: only the all-accepted depth
+        outs = [Outcome(i, 0, 63) for i in range(2)]
+        rows = spec.respond(RoundRequest(outs, [], [2], [0, 1])).rows  # back to batch 2
+        assert spec.fallback == "jit" and not any(r.point_mass for r in rows)
+    assert spec.fallback_switches == [(3, "ngram"), (2, "jit")]
+    assert sum("fallback jit -> ngram" in r.message for r in caplog.records) == 1
+    spec.close()
+
+
+PROMPTS = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7]]
+
+
+def test_engine_auto_settings_with_and_without_a_profile(pair, tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    with LLM(pair[0], block_size=4) as ar:
+        want = [o.token_ids for o in ar.generate(PROMPTS, SamplingParams(max_tokens=16))]
+    opts = dict(mode="ssd", fan_out="auto", fallback="auto", saguaro_c="auto", block_size=4, max_num_seqs=4)
+    with caplog.at_level(logging.INFO):
+        with LLM(target=pair[0], draft=pair[1], num_speculative_tokens=3, **opts) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=16))] == want
+            plan = llm.engine.decoder.plan
+    assert any("no calibration profile" in r.message for r in caplog.records)
+    assert plan.notes["default_profile"] and len(plan.primary[0]) == 4 and plan.k == 3
+    profile = _empirical(default_profile(pair[0].name, pair[1].name, "float32", 3))
+    profile.pop("default")
+    save_profile(profile)
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        with LLM(target=pair[0], draft=pair[1], num_speculative_tokens="auto", **opts) as llm:
+            out = llm.generate(PROMPTS, SamplingParams(max_tokens=16))
+            plan = llm.engine.decoder.plan
+            k = llm.config.num_speculative_tokens
+    assert [o.token_ids for o in out] == want
+    assert not any("no calibration profile" in r.message for r in caplog.records)
+    assert isinstance(k, int) and plan.k == k and not plan.notes["default_profile"]
+    assert plan.notes["temperatures"]["0.0"]["method"] == "thm13-empirical"
