@@ -4,6 +4,11 @@ Callers describe each sequence's slice of a forward pass as a ``ForwardItem`` (n
 where they start, the sequence's block table, which logits they want). The runner turns
 those into flat input ids, positions and attention metadata, runs the model once, and
 hands back float32 logits per item. Target and draft each own one runner.
+
+With ``fast=True`` (``Config.compile``) a bf16 model on a CPU with AVX512-BF16 runs through
+``FastCausalLM`` (packed weights, C++ kernels; see saguaro/models/fast_forward.py) instead
+of the eager module; anything else (fp32, other CPUs) stays eager, so fp32 results are
+exactly the eager ones either way.
 """
 from __future__ import annotations
 
@@ -14,6 +19,7 @@ import torch
 from saguaro.kv.block_manager import BlockManager, slots_for
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata, build_metadata
+from saguaro.models.fast_forward import fast_or_eager
 from saguaro.models.transformer import CausalLM
 
 
@@ -26,8 +32,9 @@ class ForwardItem:
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str = "cpu"):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str = "cpu", fast: bool = False):
         self.model = model
+        self.net = fast_or_eager(model) if fast else model  # what forward passes run through
         self.config = model.config
         self.device = torch.device(device)
         dtype = next(model.parameters()).dtype
@@ -57,8 +64,8 @@ class ModelRunner:
 
     def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata,
             items: list[ForwardItem]) -> list[torch.Tensor | None]:
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                            self.cache, meta.to(self.device))
+        hidden = self.net(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
+                          self.cache, meta.to(self.device))
         rows: list[int] = []
         spans: list[tuple[int, int] | None] = []
         offset = 0
@@ -71,5 +78,5 @@ class ModelRunner:
                 spans.append((len(rows), len(rows) + offset + n - first))
                 rows += range(first, offset + n)
             offset += n
-        logits = self.model.logits(hidden[rows]).cpu() if rows else None
+        logits = self.net.logits(hidden[rows]).cpu() if rows else None
         return [None if s is None else logits[s[0]:s[1]] for s in spans]

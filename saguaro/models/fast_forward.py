@@ -1,0 +1,187 @@
+"""The bf16 fast path: the same forward as ``CausalLM``, over prepacked weights and C++ kernels.
+
+Why: one decode step reads every weight once, so its cost is weight bytes / memory
+bandwidth. On one core (2-core Zen 4 dev machine, ``torch.set_num_threads(1)``) PyTorch
+eager streams bf16 weights at ~10 GB/s through ``F.linear`` and ~17 GB/s through oneDNN's
+prepacked linear; ``torch.compile`` with the CPP GEMM template reaches the bandwidth for
+one row but takes minutes to compile the whole model (max-autotune, freezing), compiles
+again for each row count, and its attention kernels were slow. The kernels in
+``kernels/cpu_bf16.cpp`` stream packed weights at ~32 GB/s (the bandwidth with huge pages)
+for 1 to 6 rows alike, so verifying K+1 tokens or stepping a batch costs about what one
+token does; there is nothing to trace, so dynamic shapes (rows, context length, masks)
+never recompile.
+
+What ``FastCausalLM`` does at construction (about a second for the 1.5B model):
+  * fuses q/k/v into one matrix (and bias), and gate/up into one matrix whose tiles pair
+    32 gate rows with the matching 32 up rows, so SwiGLU is the GEMM's epilogue;
+  * packs every matrix, the output head included, into one arena of 2 MB pages;
+  * keeps the embedding table and the norms as they are (shared with the eager model).
+The eager weights stay untouched; the arena is a second copy (3.1 GB for the 1.5B).
+
+Rounding follows the eager model op by op (bf16 results, fp32 accumulation), so outputs
+agree with eager up to bf16 rounding. Logits are the fp32 accumulators, not rounded to
+bf16 first (eager rounds them). fp32 models never come here: they stay on the exact eager
+path.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.nn.functional as F
+
+from saguaro.kv.kv_cache import KVCache
+from saguaro.kv.metadata import AttentionMetadata
+from saguaro.models import kernels
+from saguaro.models.transformer import CausalLM
+
+log = logging.getLogger("saguaro.fast")
+TILE = 64  # outputs per packed tile (kernels/cpu_bf16.cpp)
+SWIGLU = 1
+
+
+def unsupported_reason(model: CausalLM) -> str | None:
+    """Why ``model`` cannot take the fast path, or None if it can."""
+    cfg = model.config
+    dtype = model.model.embed_tokens.weight.dtype
+    if dtype != torch.bfloat16:
+        return f"the fast path is bf16 only (model is {dtype})"
+    if model.model.embed_tokens.weight.device.type != "cpu":
+        return "the fast path runs on CPU only"
+    if cfg.qk_norm:
+        return "q/k norm (Qwen3) is not implemented in the fast path"
+    d = cfg.head_dim
+    if d % 16 or d > 256 or (d // 16) & (d // 16 - 1):
+        return f"head_dim {d} not supported (16, 32, 64, 128 or 256)"
+    if cfg.hidden_size % 2 or cfg.intermediate_size % 32:
+        return "hidden size must be even and intermediate size a multiple of 32"
+    if not kernels.cpu_supports_bf16():
+        return "this CPU lacks AVX512-BF16"
+    return None
+
+
+def _tiles(rows: int) -> int:
+    return -(-rows // TILE)
+
+
+class _Arena:
+    """One huge-page allocation holding every packed matrix back to back."""
+
+    def __init__(self, shapes: list[tuple[int, int]]):
+        self.sizes = [_tiles(n) * TILE * k * 2 for n, k in shapes]
+        self.buffer = kernels.load().alloc_huge(sum(self.sizes))
+        self.offset = 0
+
+    def take(self, n: int, k: int) -> torch.Tensor:
+        size = _tiles(n) * TILE * k * 2
+        view = self.buffer[self.offset:self.offset + size].view(torch.bfloat16).view(_tiles(n), k // 2, TILE, 2)
+        self.offset += size
+        return view
+
+
+class _Layer:
+    __slots__ = ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down")
+
+
+class FastCausalLM:
+    """``forward``/``logits`` with the signatures of ``CausalLM``, over packed weights."""
+
+    def __init__(self, model: CausalLM):
+        reason = unsupported_reason(model)
+        if reason:
+            raise ValueError(reason)
+        self.ops = kernels.load()
+        self.config = cfg = model.config
+        self.model = model
+        h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        self.q_cols = cfg.num_heads * d
+        self.qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
+        head = model.model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
+        per_layer = [(self.qkv_rows, h), (h, self.q_cols), (2 * inter, h), (h, inter)]
+        arena = _Arena(per_layer * cfg.num_layers + [(cfg.vocab_size, h)])
+        self.layers: list[_Layer] = []
+        pack = self.ops.pack
+        with torch.no_grad():
+            for block in model.model.layers:
+                attn, mlp, layer = block.self_attn, block.mlp, _Layer()
+                layer.ln1, layer.ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
+                layer.qkv = arena.take(self.qkv_rows, h)
+                pack(layer.qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)
+                layer.qkv_bias = (torch.cat((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)).contiguous()
+                                  if attn.q_proj.bias is not None else None)
+                layer.o = arena.take(h, self.q_cols)
+                pack(layer.o, [attn.o_proj.weight], 0)
+                layer.gate_up = arena.take(2 * inter, h)
+                pack(layer.gate_up, [mlp.gate_proj.weight, mlp.up_proj.weight], SWIGLU)
+                layer.down = arena.take(h, inter)
+                pack(layer.down, [mlp.down_proj.weight], 0)
+                self.layers.append(layer)
+            self.head = arena.take(cfg.vocab_size, h)
+            pack(self.head, [head], 0)
+        self.arena = arena.buffer
+        self.embed = model.model.embed_tokens.weight
+        self.norm = model.model.norm.weight
+        self.rotary = model.rotary
+        empty = torch.empty(0, dtype=torch.bfloat16)
+        self.flat_weights = [w for layer in self.layers for w in (
+            layer.ln1, layer.qkv, empty if layer.qkv_bias is None else layer.qkv_bias, layer.o, layer.ln2,
+            layer.gate_up, layer.down)]
+        self.scale = d ** -0.5
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        return self.forward(input_ids, positions, cache, meta)
+
+    @torch.inference_mode()
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                meta: AttentionMetadata) -> torch.Tensor:
+        """Hidden states [N, hidden] for N new tokens; their k/v land in ``cache``.
+
+        All layers run in one C++ call (``forward_layers``); ``forward_stepwise`` is the same
+        computation one kernel call at a time, kept as its readable reference.
+        """
+        cfg = self.config
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(positions, torch.bfloat16)
+        x = self.ops.forward_layers(x, cos.contiguous(), sin.contiguous(), cache.data, meta.slot_mapping,
+                                    meta.query_index, meta.query_valid, meta.context_slots, meta.mask,
+                                    self.flat_weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
+                                    cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
+        return self.ops.rms_norm(x, self.norm, cfg.rms_norm_eps)
+
+    @torch.inference_mode()
+    def forward_stepwise(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
+                         meta: AttentionMetadata) -> torch.Tensor:
+        cfg, ops = self.config, self.ops
+        eps, heads, kv_heads, d = cfg.rms_norm_eps, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        x = F.embedding(input_ids, self.embed)
+        cos, sin = self.rotary(positions, torch.bfloat16)
+        cos, sin = cos.contiguous(), sin.contiguous()
+        for i, layer in enumerate(self.layers):
+            k_cache, v_cache = cache.layer(i)
+            qkv = ops.gemm(ops.rms_norm(x, layer.ln1, eps), layer.qkv, self.qkv_rows, layer.qkv_bias, None, 0, False)
+            ops.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, heads, kv_heads, d)
+            attn = ops.attention(qkv, k_cache, v_cache, meta.query_index, meta.query_valid, meta.context_slots,
+                                 meta.mask, heads, kv_heads, d, self.scale)
+            x = ops.gemm(attn, layer.o, cfg.hidden_size, None, x, 0, False)  # + residual in the epilogue
+            act = ops.gemm(ops.rms_norm(x, layer.ln2, eps), layer.gate_up, 2 * cfg.intermediate_size, None, None,
+                           SWIGLU, False)  # silu(gate) * up in the epilogue
+            x = ops.gemm(act, layer.down, cfg.hidden_size, None, x, 0, False)
+        return ops.rms_norm(x, self.norm, eps)
+
+    @torch.inference_mode()
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Float32 logits for the given hidden rows."""
+        return self.ops.gemm(hidden.contiguous(), self.head, self.config.vocab_size, None, None, 0, True)
+
+
+def fast_or_eager(model: CausalLM) -> "FastCausalLM | CausalLM":
+    """``FastCausalLM(model)`` where the fast path applies, else ``model`` itself (logged)."""
+    reason = unsupported_reason(model)
+    if reason is None:
+        try:
+            return FastCausalLM(model)
+        except kernels.KernelsUnavailable as e:
+            reason = str(e)
+    log.warning("fast path off, running eager: %s", reason)
+    return model
