@@ -54,7 +54,9 @@ def test_summarize_source_curves():
     curves = np.array(s["hit_curves"])
     assert curves.shape == (3, 65) and np.all(np.diff(curves, axis=1) >= 0) and np.all(curves[:, 0] == 0)
     assert curves[0, 1] == 0.5 and curves[0, 4] == 1.0 and curves[2, 1] == pytest.approx(1 / 3)
-    assert s["acceptance"] == pytest.approx(7 / 12) and s["outcome_pmf"] == pytest.approx([1 / 3, 1 / 6, 1 / 2])
+    assert s["acceptance"] == pytest.approx(7 / 10)  # conditional a: 7 accepted, 3 rejected
+    assert s["accepted_per_drafted"] == pytest.approx(7 / 12)
+    assert s["outcome_pmf"] == pytest.approx([1 / 3, 1 / 6, 1 / 2]) == s["depth_pmf"]
     assert s["miss_uniform"][64] == pytest.approx(1 / 6)  # rank 70 misses at every stored fan-out
 
 

@@ -7,8 +7,9 @@ import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.calibration import default_profile, save_profile
-from saguaro.calibration.policy import (best_choice, critical_batch, evaluate, fan_out_for_budget, make_plan,
-                                        recommended_k, rows_time)
+from saguaro.calibration.policy import (best_choice, critical_batch, depth_weights_for, evaluate,
+                                        expected_round_tokens, fan_out_for_budget, make_plan, recommended_k,
+                                        rows_time)
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
@@ -34,6 +35,15 @@ def test_rows_time_interpolates_and_extrapolates():
     table = {"1": 1.0, "4": 1.3, "8": 2.1}
     assert rows_time(table, 1) == 1.0 and rows_time(table, 2) == pytest.approx(1.1)
     assert rows_time(table, 16) == pytest.approx(2.1 + 0.2 * 8)
+
+
+def test_depth_weights_from_the_measured_outcome_law():
+    source = {"acceptance": 0.5, "outcome_pmf": [0.2, 0.1, 0.1, 0.6]}
+    assert depth_weights_for(source, 3) == pytest.approx([0.2, 0.1, 0.1, 0.6])
+    assert depth_weights_for(source, 1) == pytest.approx([0.2, 0.8])  # all of the first token accepted: 0.8
+    assert depth_weights_for(source, 5) == pytest.approx([0.2, 0.1, 0.1, 0.3, 0.15, 0.15])  # geometric past K
+    assert expected_round_tokens(source, 3) == pytest.approx(0.2 + 0.2 + 0.3 + 2.4)
+    assert depth_weights_for({"acceptance": 0.5}, 2) == pytest.approx([0.5, 0.25, 0.25])  # no measurement: Thm 2
 
 
 def test_geometric_when_the_power_law_fits():
@@ -143,3 +153,28 @@ def test_engine_auto_settings_with_and_without_a_profile(pair, tmp_path, monkeyp
     assert not any("no calibration profile" in r.message for r in caplog.records)
     assert isinstance(k, int) and plan.k == k and not plan.notes["default_profile"]
     assert plan.notes["temperatures"]["0.0"]["method"] == "thm13-empirical"
+
+
+def test_engine_auto_fallback_switches_at_b_star(pair, tmp_path, monkeypatch, caplog):
+    """A profile whose Thm 18 threshold is b* = 2.5: batches of 3 use the n-gram backup, smaller ones jit."""
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    profile = default_profile(pair[0].name, pair[1].name, "float32", 3)
+    profile.pop("default")
+    for n in profile["timing"]["draft_rows"]:
+        profile["timing"]["draft_rows"][n] *= 0.1 / 0.38
+    for entry in profile["temperatures"].values():
+        entry["backup"] = dict(entry["backup"], tokens_per_round=1.2)
+    save_profile(profile)
+    with LLM(pair[0], block_size=4) as ar:
+        want = [o.token_ids for o in ar.generate(PROMPTS, SamplingParams(max_tokens=16))]
+    with caplog.at_level(logging.INFO, logger="saguaro.ssd"):
+        with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, fallback="auto",
+                 fan_out=[1, 1, 1, 1], block_size=4, max_num_seqs=4) as llm:
+            first = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16))[0]
+            outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16))
+            decoder = llm.engine.decoder
+    assert decoder.plan.b_star == pytest.approx(2.5, abs=0.1)
+    assert first.token_ids == want[0] and [o.token_ids for o in outs] == want
+    assert {t.fallback for t in decoder.trace} == {"jit", "ngram"}
+    assert decoder.fallback_switches[0] == (3, "ngram")
+    assert any("fallback jit -> ngram" in r.message for r in caplog.records)

@@ -194,11 +194,17 @@ def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) ->
     free = free_power_law(grid[1:].astype(float), miss[1:])
     full = [rec for rec in records if rec.drafted == k]
     pmf = np.bincount([rec.accepted for rec in full], minlength=k + 1)[:k + 1] / max(len(full), 1)
+    all_depths = np.bincount([rec.accepted if rec.accepted < rec.drafted else k for rec in records],
+                             minlength=k + 1)[:k + 1] / max(len(records), 1)
     drafted = sum(rec.drafted for rec in records)
     accepted = sum(rec.accepted for rec in records)
+    rejections = sum(rec.accepted < rec.drafted for rec in records)
     return {"rounds": len(records), "ranked_rounds": len(ranked),
-            "acceptance": accepted / drafted if drafted else 0.0,
+            # a: P(a drafted token is accepted | every earlier one was) -- the capped-geometric MLE
+            "acceptance": accepted / (accepted + rejections) if accepted + rejections else 0.0,
+            "accepted_per_drafted": accepted / drafted if drafted else 0.0,
             "acceptance_by_position": engine_metrics.get("acceptance_by_position", []),
+            "depth_pmf": all_depths.tolist(),
             "tokens_per_round": (accepted + len(records)) / max(len(records), 1),
             "outcome_pmf": pmf.tolist(), "hit_curves": curves, "miss_uniform": miss.tolist(),
             "r": r, "r2": r2, "power_law": bool(r is not None and r > 0 and r2 >= POWER_LAW_R2), **free}

@@ -12,14 +12,18 @@ Per temperature and batch size b, for each candidate per-sequence branch budget 
   miss curve follows a power law (R^2 >= ``POWER_LAW_R2``), else Thm 13's optimum on the empirical per-depth
   curves (``theory.optimal_fanout``). Lists are chosen separately after a primary and after a backup
   speculation (F^p, F^b), each from its own curves and acceptance.
-* **Hit rates**: p_hit,p = sum_k P(k) p_hit^k(F_k) (Appendix A, proof of Thm 13); with the fast backup,
+* **Hit rates**: p_hit,p = sum_k P(k) p_hit^k(F_k) (Appendix A, proof of Thm 13), P(k) the measured
+  outcome law (the capped geometric law of acceptance a when none was measured); with the fast backup,
   p_hit,b likewise and the stationary p_hit = p_hit,b / (1 + p_hit,b - p_hit,p) (Thm 2); with the jit
   fallback every speculation is the primary's, so p_hit = p_hit,p.
-* **Speedup**: Cor. 17 (``theory.ssd_speedup_batch``) with E_hit = E(a_p, L), E_miss = E(a_p, K) (jit) or the
-  backup's measured tokens per round, T_p = hit-round time / t_v, T_b = miss drafting time / t_v.
+* **Speedup**: Cor. 17 (``theory.ssd_speedup_batch``) with E_hit = sum_k P(k) (k + 1) for length L, E_miss
+  the same for length K (jit) or the backup's measured tokens per round, T_p = hit-round time / t_v,
+  T_b = miss drafting time / t_v.
 
-B is the budget with the best predicted speedup (the paper's B, "what the draft can finish during one
-verification", is the special case where L = K fits). C (Def. 14) is the calibrated value with the best
+B is the budget with the best predicted speedup. The paper's B ("what the draft can finish during one
+verification", ``paper_budget``) assumes K steps fit in a verification; on one CPU core they often do not
+(the Qwen pair fits none), so the trade-off between more branches and shorter cached speculations is
+optimized instead, with the same measured step costs. C (Def. 14) is the calibrated value with the best
 predicted speedup (greedy: 1); K ("auto") the one with the best predicted speedup at b = 1; and b* comes
 from ``theory.critical_batch_size`` (Thm 18) with the jit and n-gram options' measured quantities.
 """
@@ -33,7 +37,7 @@ import numpy as np
 
 from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, default_profile, load_profile
 from saguaro.ssd.plan import SpecPlan
-from saguaro.theory import (critical_batch_size, choose_fallback, expected_tokens, fanout_objective,
+from saguaro.theory import (accepted_length_pmf, choose_fallback, critical_batch_size, expected_tokens,
                             integer_geometric_fanout, optimal_fanout, ssd_speedup_batch, unconditional_hit_rate)
 
 log = logging.getLogger("saguaro.calibration")
@@ -59,32 +63,70 @@ def depth_curves(source: dict, k: int) -> list[np.ndarray]:
     return [stored[min(d, kc - 1)] for d in range(k)] + [stored[kc]]
 
 
-def fan_out_for_budget(source: dict, length: int, k: int, budget: int, vocab: int) -> tuple[list[int], str]:
+def depth_weights_for(source: dict, length: int) -> np.ndarray:
+    """P(outcome at depth d), d = 0..length (d = length: all accepted), for speculations of ``length`` tokens.
+
+    From the measured outcome distribution when the profile has one (acceptance is far from geometric in
+    practice: it is bimodal, many rounds accept nothing or everything), truncated to ``length`` (accepting the
+    first L tokens does not depend on later ones) and extended geometrically with a past the calibrated K;
+    otherwise the capped geometric law of Thm 2 / Appendix A.
+    """
+    a = float(source["acceptance"])
+    pmf = np.asarray(source.get("outcome_pmf") or [], dtype=float)
+    if pmf.size < 2 or pmf.sum() <= 0:
+        return accepted_length_pmf(a, length)
+    pmf = pmf / pmf.sum()
+    kc = pmf.size - 1
+    if length <= kc:
+        return np.r_[pmf[:length], pmf[length:].sum()]
+    tail = pmf[kc]
+    return np.r_[pmf[:kc], [tail * a ** (j - kc) * (1 - a) for j in range(kc, length)], tail * a ** (length - kc)]
+
+
+def expected_round_tokens(source: dict, length: int) -> float:
+    """E: accepted drafts plus the bonus token per round, sum_d P(d) (d + 1)."""
+    w = depth_weights_for(source, length)
+    return float(np.dot(w, np.arange(1, length + 2)))
+
+
+def _backup_weights(source: dict, k: int) -> np.ndarray:
+    """Depth law after a backup speculation (its proposals vary in length): the measured ``depth_pmf``."""
+    w = np.asarray(source.get("depth_pmf") or [], dtype=float)
+    return w / w.sum() if w.size == k + 1 and w.sum() > 0 else depth_weights_for(source, k)
+
+
+def fan_out_for_budget(source: dict, length: int, k: int, budget: int, vocab: int,
+                       weights: np.ndarray | None = None) -> tuple[list[int], str]:
     """F_0..F_K for speculations of ``length`` tokens: Thm 12 if the power law fits, else Thm 13."""
     a = float(source["acceptance"])
     curves = depth_curves(source, k)
     caps = [min(vocab - 1, F_MAX)] * length + [min(vocab, F_MAX)]
-    sub = [curves[d][:caps[i] + 1] for i, d in enumerate(list(range(length)) + [k])]
+    depths = list(range(length)) + [k]
+    if weights is None:
+        weights = depth_weights_for(source, length)
+    else:  # weights over depths 0..K: keep the depths a length-L speculation can land on
+        weights = np.r_[weights[:length], weights[length:].sum()]
+    sub = [curves[d][:caps[i] + 1] for i, d in enumerate(depths)]
     budget = int(min(budget, sum(caps)))
     r = source.get("r")
     if source.get("power_law") and 0.0 < a < 1.0 and r and r > 0:
         f = integer_geometric_fanout(a, r, length, budget, max_fanout=caps)
         method = "thm12-geometric"
     else:
-        f = optimal_fanout(sub, budget, a=a)
+        f = optimal_fanout(sub, budget, weights=weights)
         method = "thm13-empirical"
     f = [int(x) for x in f]
     return f[:length] + [0] * (k - length) + [f[length]], method
 
 
-def hit_rate(source: dict, fan_out: list[int], length: int) -> float:
-    """p_hit = sum_k P(k) p_hit^k(F_k) for speculations of ``length`` tokens (Appendix A)."""
+def hit_rate(source: dict, fan_out: list[int], length: int, weights: np.ndarray | None = None) -> float:
+    """p_hit = sum_d P(d) p_hit^d(F_d) for speculations of ``length`` tokens (Appendix A, proof of Thm 13)."""
     k = len(fan_out) - 1
     curves = depth_curves(source, k)
     depths = list(range(length)) + [k]
-    sub = [curves[d] for d in depths]
-    f = [min(fan_out[d], len(c) - 1) for d, c in zip(depths, sub)]
-    return min(1.0, max(0.0, fanout_objective(f, float(source["acceptance"]), hit_curves=sub)))  # float round-off
+    w = depth_weights_for(source, length) if weights is None else np.r_[weights[:length], weights[length:].sum()]
+    hits = [curves[d][min(fan_out[d], len(curves[d]) - 1)] for d in depths]
+    return float(min(1.0, max(0.0, np.dot(w, hits))))
 
 
 @dataclass
@@ -125,11 +167,10 @@ def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, steps: 
     timing = profile["timing"]
     primary, backup = entry["primary"], entry["backup"]
     p_p = hit_rate(primary, f_p, steps)
-    p_b = hit_rate(backup, f_b, k)
-    a_p = float(primary["acceptance"])
-    e_hit = float(expected_tokens(a_p, steps))
+    p_b = hit_rate(backup, f_b, k, _backup_weights(backup, k))
+    e_hit = expected_round_tokens(primary, steps)
     if fallback == "jit":
-        e_miss = float(expected_tokens(a_p, k))
+        e_miss = expected_round_tokens(primary, k)
         t_miss = (rows_time(timing["draft_rows"], 2 * batch) + (k - 1) * rows_time(timing["draft_rows"], batch)) / t_v
         p_hit = p_p
     else:
@@ -146,7 +187,7 @@ def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallba
     """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "fast" fallback (see module doc)."""
     steps, t_hit, t_v = _steps(profile["timing"], k, batch, budget)
     f_p, method = fan_out_for_budget(entry["primary"], steps, k, budget, vocab)
-    f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab)
+    f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab, _backup_weights(entry["backup"], k))
     return predict(profile, entry, k, batch, budget, steps, t_hit, t_v, f_p, f_b, fallback, method)
 
 
@@ -203,10 +244,11 @@ def sd_tokens_per_s(profile: dict, entry: dict, k: int) -> float:
     """SD at b = 1: E(a_p, K) tokens per (K draft steps + one verification over K+1 rows)."""
     timing = profile["timing"]
     t = rows_time(timing["target_rows"], k + 1) + k * rows_time(timing["draft_rows"], 1)
-    return float(expected_tokens(float(entry["primary"]["acceptance"]), k)) / t
+    return expected_round_tokens(entry["primary"], k) / t
 
 
-def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9), mode: str = "ssd") -> int:
+def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9),
+                  mode: str = "ssd") -> int:
     """K with the best predicted speed at b = 1 (SSD: Cor. 17 per K; SD: E / (1 + T_SD)), summed over the
     calibrated temperatures."""
     kind = "jit" if fallback in ("jit", "auto") else "fast"
@@ -226,6 +268,15 @@ def resolve_profile(target: str, draft: str, dtype, k: int) -> dict:
     return profile
 
 
+def paper_budget(timing: dict, k: int, batch: int = 1) -> int:
+    """The paper's B: the most branches per sequence whose K steps (after the glue) fit in one verification;
+    0 when not even one branch does (then cached speculations are shorter than K, see ``_steps``)."""
+    t_v = rows_time(timing["target_rows"], batch * (k + 1))
+    t_glue = rows_time(timing["draft_rows"], batch * (k + 1))
+    fits = [b for b in range(1, F_MAX + 1) if t_glue + k * rows_time(timing["draft_rows"], batch * b) <= t_v]
+    return max(fits, default=0)
+
+
 def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_batch: int, vocab: int) -> SpecPlan:
     """The engine's plan for ``fan_out="auto"``: per temperature C, per batch size F^p and F^b, and b*."""
     temps = sorted(profile["temperatures"], key=float)
@@ -233,7 +284,8 @@ def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_
           else float(c_setting) for t in temps]  # greedy rows ignore C
     b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0]) if fallback == "auto" else (math.inf, {})
     primary, backup, notes = [], [], {"default_profile": bool(profile.get("default")), "b_star": b_star,
-                                      "thm18_inputs": thm18, "temperatures": {}}
+                                      "thm18_inputs": thm18, "temperatures": {},
+                                      "paper_budget": paper_budget(profile["timing"], k)}
     for t, c in zip(temps, cs):
         entry = _entry_with_c(profile["temperatures"][t], c)
         p_table, b_table = [], []

@@ -15,8 +15,13 @@ Stored as JSON at ``<cache_root>/profiles/<target>__<draft>__<dtype>.json`` (``s
         "c_sweep": [{"c", "acceptance", "tokens_per_round", "hit_curves", ...}],   # Saguaro C < 1, optional
      }}}
 
-    SOURCE = {"rounds", "ranked_rounds", "acceptance" (a_p or a_b), "acceptance_by_position",
-              "tokens_per_round", "outcome_pmf" (P(k accepted), k = 0..K),
+    SOURCE = {"rounds", "ranked_rounds",
+              "acceptance": a_p or a_b, P(a drafted token is accepted | all earlier ones were), the MLE
+                  accepted / (accepted + rejections) of Thm 2's capped-geometric model,
+              "accepted_per_drafted" (the engine's acceptance_rate), "acceptance_by_position",
+              "tokens_per_round": accepted + bonus per round (E_hit / E_miss as measured),
+              "outcome_pmf": P(k accepted), k = 0..K, over full-length speculations,
+              "depth_pmf": P(the outcome lands at cache depth d), d = 0..K (K: everything accepted), all rounds,
               "hit_curves": K+1 lists, [k][F] = p_hit^k(F) for F = 0..F_MAX (row K: all accepted, Thm 13),
               "miss_uniform": [F] = miss rate with the same F at every depth (paper fig. 3),
               "r": power-law exponent (Def. 11, theory.fit_power_law), "r2": fit quality on log-log axes,
@@ -84,8 +89,9 @@ def power_law_source(a: float, r: float, k: int) -> dict:
     f = np.arange(F_MAX + 1, dtype=float)
     hit = np.where(f > 0, 1.0 - np.maximum(f, 1.0) ** (-r), 0.0)
     pmf = [a ** j * (1 - a) for j in range(k)] + [a ** k]
-    return {"rounds": 0, "ranked_rounds": 0, "acceptance": a, "acceptance_by_position": [a] * k,
-            "tokens_per_round": float(sum(a ** j for j in range(k + 1))), "outcome_pmf": pmf,
+    return {"rounds": 0, "ranked_rounds": 0, "acceptance": a, "accepted_per_drafted": None,
+            "acceptance_by_position": [a] * k, "tokens_per_round": float(sum(a ** j for j in range(k + 1))),
+            "outcome_pmf": pmf, "depth_pmf": pmf,
             "hit_curves": [hit.tolist()] * (k + 1), "miss_uniform": (1.0 - hit).tolist(), "r": r, "r2": 1.0,
             "power_law": True}
 

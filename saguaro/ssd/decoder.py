@@ -41,6 +41,7 @@ class RoundTrace:
     build_s: float  # speculator's cache build for this round (overlapping verification)
     build_steps: int
     hits: list[bool] = field(default_factory=list)  # per verified sequence: was its speculation a cache hit
+    fallback: str = ""  # the speculator's cache-miss fallback for this round's batch size (plan.fallback_for)
 
 
 class SSDDecoder(Decoder):
@@ -60,6 +61,7 @@ class SSDDecoder(Decoder):
         self.fallback: SDDecoder | None = None
         self.failure: str | None = None
         self.plan: SpecPlan | None = None  # what the speculator was told (fan-outs, C, fallback)
+        self.fallback_switches: list[tuple[int, str]] = []  # (batch size, fallback) each time "auto" switches
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
@@ -87,8 +89,20 @@ class SSDDecoder(Decoder):
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
-                                     response.build_steps, hits))
+                                     response.build_steps, hits, self._fallback_mode(len(seqs))))
         return [out[s.seq_id] for s in seqs]
+
+    def _fallback_mode(self, batch: int) -> str:
+        """Mirror of the speculator's choice (same plan, same batch size), logged here where logging is set up."""
+        if self.plan is None:
+            return ""
+        mode = self.plan.fallback_for(batch)
+        last = self.fallback_switches[-1][1] if self.fallback_switches else self.plan.fallback_for(1)
+        if mode != last:
+            log.info("batch size %d: SSD cache-miss fallback %s -> %s (b* = %.2f, Thm 18)", batch, last, mode,
+                     self.plan.b_star)
+            self.fallback_switches.append((batch, mode))
+        return mode
 
     def _proposal(self, seqs: list[Sequence]) -> Proposal:
         rows = [self.pending[s.seq_id] for s in seqs]
