@@ -24,8 +24,9 @@ Also measured: throughput at several batch sizes (aggregate decode tok/s), and t
 one forward pass with 1..9 new rows (verification of K+1 tokens) and of tree-branch steps
 with 8..16 rows under a branch mask, for the target and the 0.5B draft.
 
-    python -m benchmarks.bench_ar                     # defaults: 4+4 prompts, 64 tokens (about 6-8 min)
-    python -m benchmarks.bench_ar --prompts 10 --max-tokens 128
+    python -m benchmarks.bench_ar                     # defaults: 4+4 prompts, 64 tokens (about 6 min)
+    python -m benchmarks.bench_ar --core 1            # pinned to core 1 (when core 0 is busy with other jobs)
+    python -m benchmarks.bench_ar --prompts 10 --max-tokens 128 --eager
     saguaro bench ar --prompts 1 --max-tokens 8 --skip-hf --batch-sizes 1 --no-step-costs   # smoke test
 """
 from __future__ import annotations
@@ -56,7 +57,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="comma separated (default humaneval,mtbench)")
     p.add_argument("--max-tokens", type=int, default=64, help="new tokens per request (default 64)")
     p.add_argument("--batch-sizes", type=int_list, default=[1, 4, 8], help="throughput batch sizes (default 1,4,8)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1; cores 0..threads-1)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (default 1)")
+    p.add_argument("--core", type=int, default=0,
+                   help="first CPU core to pin to (cores core..core+threads-1; default 0). On a shared machine "
+                        "pick a core nobody else is pinned to")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
     p.add_argument("--eager", action="store_true", help="also time our eager path (compile=False; slow)")
     p.add_argument("--no-step-costs", dest="step_costs", action="store_false",
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     from saguaro.models import kernels
     from saguaro.models.fast_forward import FastCausalLM
 
-    cores = list(range(args.threads))
+    cores = list(range(args.core, args.core + args.threads))
     pin_process(cores, args.threads)
     env_start = environment()
     results: dict[str, Any] = {"settings": settings(args), "env_start": env_start, "engines": {}, "runs": {}}

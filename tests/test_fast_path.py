@@ -68,6 +68,15 @@ def test_gemm_matches_fp32_reference(ops, m, n, k):
     torch.testing.assert_close(with_res.float(), (res.float() + ref.bfloat16().float()), rtol=0.02, atol=0.05)
 
 
+def test_round_bf16_epilogue_gives_bf16_values_in_fp32(ops):
+    torch.manual_seed(1)
+    x, w = torch.randn(3, 96).bfloat16(), torch.randn(130, 96).bfloat16()
+    exact = ops.gemm(x, pack(ops, w), 130, None, None, 0, True)
+    rounded = ops.gemm(x, pack(ops, w), 130, None, None, 2, True)
+    assert rounded.dtype == torch.float32
+    assert torch.equal(rounded, exact.bfloat16().float())
+
+
 def test_gemm_strided_rows_and_stacked_sources(ops):
     torch.manual_seed(0)
     x = torch.randn(3, 200).bfloat16()[:, :128]  # row stride 200
@@ -160,6 +169,23 @@ def test_fused_layers_equal_stepwise_reference():
     a, b = KVCache(model.config, 8, 16, torch.bfloat16), KVCache(model.config, 8, 16, torch.bfloat16)
     assert torch.equal(fast.forward_stepwise(ids, pos, a, meta), fast(ids, pos, b, meta))
     assert torch.equal(a.data, b.data)
+
+
+def test_threads_do_not_change_results():
+    model = random_model()
+    fast = FastCausalLM(model)
+    meta = build_metadata([list(range(40)), list(range(100, 125))], [40, 25])
+    ids, pos = torch.randint(0, 100, (65,)), torch.cat((torch.arange(40), torch.arange(25)))
+    outs = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            cache = KVCache(model.config, 16, 16, torch.bfloat16)
+            outs.append(fast.logits(fast(ids, pos, cache, meta)))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(outs[0], outs[1])
 
 
 # -- engine -------------------------------------------------------------------------------

@@ -3,15 +3,19 @@
 Why: one decode step reads every weight once, so its cost is weight bytes / memory
 bandwidth. On one core (2-core Zen 4 dev machine, ``torch.set_num_threads(1)``) PyTorch
 eager streams bf16 weights at ~10 GB/s through ``F.linear`` and ~17 GB/s through oneDNN's
-prepacked linear; ``torch.compile`` with the CPP GEMM template reaches the bandwidth for
-one row but takes minutes to compile the whole model (max-autotune, freezing), compiles
-again for each row count, and its attention kernels were slow. The kernels in
-``kernels/cpu_bf16.cpp`` stream packed weights at ~32 GB/s (the bandwidth with huge pages)
-for 1 to 6 rows alike, so verifying K+1 tokens or stepping a batch costs about what one
-token does; there is nothing to trace, so dynamic shapes (rows, context length, masks)
-never recompile.
+prepacked linear. ``torch.compile`` (freezing, max-autotune, CPP GEMM template) reaches the
+bandwidth on a lone matrix-vector product, but compiling the whole 0.5B model took 1.5-8
+minutes per row count (autotuning, no cache hits with frozen weights) and the compiled
+decode step still took 0.12 s, its fused attention/cache-write kernels being slow. The
+kernels in ``kernels/cpu_bf16.cpp`` stream the packed weights at ~35 GB/s, the single-core
+bandwidth in huge pages (a sum over a huge-page tensor reads ~35 GB/s, over 4 KB pages ~31),
+for 1 to 6 rows alike, so verifying K+1 <= 6 tokens or stepping a small batch costs about
+what one token does (more rows are bound by vdpbf16ps throughput). Nothing is traced, so
+row counts, context lengths and masks never recompile; the one-time cost is building the
+extension (about a minute, then cached) and packing at load (2-5 s for the 1.5B, mostly
+faulting in 3 GB of huge pages).
 
-What ``FastCausalLM`` does at construction (about a second for the 1.5B model):
+What ``FastCausalLM`` does at construction:
   * fuses q/k/v into one matrix (and bias), and gate/up into one matrix whose tiles pair
     32 gate rows with the matching 32 up rows, so SwiGLU is the GEMM's epilogue;
   * packs every matrix, the output head included, into one arena of 2 MB pages;
@@ -19,9 +23,8 @@ What ``FastCausalLM`` does at construction (about a second for the 1.5B model):
 The eager weights stay untouched; the arena is a second copy (3.1 GB for the 1.5B).
 
 Rounding follows the eager model op by op (bf16 results, fp32 accumulation), so outputs
-agree with eager up to bf16 rounding. Logits are the fp32 accumulators, not rounded to
-bf16 first (eager rounds them). fp32 models never come here: they stay on the exact eager
-path.
+agree with eager up to bf16 rounding; logits are rounded to bf16 values like the eager
+head's. fp32 models never come here: they stay on the exact eager path.
 """
 from __future__ import annotations
 
@@ -38,6 +41,7 @@ from saguaro.models.transformer import CausalLM
 log = logging.getLogger("saguaro.fast")
 TILE = 64  # outputs per packed tile (kernels/cpu_bf16.cpp)
 SWIGLU = 1
+ROUND_BF16 = 2  # gemm epilogues (kernels/cpu_bf16.cpp)
 
 
 def unsupported_reason(model: CausalLM) -> str | None:
@@ -77,6 +81,12 @@ class _Arena:
         view = self.buffer[self.offset:self.offset + size].view(torch.bfloat16).view(_tiles(n), k // 2, TILE, 2)
         self.offset += size
         return view
+
+
+def _metadata_tensors(meta: AttentionMetadata) -> list[torch.Tensor]:
+    """slot_mapping, query_index, query_valid, context_slots, mask: contiguous, as the kernels read them."""
+    return [t.contiguous() for t in (meta.slot_mapping, meta.query_index, meta.query_valid, meta.context_slots,
+                                     meta.mask)]
 
 
 class _Layer:
@@ -143,8 +153,7 @@ class FastCausalLM:
         cfg = self.config
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(positions, torch.bfloat16)
-        x = self.ops.forward_layers(x, cos.contiguous(), sin.contiguous(), cache.data, meta.slot_mapping,
-                                    meta.query_index, meta.query_valid, meta.context_slots, meta.mask,
+        x = self.ops.forward_layers(x, cos.contiguous(), sin.contiguous(), cache.data, *_metadata_tensors(meta),
                                     self.flat_weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
                                     cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
         return self.ops.rms_norm(x, self.norm, cfg.rms_norm_eps)
@@ -160,9 +169,9 @@ class FastCausalLM:
         for i, layer in enumerate(self.layers):
             k_cache, v_cache = cache.layer(i)
             qkv = ops.gemm(ops.rms_norm(x, layer.ln1, eps), layer.qkv, self.qkv_rows, layer.qkv_bias, None, 0, False)
-            ops.rope_store(qkv, cos, sin, k_cache, v_cache, meta.slot_mapping, heads, kv_heads, d)
-            attn = ops.attention(qkv, k_cache, v_cache, meta.query_index, meta.query_valid, meta.context_slots,
-                                 meta.mask, heads, kv_heads, d, self.scale)
+            slots, *attn_meta = _metadata_tensors(meta)
+            ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, d)
+            attn = ops.attention(qkv, k_cache, v_cache, *attn_meta, heads, kv_heads, d, self.scale)
             x = ops.gemm(attn, layer.o, cfg.hidden_size, None, x, 0, False)  # + residual in the epilogue
             act = ops.gemm(ops.rms_norm(x, layer.ln2, eps), layer.gate_up, 2 * cfg.intermediate_size, None, None,
                            SWIGLU, False)  # silu(gate) * up in the epilogue
@@ -171,8 +180,13 @@ class FastCausalLM:
 
     @torch.inference_mode()
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Float32 logits for the given hidden rows."""
-        return self.ops.gemm(hidden.contiguous(), self.head, self.config.vocab_size, None, None, 0, True)
+        """Float32 logits for the given hidden rows, rounded to bf16 values as the eager head's are.
+
+        Without the rounding greedy decoding would break near-ties differently from eager and
+        transformers (measured: 3 of 6 greedy 48-token outputs diverged from eager, one at the
+        first token; with it 5 of 6 match, the sixth after 25 tokens).
+        """
+        return self.ops.gemm(hidden.contiguous(), self.head, self.config.vocab_size, None, None, ROUND_BF16, True)
 
 
 def fast_or_eager(model: CausalLM) -> "FastCausalLM | CausalLM":

@@ -38,7 +38,7 @@ using bf16 = at::BFloat16;
 
 inline float round_bf16(float v) { return float(bf16(v)); }
 
-enum Epilogue : int64_t { PLAIN = 0, SWIGLU = 1 };
+enum Epilogue : int64_t { PLAIN = 0, SWIGLU = 1, ROUND_BF16 = 2 };
 
 // ---------------------------------------------------------------------------------------------
 // memory
@@ -151,6 +151,7 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 // x [M, K] bf16 (rows may be strided), packed [T, K/2, 64, 2]; n: real output count.
 // PLAIN:  out = x w^T (+ bias) (+ residual), out [M, n] bf16 or fp32.
+// ROUND_BF16: as PLAIN into fp32, each value rounded to bf16 first (the eager head's logits).
 // SWIGLU: each tile holds 32 gate rows then the 32 matching up rows;
 //         out[m, 32t + j] = silu(gate) * up, out [M, n / 2] bf16.
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
@@ -160,7 +161,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), P = packed.size(1);
   TORCH_CHECK(2 * P == K, "gemm: x has ", K, " columns, weights ", 2 * P);
   TORCH_CHECK(n <= T * TN);
-  TORCH_CHECK(!(out_fp32 && (epilogue != PLAIN || residual)), "gemm: fp32 output only for plain products");
+  TORCH_CHECK(!(out_fp32 && (epilogue == SWIGLU || residual)), "gemm: fp32 output only for plain products");
+  TORCH_CHECK(out_fp32 || epilogue != ROUND_BF16, "gemm: ROUND_BF16 writes fp32");
   const int64_t n_out = epilogue == SWIGLU ? n / 2 : n;
   auto out = at::empty({M, n_out}, x.options().dtype(out_fp32 ? at::kFloat : at::kBFloat16));
   if (M == 0) return out;
@@ -207,7 +209,10 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
         const float* a = acc.data() + m * TN;
         if (out_fp32) {
           float* o = static_cast<float*>(op) + m * n + base;
-          for (int64_t j = 0; j < valid; j++) o[j] = a[j] + (bp ? float(bp[base + j]) : 0.f);
+          for (int64_t j = 0; j < valid; j++) {
+            const float v = a[j] + (bp ? float(bp[base + j]) : 0.f);
+            o[j] = epilogue == ROUND_BF16 ? round_bf16(v) : v;
+          }
           continue;
         }
         bf16* o = static_cast<bf16*>(op) + m * n + base;
