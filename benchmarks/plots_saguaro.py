@@ -7,8 +7,8 @@
 Figures (``--only`` names):
   fanout     miss rate vs fan-out on log-log axes with the fitted power law F^{-r} (Def. 11), after a primary
              and after a backup speculation (paper fig. 3); from the calibration profile (``saguaro calibrate``).
-  geometric  uniform vs geometric / Thm 13 fan-out with the same budget at temperatures 0, 0.5, 1:
-             hit rate and tok/s (paper fig. 4).
+  geometric  uniform fan-out vs the Thm 12 / 13 shape with the same budget (and "auto", which also picks the
+             budget) at temperatures 0, 0.5, 1: hit rate and tok/s (paper fig. 4).
   csweep     Saguaro sampling C sweep at temperature 1: acceptance, hit rate and tok/s (paper fig. 6 left).
   batch      batch sizes 1..16: SSD with jit fallback, SSD with the n-gram backup, SD and AR (paper fig. 7).
   predicted  predicted speedup over AR (Thm 2 / Cor. 17 from the calibrated quantities,
@@ -46,6 +46,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--temperatures", default="0,0.5,1")
     p.add_argument("--c-values", default="1,0.75,0.5,0.25")
     p.add_argument("--batch-sizes", default="1,2,4,8,16")
+    p.add_argument("--uniform-f", type=int, default=2, help="geometric figure: uniform F per depth (budget F (K+1))")
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma separated subset of {', '.join(FIGURES)}")
     p.add_argument("--out", default="results")
     p.add_argument("--compile", action="store_true")
@@ -133,17 +134,20 @@ def fig_fanout(profile: dict, out: Path, plt) -> dict:
 
 
 def fig_geometric(args, prompts, profile, out: Path, plt) -> list[dict]:
-    from saguaro.calibration.policy import make_plan
+    """Per temperature: uniform F at every depth, the Thm 12 / 13 shape with the same budget, and "auto"
+    (the policy's own budget)."""
+    from saguaro.calibration.policy import _entry_with_c, evaluate
     rows = []
-    temps = _floats(args.temperatures)
-    for t in temps:
-        plan = make_plan(profile, args.k, 1.0, "jit", 1, 1 << 20)
-        geo = plan.fan_out(t, "p", 1)
-        uni = _uniform(sum(geo), args.k)
-        rows.append(dict(run(args, "ssd", prompts, t, fan_out=uni), shape="uniform"))
-        rows.append(dict(run(args, "ssd", prompts, t, fan_out="auto"), shape="geometric/thm13"))
+    budget = args.uniform_f * (args.k + 1)
+    for t in _floats(args.temperatures):
+        key = min(profile["temperatures"], key=lambda x: abs(float(x) - t))
+        shaped = evaluate(profile, _entry_with_c(profile["temperatures"][key], 1.0), args.k, 1, budget, "jit",
+                          1 << 20).primary
+        rows.append(dict(run(args, "ssd", prompts, t, fan_out=[args.uniform_f] * (args.k + 1)), shape="uniform"))
+        rows.append(dict(run(args, "ssd", prompts, t, fan_out=shaped), shape="geometric/thm13, same budget"))
+        rows.append(dict(run(args, "ssd", prompts, t, fan_out="auto"), shape="auto (own budget)"))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    for shape, marker in (("uniform", "s-"), ("geometric/thm13", "o-")):
+    for shape, marker in (("uniform", "s-"), ("geometric/thm13, same budget", "o-"), ("auto (own budget)", "^--")):
         sel = [r for r in rows if r["shape"] == shape]
         axes[0].plot([r["temperature"] for r in sel], [r["tok_s"] for r in sel], marker, label=shape)
         axes[1].plot([r["temperature"] for r in sel], [r["p_hit"] or 0 for r in sel], marker, label=shape)
@@ -152,8 +156,8 @@ def fig_geometric(args, prompts, profile, out: Path, plt) -> list[dict]:
     for ax in axes:
         ax.set_xlabel("temperature")
         ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle("uniform vs geometric (Thm 12 / 13) fan-out, same budget")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"uniform vs geometric (Thm 12 / 13) fan-out, budget {budget} branches per sequence")
     fig.tight_layout()
     fig.savefig(out / "saguaro_geometric_vs_uniform.png", dpi=120)
     plt.close(fig)
@@ -259,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile = resolve_profile(args.target, args.draft, args.dtype, args.k)
+    profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=args.compile)
     if profile.get("default"):
         print("note: no calibration profile for this pair; figures use the documented defaults "
               "(run `saguaro calibrate` first)", file=sys.stderr)

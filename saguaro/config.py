@@ -81,7 +81,8 @@ class Config:
         if not self.draft:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         from saguaro.calibration.policy import recommended_k, resolve_profile
-        return recommended_k(resolve_profile(self.target, self.draft, self.dtype, 4), self.fallback, mode=self.mode)
+        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile)
+        return recommended_k(profile, self.fallback, mode=self.mode)
 
     @property
     def torch_dtype(self) -> torch.dtype:

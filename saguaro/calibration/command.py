@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--core", type=int, default=0, help="CPU core to pin to (-1: no pinning)")
     p.add_argument("--max-batch", type=int, default=16, help="batch sizes to show the plan for")
+    p.add_argument("--compile", action="store_true",
+                   help="calibrate the bf16 fast path (the engine's compile=True); stored as its own profile")
     p.add_argument("--timing-only", action="store_true",
                    help="re-measure only the timings of the stored profile (e.g. on a quieter machine)")
     p.add_argument("--no-save", action="store_true")
@@ -44,19 +46,22 @@ def run(args: argparse.Namespace) -> int:
     draft = load_model(args.draft, dtype=dtype)
     check_shared_vocabulary(target.tokenizer, draft.tokenizer)
     if args.timing_only:
-        profile = load_profile(args.target, args.draft, args.dtype)
+        profile = load_profile(args.target, args.draft, args.dtype, args.compile)
+        if profile is None and args.compile:  # reuse the eager profile's ranks with fast-path timings
+            profile = load_profile(args.target, args.draft, args.dtype)
         if profile is None:
             raise FileNotFoundError(f"no profile at {profile_path(args.target, args.draft, args.dtype)}; "
                                     "run `saguaro calibrate` without --timing-only first")
         args.k = profile["k"]
         context = profile["timing"].get("context", 256)
-        profile["timing"] = measure_timing(target, draft, args.k, context, args.max_rows)
+        profile["timing"] = measure_timing(target, draft, args.k, context, args.max_rows, fast=args.compile)
+        profile["fast"] = bool(args.compile)
         print(f"timing: verify(K+1) {profile['timing']['verify_s'] * 1e3:.1f} ms, "
               f"draft step {profile['timing']['draft_step_s'] * 1e3:.1f} ms, T_p {profile['timing']['T_p']:.2f}")
     else:
         profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
                             c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
-                            batch=args.batch, max_rows=args.max_rows)
+                            batch=args.batch, max_rows=args.max_rows, fast=args.compile)
     if not args.no_save:
         print(f"profile saved to {save_profile(profile)}")
     if args.json:

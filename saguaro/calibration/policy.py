@@ -258,9 +258,16 @@ def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks
     return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab).tok_s for e in entries))
 
 
-def resolve_profile(target: str, draft: str, dtype, k: int) -> dict:
-    """The stored profile, or the documented defaults (logged)."""
-    profile = load_profile(target, draft, dtype)
+def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False) -> dict:
+    """The stored profile, or the documented defaults (logged). With ``fast`` (Config.compile) the fast-path
+    profile is preferred; the eager one still gives the acceptance and hit curves (its timings are logged as
+    a mismatch)."""
+    profile = load_profile(target, draft, dtype, fast)
+    if profile is None and fast:
+        profile = load_profile(target, draft, dtype)
+        if profile is not None:
+            log.warning("no fast-path calibration profile for %s / %s; using the eager one, whose timings are "
+                        "slower (run `saguaro calibrate --compile`)", target, draft)
     if profile is None:
         log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
                     "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)

@@ -177,7 +177,7 @@ def build_plan(cfg: Config, vocab: int) -> SpecPlan:
     if cfg.fan_out != "auto" and cfg.fallback != "auto" and cfg.saguaro_c != "auto":
         return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback)
     from saguaro.calibration.policy import describe, make_plan, resolve_profile
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k)
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.compile)
     plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab)
     if cfg.fan_out != "auto":
         plan.primary = [[list(fixed)] for _ in plan.temperatures]
@@ -196,7 +196,7 @@ def build_ssd_decoder(cfg: Config, target: ModelRunner, target_model: LoadedMode
     c = 1.0 if cfg.saguaro_c == "auto" else float(cfg.saguaro_c)
     opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
                          cfg.torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
-                         cfg.block_size, cfg.worker_timeout_s, c, plan)
+                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.compile)
     decoder = SSDDecoder(target, WorkerLink(draft, opts), cfg.num_speculative_tokens, max_model_len)
     decoder.plan = plan
     return decoder

@@ -46,6 +46,7 @@ class WorkerOptions:
     timeout_s: float
     saguaro_c: float = 1.0  # Saguaro sampling C (Def. 14) when no plan is given
     plan: SpecPlan | None = None  # overrides fan_out / fallback / saguaro_c (fan_out="auto", fallback="auto")
+    fast: bool = False  # run the draft through the bf16 fast path (Config.compile), like the target
 
     def make_speculator(self, runner: ModelRunner, recorder: RankRecorder | None = None) -> AsyncSpeculator:
         return AsyncSpeculator(runner, self.k, self.plan or self.fan_out, self.fallback, self.saguaro_c, recorder)
@@ -69,7 +70,7 @@ def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: Worker
         draft = load_model(draft, dtype=opts.dtype, device=opts.device)
     else:
         draft = place(draft, opts.device, opts.dtype)
-    runner = ModelRunner(draft.model, opts.draft_blocks(), opts.block_size, opts.device)
+    runner = ModelRunner(draft.model, opts.draft_blocks(), opts.block_size, opts.device, fast=opts.fast)
     speculator = opts.make_speculator(runner)
     vocab = draft.config.vocab_size
     channel.send(torch.tensor([vocab], dtype=torch.int64))  # ready
@@ -131,7 +132,7 @@ class InProcessLink:
     def __init__(self, draft: Any, opts: WorkerOptions, recorder: RankRecorder | None = None):
         self.opts = opts
         runner = ModelRunner(place(draft, opts.device, opts.dtype).model, opts.draft_blocks(), opts.block_size,
-                             opts.device)
+                             opts.device, fast=opts.fast)
         self.speculator: AsyncSpeculator | None = opts.make_speculator(runner, recorder)
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
