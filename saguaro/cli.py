@@ -14,7 +14,8 @@ def _int_list(text: str) -> list[int]:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, compile=args.compile)
+    opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, compile=args.compile,
+                draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
     if args.mode != "ar":
         opts["num_speculative_tokens"] = args.k
         opts["speculator"] = args.speculator
@@ -123,6 +124,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="compile the decode path (faster bf16 on CPU)")
+    p.add_argument("--draft-weights", choices=["bf16", "int8"], default="bf16",
+                   help="draft weight format; int8 halves the draft's step cost and stays lossless")
+    p.add_argument("--draft-vocab", type=int, help="the draft head keeps token ids below this (plus special tokens)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,8 +3,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from saguaro.spec.draft_format import DraftFormat
 
 MODES = ("ar", "sd", "ssd")
 SPECULATORS = ("draft", "ngram")
@@ -34,6 +38,8 @@ class Config:
     max_prefill_tokens: int = 4096
     max_model_len: int | None = None  # defaults to the model's context length
     compile: bool = False  # torch.compile the decode path (bf16 speed); off for tests
+    draft_weights: str = "bf16"  # "int8": the draft runs W8A8 on the fast path (cheaper steps, still lossless)
+    draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
 
     def __post_init__(self) -> None:
@@ -67,6 +73,7 @@ class Config:
                 raise ValueError(f"fan_out entries must be >= 0, got {self.fan_out}")
         elif self.fan_out not in (None, "auto"):
             raise ValueError(f"fan_out must be a list of K+1 ints, 'auto' or None, got {self.fan_out!r}")
+        self.draft_format  # validates draft_weights / draft_vocab
         check_device(self.device)
         if self.draft_device is not None:
             check_device(self.draft_device)
@@ -87,6 +94,16 @@ class Config:
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def draft_format(self) -> "DraftFormat":
+        from saguaro.spec.draft_format import DraftFormat
+        return DraftFormat(self.draft_weights, self.draft_vocab)
+
+    @property
+    def draft_torch_dtype(self) -> torch.dtype:
+        """The draft's dtype: the engine's, or bf16 for an int8 / reduced-head draft."""
+        return self.draft_format.dtype(self.torch_dtype)
 
 
 def check_device(device: str) -> None:

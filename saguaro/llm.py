@@ -36,7 +36,8 @@ class LLM:
             pin_process(cfg.target_cores, cfg.threads)
         self.target = _load(target, cfg)
         self.tokenizer = self.target.tokenizer
-        self.draft = _load(draft, cfg, cfg.draft_device or cfg.device) if draft is not None and cfg.mode != "ar" else None
+        self.draft = (_load(draft, cfg, cfg.draft_device or cfg.device, cfg.draft_torch_dtype)
+                      if draft is not None and cfg.mode != "ar" else None)
         if self.draft is not None:
             check_shared_vocabulary(self.target.tokenizer, self.draft.tokenizer)
         self.max_model_len = min(cfg.max_model_len or self.target.config.max_position_embeddings,
@@ -121,11 +122,11 @@ def _name(model: str | LoadedModel) -> str:
     return model if isinstance(model, str) else model.name
 
 
-def _load(model: str | LoadedModel, cfg: Config, device: str | None = None) -> LoadedModel:
-    device = device or cfg.device
+def _load(model: str | LoadedModel, cfg: Config, device: str | None = None, dtype: Any = None) -> LoadedModel:
+    device, dtype = device or cfg.device, dtype or cfg.torch_dtype
     if isinstance(model, LoadedModel):
-        return place(model, device, cfg.torch_dtype)
-    return load_model(model, dtype=cfg.torch_dtype, device=device)
+        return place(model, device, dtype)
+    return load_model(model, dtype=dtype, device=device)
 
 
 def _params_for(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -4,6 +4,7 @@ The draft is the same file truncated to its first layers: a genuinely weaker dra
 (acceptance well below 1) that shares the tokenizer, so rejections and rollbacks happen.
 """
 import pytest
+import torch
 
 from saguaro import LLM, SamplingParams
 from saguaro.loading import load_model
@@ -49,3 +50,17 @@ def test_ssd_greedy_equals_ar_on_smollm(smollm, ar_tokens, batch):
         metrics = llm.spec_metrics(outs)
     assert [o.token_ids for o in outs] == expected
     assert metrics.rounds > 0 and metrics.cache_hit_rate is not None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_int8_reduced_head_draft_greedy_equals_ar_on_smollm(smollm, ar_tokens, mode):
+    """The fp32 target drafted by the full SmolLM2 file run in int8 with a 16k-token head."""
+    extra = dict(fan_out=[1, 1, 1, 1, 2]) if mode == "ssd" else {}
+    with LLM(target=smollm[0], draft=smollm[0], mode=mode, num_speculative_tokens=4, draft_weights="int8",
+             draft_vocab=16384, **extra) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=32))
+        metrics = llm.spec_metrics(outs)
+    assert [o.token_ids for o in outs] == ar_tokens
+    assert 0.3 < metrics.acceptance_rate < 1.0
+    assert next(smollm[0].model.parameters()).dtype == torch.float32  # the target was not converted

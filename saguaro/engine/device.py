@@ -1,6 +1,8 @@
 """An engine "device": a CPU core set with a thread count, or a CUDA GPU."""
 from __future__ import annotations
 
+import copy
+import dataclasses
 import os
 
 import torch
@@ -21,6 +23,13 @@ def describe(device: str, cores: list[int] | None, threads: int) -> str:
 
 
 def place(loaded, device: str, dtype: torch.dtype):
-    """Move a ``LoadedModel``'s weights to ``device``/``dtype`` (in place) and return it."""
-    loaded.model.to(device=torch.device(device), dtype=dtype)
-    return loaded
+    """``loaded`` on ``device``/``dtype``: itself if it is there already, else a converted copy.
+
+    Never converts the caller's model in place: the same ``LoadedModel`` may serve as the
+    fp32 target and, converted to bf16, as an int8 draft (or be reused by the caller).
+    """
+    target = torch.device(device)
+    if all(p.device == target and p.dtype == dtype for p in loaded.model.parameters()):
+        return loaded
+    model = copy.deepcopy(loaded.model).to(device=target, dtype=dtype)
+    return dataclasses.replace(loaded, model=model)

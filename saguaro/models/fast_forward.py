@@ -44,9 +44,14 @@ SWIGLU = 1
 ROUND_BF16 = 2  # gemm epilogues (kernels/cpu_bf16.cpp)
 
 
-def unsupported_reason(model: CausalLM) -> str | None:
-    """Why ``model`` cannot take the fast path, or None if it can."""
+def unsupported_reason(model: CausalLM, weights: str = "bf16") -> str | None:
+    """Why ``model`` cannot take the fast path (with ``weights`` packed as bf16 or int8), or None if it can."""
     cfg = model.config
+    if weights not in WEIGHT_FORMATS:
+        return f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}"
+    if weights == "int8" and any(k % 32 for k in (cfg.hidden_size, cfg.num_heads * cfg.head_dim,
+                                                   cfg.intermediate_size)):
+        return "int8 weights need hidden, attention and intermediate sizes that are multiples of 32"
     dtype = model.model.embed_tokens.weight.dtype
     if dtype != torch.bfloat16:
         return f"the fast path is bf16 only (model is {dtype})"
@@ -60,7 +65,7 @@ def unsupported_reason(model: CausalLM) -> str | None:
     if cfg.hidden_size % 2 or cfg.intermediate_size % 32:
         return "hidden size must be even and intermediate size a multiple of 32"
     if not kernels.cpu_supports_bf16():
-        return "this CPU lacks AVX512-BF16"
+        return "this CPU lacks AVX512-BF16 or AVX512-VNNI"
     return None
 
 
@@ -68,19 +73,31 @@ def _tiles(rows: int) -> int:
     return -(-rows // TILE)
 
 
-class _Arena:
-    """One huge-page allocation holding every packed matrix back to back."""
+WEIGHT_FORMATS = ("bf16", "int8")
 
-    def __init__(self, shapes: list[tuple[int, int]]):
-        self.sizes = [_tiles(n) * TILE * k * 2 for n, k in shapes]
-        self.buffer = kernels.load().alloc_huge(sum(self.sizes))
+
+class _Arena:
+    """One huge-page allocation holding every packed matrix back to back.
+
+    bf16 tiles are [K/2, 64, 2] values; int8 tiles are [K/4, 64, 4] bytes followed by the 64
+    outputs' fp32 scales (kernels/cpu_bf16.cpp, "int8 weights").
+    """
+
+    def __init__(self, shapes: list[tuple[int, int]], weights: str):
+        self.int8 = weights == "int8"
+        self.buffer = kernels.load().alloc_huge(sum(self._size(n, k) for n, k in shapes))
         self.offset = 0
 
+    def _size(self, n: int, k: int) -> int:
+        return _tiles(n) * TILE * (k + 16 if self.int8 else 2 * k)
+
     def take(self, n: int, k: int) -> torch.Tensor:
-        size = _tiles(n) * TILE * k * 2
-        view = self.buffer[self.offset:self.offset + size].view(torch.bfloat16).view(_tiles(n), k // 2, TILE, 2)
+        size = self._size(n, k)
+        chunk = self.buffer[self.offset:self.offset + size]
         self.offset += size
-        return view
+        if self.int8:
+            return chunk.view(_tiles(n), k // 4 + 4, TILE, 4)
+        return chunk.view(torch.bfloat16).view(_tiles(n), k // 2, TILE, 2)
 
 
 def _metadata_tensors(meta: AttentionMetadata) -> list[torch.Tensor]:
@@ -94,23 +111,36 @@ class _Layer:
 
 
 class FastCausalLM:
-    """``forward``/``logits`` with the signatures of ``CausalLM``, over packed weights."""
+    """``forward``/``logits`` with the signatures of ``CausalLM``, over packed weights.
 
-    def __init__(self, model: CausalLM):
-        reason = unsupported_reason(model)
+    ``weights="int8"`` quantizes every matrix per output channel (for drafts: half the bytes
+    of bf16 per step). ``head_ids`` keeps only those rows of the output head; every other
+    token gets logit -inf, so a draft never proposes it (for drafts: the head is a quarter of
+    a 0.5B model's bytes). Neither is exact, so neither belongs on a target.
+    """
+
+    def __init__(self, model: CausalLM, weights: str = "bf16", head_ids: torch.Tensor | None = None):
+        reason = unsupported_reason(model, weights)
         if reason:
             raise ValueError(reason)
         self.ops = kernels.load()
         self.config = cfg = model.config
         self.model = model
+        self.weights = weights
         h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
         self.q_cols = cfg.num_heads * d
         self.qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         head = model.model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
+        self.head_ids = None
+        if head_ids is not None:
+            self.head_ids = torch.as_tensor(head_ids, dtype=torch.long).unique()
+            if len(self.head_ids) == 0 or self.head_ids[0] < 0 or self.head_ids[-1] >= cfg.vocab_size:
+                raise ValueError(f"head_ids must be non-empty token ids below {cfg.vocab_size}")
+            head = head[self.head_ids]
         per_layer = [(self.qkv_rows, h), (h, self.q_cols), (2 * inter, h), (h, inter)]
-        arena = _Arena(per_layer * cfg.num_layers + [(cfg.vocab_size, h)])
+        arena = _Arena(per_layer * cfg.num_layers + [(head.shape[0], h)], weights)
         self.layers: list[_Layer] = []
-        pack = self.ops.pack
+        pack = self.ops.pack_i8 if weights == "int8" else self.ops.pack
         with torch.no_grad():
             for block in model.model.layers:
                 attn, mlp, layer = block.self_attn, block.mlp, _Layer()
@@ -126,7 +156,7 @@ class FastCausalLM:
                 layer.down = arena.take(h, inter)
                 pack(layer.down, [mlp.down_proj.weight], 0)
                 self.layers.append(layer)
-            self.head = arena.take(cfg.vocab_size, h)
+            self.head = arena.take(head.shape[0], h)
             pack(self.head, [head], 0)
         self.arena = arena.buffer
         self.embed = model.model.embed_tokens.weight
@@ -186,15 +216,20 @@ class FastCausalLM:
         transformers (measured: 3 of 6 greedy 48-token outputs diverged from eager, one at the
         first token; with it 5 of 6 match, the sixth after 25 tokens).
         """
-        return self.ops.gemm(hidden.contiguous(), self.head, self.config.vocab_size, None, None, ROUND_BF16, True)
+        if self.head_ids is None:
+            return self.ops.gemm(hidden.contiguous(), self.head, self.config.vocab_size, None, None, ROUND_BF16, True)
+        kept = self.ops.gemm(hidden.contiguous(), self.head, len(self.head_ids), None, None, ROUND_BF16, True)
+        full = kept.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"))
+        return full.index_copy_(1, self.head_ids, kept)
 
 
-def fast_or_eager(model: CausalLM) -> "FastCausalLM | CausalLM":
-    """``FastCausalLM(model)`` where the fast path applies, else ``model`` itself (logged)."""
-    reason = unsupported_reason(model)
+def fast_or_eager(model: CausalLM, weights: str = "bf16",
+                  head_ids: torch.Tensor | None = None) -> "FastCausalLM | CausalLM":
+    """``FastCausalLM(model, ...)`` where the fast path applies, else ``model`` itself (logged)."""
+    reason = unsupported_reason(model, weights)
     if reason is None:
         try:
-            return FastCausalLM(model)
+            return FastCausalLM(model, weights, head_ids)
         except kernels.KernelsUnavailable as e:
             reason = str(e)
     log.warning("fast path off, running eager: %s", reason)

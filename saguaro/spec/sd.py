@@ -82,5 +82,5 @@ def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None
         from saguaro.spec.ngram_proposer import NgramProposer
         return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
     from saguaro.spec.draft_model import DraftModelProposer
-    runner = ModelRunner(draft.model, num_blocks, cfg.block_size, cfg.draft_device or cfg.device, fast=cfg.compile)
+    runner = cfg.draft_format.runner(draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device, cfg.compile)
     return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)

@@ -195,8 +195,8 @@ def build_ssd_decoder(cfg: Config, target: ModelRunner, target_model: LoadedMode
     device = cfg.draft_device or cfg.device
     c = 1.0 if cfg.saguaro_c == "auto" else float(cfg.saguaro_c)
     opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
-                         cfg.torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
-                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.compile)
+                         cfg.draft_torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
+                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.compile, cfg.draft_format)
     decoder = SSDDecoder(target, WorkerLink(draft, opts), cfg.num_speculative_tokens, max_model_len)
     decoder.plan = plan
     return decoder

@@ -14,7 +14,7 @@ import logging
 import math
 import os
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -28,6 +28,7 @@ from saguaro.ssd.protocol import (CMD_STOP, RoundRequest, RoundResponse, pack_re
                                   unpack_request, unpack_response)
 from saguaro.ssd.ranks import RankRecorder
 from saguaro.ssd.speculator import AsyncSpeculator
+from saguaro.spec.draft_format import DraftFormat
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -47,6 +48,7 @@ class WorkerOptions:
     saguaro_c: float = 1.0  # Saguaro sampling C (Def. 14) when no plan is given
     plan: SpecPlan | None = None  # overrides fan_out / fallback / saguaro_c (fan_out="auto", fallback="auto")
     fast: bool = False  # run the draft through the bf16 fast path (Config.compile), like the target
+    draft_format: DraftFormat = field(default_factory=DraftFormat)  # int8 weights / reduced head
 
     def make_speculator(self, runner: ModelRunner, recorder: RankRecorder | None = None) -> AsyncSpeculator:
         return AsyncSpeculator(runner, self.k, self.plan or self.fan_out, self.fallback, self.saguaro_c, recorder)
@@ -70,7 +72,7 @@ def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: Worker
         draft = load_model(draft, dtype=opts.dtype, device=opts.device)
     else:
         draft = place(draft, opts.device, opts.dtype)
-    runner = ModelRunner(draft.model, opts.draft_blocks(), opts.block_size, opts.device, fast=opts.fast)
+    runner = opts.draft_format.runner(draft, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
     speculator = opts.make_speculator(runner)
     vocab = draft.config.vocab_size
     channel.send(torch.tensor([vocab], dtype=torch.int64))  # ready
@@ -131,8 +133,8 @@ class InProcessLink:
 
     def __init__(self, draft: Any, opts: WorkerOptions, recorder: RankRecorder | None = None):
         self.opts = opts
-        runner = ModelRunner(place(draft, opts.device, opts.dtype).model, opts.draft_blocks(), opts.block_size,
-                             opts.device, fast=opts.fast)
+        runner = opts.draft_format.runner(place(draft, opts.device, opts.dtype), opts.draft_blocks(),
+                                          opts.block_size, opts.device, opts.fast)
         self.speculator: AsyncSpeculator | None = opts.make_speculator(runner, recorder)
 
     def exchange(self, request: RoundRequest) -> RoundResponse:

@@ -24,14 +24,14 @@ class KernelsUnavailable(RuntimeError):
 
 
 def cpu_supports_bf16() -> bool:
-    """Whether this CPU executes AVX512-BF16 (Linux: read from /proc/cpuinfo)."""
+    """Whether this CPU executes AVX512-BF16 and AVX512-VNNI (Linux: read from /proc/cpuinfo)."""
     if platform.machine() not in ("x86_64", "AMD64"):
         return False
     try:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return "avx512_bf16" in flags and "avx512bw" in flags
+    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512_vnni"))  # vnni: int8 draft weights
 
 
 @functools.cache

@@ -23,6 +23,7 @@
 #include <immintrin.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -43,15 +44,22 @@ enum Epilogue : int64_t { PLAIN = 0, SWIGLU = 1, ROUND_BF16 = 2 };
 // ---------------------------------------------------------------------------------------------
 // memory
 
+// Fresh anonymous memory from mmap, 2 MB aligned and advised for huge pages. Not malloc: glibc
+// may hand back heap memory that is already faulted in as 4 KB pages (its mmap threshold grows
+// after large frees), and then the advice does nothing (measured: 20 of 203 MB in huge pages,
+// weights streaming at 21 instead of 31 GB/s).
 at::Tensor alloc_huge(int64_t nbytes) {
   constexpr size_t huge = 2u << 20;
-  size_t size = ((size_t)nbytes + huge - 1) / huge * huge;
-  void* p = nullptr;
-  TORCH_CHECK(posix_memalign(&p, huge, size) == 0, "alloc_huge: out of memory (", nbytes, " bytes)");
+  const size_t size = ((size_t)std::max<int64_t>(nbytes, 1) + huge - 1) / huge * huge, mapped = size + huge;
+  void* raw = mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  TORCH_CHECK(raw != MAP_FAILED, "alloc_huge: out of memory (", nbytes, " bytes)");
+  const uintptr_t start = (reinterpret_cast<uintptr_t>(raw) + huge - 1) / huge * huge;
+  void* p = reinterpret_cast<void*>(start);
 #ifdef MADV_HUGEPAGE
   madvise(p, size, MADV_HUGEPAGE);
 #endif
-  return torch::from_blob(p, {nbytes}, [](void* q) { free(q); }, at::TensorOptions().dtype(at::kByte));
+  return torch::from_blob(p, {nbytes}, [raw, mapped](void*) { munmap(raw, mapped); },
+                          at::TensorOptions().dtype(at::kByte));
 }
 
 // Pack the rows of `sources` (stacked in order; all [n_i, K] bf16) into dst [T, K/2, 64, 2].
@@ -149,7 +157,174 @@ void tile_rows(int mb, const bf16* x, int64_t ldx, const bf16* tile, int64_t p0,
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-// x [M, K] bf16 (rows may be strided), packed [T, K/2, 64, 2]; n: real output count.
+// ---------------------------------------------------------------------------------------------
+// int8 weights (draft models): W8A8 dot products with vpdpbusd
+//
+// Why: a draft step streams the draft's weights, and its cost is what SSD's tree build and
+// SD's drafting pay per step. int8 halves the bytes of bf16, and vpdpbusd does 64 multiply-adds
+// per instruction against vdpbf16ps's 32, so wide branch steps get cheaper as well. Draft
+// arithmetic never touches exactness: verification uses the q the draft actually sampled from.
+//
+// Packed layout for W [N, K]: [T, K/4 + 4, 64, 4] bytes. Tile t holds, for each k quad, 64
+// outputs x 4 consecutive k values as (w + 128) in uint8 (vpdpbusd's unsigned operand), then
+// 256 bytes of fp32 scales, one per output (symmetric, per output channel: w = scale * q).
+// Activations are quantized per row in blocks of QB = 32 values (scale = absmax / 127, as
+// llama.cpp's Q8_0); sum((q_w + 128) q_x) - 128 sum(q_x) = sum(q_w q_x) per block.
+
+constexpr int64_t QB = 32;     // activation quantization block
+constexpr int MAXMB8 = 3;      // rows per register tile: 4 x 3 int32 + 4 x 3 fp32 accumulators
+
+struct QuantRows {  // x quantized per row and block
+  std::vector<int8_t> q;       // [M, K]
+  std::vector<float> scale;    // [M, K / QB]
+  std::vector<int32_t> bias;   // [M, K / QB]: -128 * sum of the block's q (the uint8 offset's correction)
+};
+
+QuantRows quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t nb = K / QB;
+  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb)};
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < nb; b++) {
+      const bf16* src = x + m * ldx + b * QB;
+      float amax = 0.f;
+      for (int64_t i = 0; i < QB; i++) amax = std::max(amax, std::fabs(float(src[i])));
+      const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < QB; i++) {
+        const int32_t q = (int32_t)std::nearbyint(float(src[i]) * inv);
+        r.q[m * K + b * QB + i] = (int8_t)q;
+        sum += q;
+      }
+      r.scale[m * nb + b] = s;
+      r.bias[m * nb + b] = -128 * sum;
+    }
+  return r;
+}
+
+// acc (fp32 [MB, 64], row stride 64) += dequantized x[0:MB, blocks b0..b1] . tile
+template <int MB>
+inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
+                          int64_t b1, float* __restrict acc_io, bool first) {
+  const int64_t nb = K / QB;
+  __m512 facc[4][MB];
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; v++)
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) facc[v][m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + m * TN + v * 16);
+  for (int64_t b = b0; b < b1; b++) {
+    __m512i acc[4][MB];
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) {
+      const __m512i init = _mm512_set1_epi32(xr.bias[(m0 + m) * nb + b]);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; v++) acc[v][m] = init;
+    }
+    const uint8_t* w = tile + b * (QB / 4) * TN * 4;
+#pragma GCC unroll 8
+    for (int64_t p = 0; p < QB / 4; p++, w += TN * 4) {
+      const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
+      const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
+#pragma GCC unroll 4
+      for (int m = 0; m < MB; m++) {
+        int32_t quad;
+        std::memcpy(&quad, xr.q.data() + (m0 + m) * K + b * QB + 4 * p, 4);
+        const __m512i xb = _mm512_set1_epi32(quad);
+        acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], w0, xb);
+        acc[1][m] = _mm512_dpbusd_epi32(acc[1][m], w1, xb);
+        acc[2][m] = _mm512_dpbusd_epi32(acc[2][m], w2, xb);
+        acc[3][m] = _mm512_dpbusd_epi32(acc[3][m], w3, xb);
+      }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) {
+      const __m512 s = _mm512_set1_ps(xr.scale[(m0 + m) * nb + b]);
+#pragma GCC unroll 4
+      for (int v = 0; v < 4; v++) facc[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v][m]), s, facc[v][m]);
+    }
+  }
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; v++)
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc_io + m * TN + v * 16, facc[v][m]);
+}
+
+void tile_rows_i8(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
+                  float* acc, bool first) {
+  switch (mb) {
+    case 1: tile_block_i8<1>(xr, m0, K, tile, b0, b1, acc, first); break;
+    case 2: tile_block_i8<2>(xr, m0, K, tile, b0, b1, acc, first); break;
+    default: tile_block_i8<3>(xr, m0, K, tile, b0, b1, acc, first); break;
+  }
+}
+
+// Pack bf16 rows into the int8 layout above (dst: [T, K/4 + 4, 64, 4] uint8); rows as in `pack`.
+void pack_i8(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilogue) {
+  TORCH_CHECK(dst.dim() == 4 && dst.size(2) == TN && dst.size(3) == 4 && dst.is_contiguous() &&
+              dst.scalar_type() == at::kByte);
+  const int64_t T = dst.size(0), Q = dst.size(1) - 4, K = 4 * Q;
+  TORCH_CHECK(K % QB == 0, "pack_i8: K must be a multiple of ", QB);
+  // bf16 staging tile [64 rows, K] through the bf16 packer's row order
+  auto staging = at::empty({T, K / 2, TN, 2}, at::TensorOptions().dtype(at::kBFloat16));
+  pack(staging, sources, epilogue);
+  const bf16* sp = staging.data_ptr<bf16>();
+  uint8_t* out = dst.data_ptr<uint8_t>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) {
+      const bf16* st = sp + t * K * TN;  // [K/2][64][2]: w[j][k] at ((k/2)*64 + j)*2 + k%2
+      uint8_t* o = out + t * (Q + 4) * TN * 4;
+      float* scales = reinterpret_cast<float*>(o + Q * TN * 4);
+      for (int64_t j = 0; j < TN; j++) {
+        float amax = 0.f;
+        for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(float(st[((k / 2) * TN + j) * 2 + k % 2])));
+        const float inv = amax > 0.f ? 127.f / amax : 0.f;
+        scales[j] = amax / 127.f;
+        for (int64_t k = 0; k < K; k++) {
+          const int32_t q = (int32_t)std::nearbyint(float(st[((k / 2) * TN + j) * 2 + k % 2]) * inv);
+          o[((k / 4) * TN + j) * 4 + k % 4] = (uint8_t)(std::clamp(q, -127, 127) + 128);
+        }
+      }
+    }
+  });
+}
+
+// Write tile t's accumulators (fp32 [M, 64], row stride 64) through the epilogue; see gemm.
+void finish_tile(float* acc, int64_t M, int64_t t, int64_t n, int64_t n_out, int64_t epilogue, bool out_fp32,
+                 const bf16* bp, const bf16* rp, int64_t ldr, void* op) {
+  if (epilogue == SWIGLU) {
+    const int64_t base = t * (TN / 2), valid = std::min<int64_t>(TN / 2, n_out - base);
+    for (int64_t m = 0; m < M; m++) {
+      bf16* o = static_cast<bf16*>(op) + m * n_out + base;
+      const float* a = acc + m * TN;
+      for (int64_t j = 0; j < valid; j++) {
+        const float g = round_bf16(a[j]), u = round_bf16(a[j + TN / 2]);
+        o[j] = bf16(round_bf16(silu(g)) * u);
+      }
+    }
+    return;
+  }
+  const int64_t base = t * TN, valid = std::min<int64_t>(TN, n - base);
+  for (int64_t m = 0; m < M; m++) {
+    const float* a = acc + m * TN;
+    if (out_fp32) {
+      float* o = static_cast<float*>(op) + m * n + base;
+      for (int64_t j = 0; j < valid; j++) {
+        const float v = a[j] + (bp ? float(bp[base + j]) : 0.f);
+        o[j] = epilogue == ROUND_BF16 ? round_bf16(v) : v;
+      }
+      continue;
+    }
+    bf16* o = static_cast<bf16*>(op) + m * n + base;
+    const bf16* r = rp ? rp + m * ldr + base : nullptr;
+    for (int64_t j = 0; j < valid; j++) {
+      float v = a[j] + (bp ? float(bp[base + j]) : 0.f);
+      if (r) v = float(r[j]) + round_bf16(v);
+      o[j] = bf16(v);
+    }
+  }
+}
+
+// x [M, K] bf16 (rows may be strided), packed bf16 [T, K/2, 64, 2] or int8 [T, K/4 + 4, 64, 4];
+// n: real output count.
 // PLAIN:  out = x w^T (+ bias) (+ residual), out [M, n] bf16 or fp32.
 // ROUND_BF16: as PLAIN into fp32, each value rounded to bf16 first (the eager head's logits).
 // SWIGLU: each tile holds 32 gate rows then the 32 matching up rows;
@@ -157,9 +332,11 @@ inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                 const c10::optional<at::Tensor>& residual, int64_t epilogue, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm: x must be [M, K] bf16 rows");
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == TN && packed.size(3) == 2 && packed.is_contiguous());
-  const int64_t M = x.size(0), K = x.size(1), T = packed.size(0), P = packed.size(1);
-  TORCH_CHECK(2 * P == K, "gemm: x has ", K, " columns, weights ", 2 * P);
+  const bool int8 = packed.scalar_type() == at::kByte;
+  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == TN && packed.size(3) == (int8 ? 4 : 2) && packed.is_contiguous());
+  const int64_t M = x.size(0), K = x.size(1), T = packed.size(0);
+  const int64_t P = int8 ? packed.size(1) - 4 : packed.size(1);  // k pairs (bf16) or quads (int8)
+  TORCH_CHECK((int8 ? 4 : 2) * P == K, "gemm: x has ", K, " columns, weights ", (int8 ? 4 : 2) * P);
   TORCH_CHECK(n <= T * TN);
   TORCH_CHECK(!(out_fp32 && (epilogue == SWIGLU || residual)), "gemm: fp32 output only for plain products");
   TORCH_CHECK(out_fp32 || epilogue != ROUND_BF16, "gemm: ROUND_BF16 writes fp32");
@@ -168,7 +345,6 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   if (M == 0) return out;
   const bf16* xp = x.data_ptr<bf16>();
   const int64_t ldx = x.stride(0);
-  const bf16* wp = packed.data_ptr<bf16>();
   const bf16* bp = bias ? bias->data_ptr<bf16>() : nullptr;
   const bf16* rp = nullptr;
   int64_t ldr = 0;
@@ -179,50 +355,38 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
     ldr = residual->stride(0);
   }
   void* op = out.data_ptr();
+  QuantRows xr;
+  if (int8) xr = quantize_rows(xp, ldx, M, K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(M * TN);
     for (int64_t t = t0; t < t1; t++) {
-      const bf16* tile = wp + t * P * TN * 2;
-      const int64_t kb = M <= MAXMB ? P : KBLOCK;  // one pass over k when all rows fit the registers
-      for (int64_t p0 = 0; p0 < P; p0 += kb) {
-        const int64_t p1 = std::min(P, p0 + kb);
-        for (int64_t m = 0; m < M;) {
-          const int64_t left = M - m, chunks = (left + MAXMB - 1) / MAXMB, mb = (left + chunks - 1) / chunks;
-          tile_rows((int)mb, xp + m * ldx, ldx, tile, p0, p1, acc.data() + m * TN, p0 == 0);
-          m += mb;
-        }
-      }
-      if (epilogue == SWIGLU) {
-        const int64_t base = t * (TN / 2), valid = std::min<int64_t>(TN / 2, n_out - base);
-        for (int64_t m = 0; m < M; m++) {
-          bf16* o = static_cast<bf16*>(op) + m * n_out + base;
-          const float* a = acc.data() + m * TN;
-          for (int64_t j = 0; j < valid; j++) {
-            const float g = round_bf16(a[j]), u = round_bf16(a[j + TN / 2]);
-            o[j] = bf16(round_bf16(silu(g)) * u);
+      if (int8) {
+        const uint8_t* tile = packed.data_ptr<uint8_t>() + t * (P + 4) * TN * 4;
+        const int64_t blocks = K / QB, kb = M <= MAXMB8 ? blocks : KBLOCK / 16;  // 64 x 2048 bytes stay in L2
+        for (int64_t b0 = 0; b0 < blocks; b0 += kb) {
+          const int64_t b1 = std::min(blocks, b0 + kb);
+          for (int64_t m = 0; m < M;) {
+            const int64_t left = M - m, chunks = (left + MAXMB8 - 1) / MAXMB8, mb = (left + chunks - 1) / chunks;
+            tile_rows_i8((int)mb, xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
+            m += mb;
           }
         }
-        continue;
-      }
-      const int64_t base = t * TN, valid = std::min<int64_t>(TN, n - base);
-      for (int64_t m = 0; m < M; m++) {
-        const float* a = acc.data() + m * TN;
-        if (out_fp32) {
-          float* o = static_cast<float*>(op) + m * n + base;
-          for (int64_t j = 0; j < valid; j++) {
-            const float v = a[j] + (bp ? float(bp[base + j]) : 0.f);
-            o[j] = epilogue == ROUND_BF16 ? round_bf16(v) : v;
+        const float* scales = reinterpret_cast<const float*>(tile + P * TN * 4);
+        for (int64_t m = 0; m < M; m++)
+          for (int64_t j = 0; j < TN; j++) acc[m * TN + j] *= scales[j];
+      } else {
+        const bf16* tile = packed.data_ptr<bf16>() + t * P * TN * 2;
+        const int64_t kb = M <= MAXMB ? P : KBLOCK;  // one pass over k when all rows fit the registers
+        for (int64_t p0 = 0; p0 < P; p0 += kb) {
+          const int64_t p1 = std::min(P, p0 + kb);
+          for (int64_t m = 0; m < M;) {
+            const int64_t left = M - m, chunks = (left + MAXMB - 1) / MAXMB, mb = (left + chunks - 1) / chunks;
+            tile_rows((int)mb, xp + m * ldx, ldx, tile, p0, p1, acc.data() + m * TN, p0 == 0);
+            m += mb;
           }
-          continue;
-        }
-        bf16* o = static_cast<bf16*>(op) + m * n + base;
-        const bf16* r = rp ? rp + m * ldr + base : nullptr;
-        for (int64_t j = 0; j < valid; j++) {
-          float v = a[j] + (bp ? float(bp[base + j]) : 0.f);
-          if (r) v = float(r[j]) + round_bf16(v);
-          o[j] = bf16(v);
         }
       }
+      finish_tile(acc.data(), M, t, n, n_out, epilogue, out_fp32, bp, rp, ldr, op);
     }
   });
   return out;
@@ -526,6 +690,7 @@ at::Tensor forward_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor&
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("alloc_huge", &alloc_huge, "uint8 tensor of nbytes in 2 MB-aligned memory advised for huge pages");
   m.def("pack", &pack, "pack weight rows into the tile layout (dst: [T, K/2, 64, 2])");
+  m.def("pack_i8", &pack_i8, "quantize and pack weight rows into the int8 tile layout (dst: [T, K/4 + 4, 64, 4])");
   m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues");
   m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it");
   m.def("rope_store", &rope_store, "RoPE on the fused qkv rows in place; k/v into the paged cache");

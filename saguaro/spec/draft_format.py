@@ -1,0 +1,71 @@
+"""How a draft model runs: its weight format and how much of its vocabulary its head keeps.
+
+A draft's arithmetic never touches exactness: the verifier accepts or rejects against the
+distribution q the draft actually sampled from (or, greedy, against the target's argmax), so
+any draft that proposes tokens keeps SD and SSD lossless. What a cheaper draft buys is a
+shorter draft step, which is what SD's drafting and SSD's tree build pay for.
+
+  * ``weights="int8"``: every matrix quantized per output channel, activations per block of
+    32 (W8A8, vpdpbusd; see saguaro/models/kernels/cpu_bf16.cpp). Half the bytes of bf16.
+  * ``vocab=N``: the output head keeps only token ids below N, plus the special tokens
+    (EOS, chat markers). Byte-level BPE vocabularies list tokens in merge order, most
+    frequent first, so a prefix keeps the common ones: the first 65,536 of Qwen2.5's 151,936
+    ids cover 99.2% of HumanEval solution tokens and 97.9% of MT-Bench question tokens.
+    The head is a quarter of the 0.5B draft's bytes; a draft never proposes a dropped token
+    (its logit is -inf, so q = 0 there).
+
+Both need the fast path (bf16 model, AVX512-BF16/VNNI CPU); such a draft is loaded in bf16
+whatever the target's dtype.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from saguaro.engine.model_runner import ModelRunner
+from saguaro.loading import LoadedModel
+
+WEIGHTS = ("bf16", "int8")
+
+
+@dataclass(frozen=True)
+class DraftFormat:
+    weights: str = "bf16"
+    vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.weights not in WEIGHTS:
+            raise ValueError(f"draft_weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.vocab is not None and self.vocab < 1:
+            raise ValueError(f"draft_vocab must be >= 1, got {self.vocab}")
+
+    @property
+    def custom(self) -> bool:
+        """Whether the draft needs the fast path (and bf16) whatever the engine's settings."""
+        return self.weights != "bf16" or self.vocab is not None
+
+    def dtype(self, engine_dtype: torch.dtype) -> torch.dtype:
+        return torch.bfloat16 if self.custom else engine_dtype
+
+    def head_ids(self, draft: LoadedModel) -> torch.Tensor | None:
+        """Token ids the draft head keeps: ids below ``vocab`` and every special token."""
+        if self.vocab is None:
+            return None
+        v = draft.config.vocab_size
+        tok = draft.tokenizer
+        special = [i for i in tok.backend.get_added_tokens_decoder() if i < v] + list(tok.eos_token_ids)
+        return torch.tensor(sorted(set(range(min(self.vocab, v))) | set(special)), dtype=torch.long)
+
+    def runner(self, draft: LoadedModel, num_blocks: int, block_size: int, device: str,
+               fast: bool) -> ModelRunner:
+        """The draft's runner: fast path with this format if custom, else as the engine runs."""
+        if not self.custom:
+            return ModelRunner(draft.model, num_blocks, block_size, device, fast=fast)
+        if device != "cpu":
+            raise ValueError("draft_weights='int8' and draft_vocab run on the CPU fast path only")
+        runner = ModelRunner(draft.model, num_blocks, block_size, device, fast=True, weights=self.weights,
+                             head_ids=self.head_ids(draft))
+        if runner.net is draft.model:
+            raise ValueError("draft_weights / draft_vocab need the fast path, which is off here (see the log)")
+        return runner
