@@ -22,7 +22,7 @@ import sys
 from typing import Any
 
 from benchmarks.common import (ALL, DRAFT, LLAMA_CPP, TARGET, Record, add_common_args, dataset_labels,
-                               engine_options, environment, fmt, group_records, int_list, float_list, log,
+                               draft_options, engine_options, environment, fmt, group_records, int_list, float_list, log,
                                prepare_prompts, ratio, run_engine, same_tokens, settings, table, temp_key,
                                write_results)
 
@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def sd_options(args: argparse.Namespace, k: int) -> dict[str, Any]:
     return dict(engine_options(args.compile, threads=1, target_cores=[0]), mode="sd", draft=DRAFT,
-                num_speculative_tokens=k)
+                num_speculative_tokens=k, **draft_options(args))
 
 
 def sweep_temperatures(args: argparse.Namespace) -> list[float]:
@@ -118,7 +118,8 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
     equal = {name: same_tokens(recs, records[AR]) for name, recs in records.items() if name != AR}
     lines = [f"# SD vs AR: {TARGET} target, {DRAFT} draft, bf16, one core, one thread, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, "
-             f"compile={args.compile}, temperatures {', '.join(f'{t:g}' for t in args.temperatures)} "
+             f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
+             f"temperatures {', '.join(f'{t:g}' for t in args.temperatures)} "
              f"(sampling seeded: prompt i uses seed {args.seed}+i).", ""]
     lines += [f"- `{name}`: {label}" for name, label in labels.items()]
     lines += ["", "tok/s: decode tokens per second, median over prompts. xAR: ratio of medians against our AR in this "

@@ -22,7 +22,7 @@ import argparse
 import sys
 from typing import Any
 
-from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, engine_options,
+from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, draft_options, engine_options,
                                environment, fmt, group_records, int_list, log, mean, prepare_prompts, ratio,
                                run_engine, same_tokens, settings, table, temp_key, write_results)
 
@@ -76,17 +76,18 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     one = engine_options(args.compile, threads=1, target_cores=[0])
     two = engine_options(args.compile, threads=2, target_cores=[0, 1])
     names = {"ar1": "AR (1 core)", "sd1": f"SD K={k} (1 core)", "ar2": "AR (2 threads)", "sd2": f"SD K={k} (2 threads)"}
+    fmt_ = draft_options(args)
     configs = [(names["ar1"], dict(one, mode="ar")),
-               (names["sd1"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=k))]
+               (names["sd1"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=k, **fmt_))]
     if not args.skip_two_threads:
         configs += [(names["ar2"], dict(two, mode="ar")),
-                    (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=k))]
+                    (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=k, **fmt_))]
     ssd = []
     for f in fan_outs(args):
         name = f"SSD K={k} F={fan_out_label(f)} (2 cores)"
         ssd.append(name)
         configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k, fan_out=f,
-                                   fallback=args.fallback, draft_cores=[1])))
+                                   fallback=args.fallback, draft_cores=[1], **fmt_)))
     return {"configs": configs, "names": names, "ssd": ssd}
 
 
@@ -107,7 +108,8 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
                          for t in args.temperatures} for name in plan_["ssd"]}
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k}, "
-             f"compile={args.compile}, fallback={args.fallback}, temperatures "
+             f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
+             f"fallback={args.fallback}, temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
              "", "Hardware: '1 core' = target (and a collocated draft) pinned to core 0, one thread; '2 threads' = "
              "pinned to cores 0-1, two threads; SSD '2 cores' = target on core 0 (one thread), speculator process "

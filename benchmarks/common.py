@@ -74,6 +74,10 @@ def add_common_args(p: argparse.ArgumentParser, *, prompts: int = 2, max_tokens:
                    help=f"comma separated; 0 is greedy, >0 is seeded sampling (default {temperatures})")
     p.add_argument("--seed", type=int, default=1234, help="base seed of sampled requests (prompt i uses seed+i)")
     p.add_argument("--compile", action="store_true", help="pass compile=True to the engine (faster bf16 path)")
+    p.add_argument("--draft-weights", choices=["bf16", "int8"], default="bf16",
+                   help="draft weight format for SD and SSD (default bf16)")
+    p.add_argument("--draft-vocab", type=int, default=None,
+                   help="the draft head keeps token ids below this, plus special tokens (default: all)")
     p.add_argument("--warmup-tokens", type=int, default=4, help="tokens of one warm-up request per engine (0: none)")
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for the JSON and Markdown files")
 
@@ -107,6 +111,11 @@ def engine_options(compile: bool = False, threads: int = 1, target_cores: Iterab
     """LLM options shared by every configuration: bf16, pinned cores, a 4k context."""
     return dict(dtype="bfloat16", compile=compile, threads=threads, target_cores=list(target_cores),
                 draft_cores=list(draft_cores), max_model_len=4096, kv_cache_tokens=8192)
+
+
+def draft_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The draft format options (int8 weights, reduced head) of every SD and SSD configuration."""
+    return dict(draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
 
 
 def sampling_params(temperature: float, max_tokens: int, seed: int | None) -> SamplingParams:
