@@ -8,6 +8,10 @@ import time
 
 from saguaro.sampling.params import SamplingParams
 
+# demo defaults: the best SD K and SSD fan-out measured with the int8 draft (results/bench_ssd.md)
+DEMO_SD_K = 3
+DEMO_FAN_OUT = [1, 1, 1, 2]
+
 
 def _int_list(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x.strip()]
@@ -153,8 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="SSD vs SD vs AR on the default Qwen pair")
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--prompts", type=int, default=2, help="HumanEval prompts to run")
-    d.add_argument("--k", type=int, default=4, help="SD lookahead")
-    d.add_argument("--ssd-k", type=int, default=3, help="SSD lookahead (fan-out 1 per depth, 3 for all-accepted)")
+    d.add_argument("--k", type=int, default=DEMO_SD_K, help=f"SD lookahead (default {DEMO_SD_K})")
+    d.add_argument("--ssd-fan-out", type=_int_list, default=DEMO_FAN_OUT,
+                   help="SSD fan-out F_0..F_K; K is its length minus one (default "
+                        f"{','.join(map(str, DEMO_FAN_OUT))})")
+    d.add_argument("--draft-weights", choices=["bf16", "int8"], default="int8")
+    d.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     d.add_argument("--no-compile", dest="compile", action="store_false")
     d.set_defaults(func=cmd_demo)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")

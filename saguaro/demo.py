@@ -1,8 +1,9 @@
 """``saguaro demo``: SSD against SD and AR on the default real pair, side by side.
 
-Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct, bf16. AR and SD
-run on one core (the draft collocated with the target, as in the paper's SD baseline);
-SSD adds the draft's own core. Same prompts, greedy, one run; ratios from this run.
+Target Qwen2.5-Coder-1.5B-Instruct in bf16, draft Qwen2.5-Coder-0.5B-Instruct (by default
+run in int8 with a 65,536-token head: the same cheap draft for SD and SSD, still lossless).
+AR and SD run on one core (the draft collocated with the target, as in the paper's SD
+baseline); SSD adds the draft's own core. Same prompts, greedy, one run; ratios from this run.
 """
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
 
 def run_demo(args: argparse.Namespace) -> int:
     common = dict(dtype="bfloat16", compile=args.compile, max_model_len=4096, kv_cache_tokens=8192)
-    print(f"Loading {TARGET} (target) and {DRAFT} (draft), bf16 ...", flush=True)
+    draft_fmt = dict(draft_weights=args.draft_weights, draft_vocab=args.draft_vocab or None)
+    print(f"Loading {TARGET} (target, bf16) and {DRAFT} (draft, {args.draft_weights}) ...", flush=True)
     t0 = time.perf_counter()
     with LLM(TARGET, **common) as ar:
         prompts = datasets.as_chat(ar.tokenizer, [f"Complete this Python function:\n\n{p}"
@@ -39,13 +41,13 @@ def run_demo(args: argparse.Namespace) -> int:
         print(f"loaded in {time.perf_counter() - t0:.1f} s; {len(prompts)} HumanEval prompts, "
               f"{args.max_tokens} new tokens each, greedy\n", flush=True)
         results = {"AR (1 core)": _run(ar, prompts, args.max_tokens)}
-    with LLM(target=TARGET, draft=DRAFT, mode="sd", num_speculative_tokens=args.k, **common) as sd:
+    with LLM(target=TARGET, draft=DRAFT, mode="sd", num_speculative_tokens=args.k, **common, **draft_fmt) as sd:
         results[f"SD K={args.k} (1 core)"] = _run(sd, prompts, args.max_tokens)
-    # SSD's tree must be built while one verification runs; with the fast path a draft pass is about
-    # a third of a verification, so a shorter K with extra guesses for "all accepted" fits (measured).
-    ssd_k = args.ssd_k
-    fan_out = [1] * ssd_k + [3]
-    with LLM(target=TARGET, draft=DRAFT, mode="ssd", num_speculative_tokens=ssd_k, fan_out=fan_out, **common) as ssd:
+    # SSD's tree must be built while one verification runs: glue plus K branch steps, each a draft
+    # pass over all branches, have to fit in one K+1-row target pass (benchmarks/bench_ssd.py).
+    ssd_k, fan_out = len(args.ssd_fan_out) - 1, args.ssd_fan_out
+    with LLM(target=TARGET, draft=DRAFT, mode="ssd", num_speculative_tokens=ssd_k, fan_out=fan_out, **common,
+             **draft_fmt) as ssd:
         results[f"SSD K={ssd_k} (2 cores)"] = _run(ssd, prompts, args.max_tokens)
     ar_speed = results["AR (1 core)"]["tok_s"]
     sd_speed = results[f"SD K={args.k} (1 core)"]["tok_s"]
