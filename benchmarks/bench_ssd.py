@@ -31,7 +31,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="saguaro bench ssd", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, temperatures="0")
-    p.add_argument("--k", type=int, default=4, help="speculative tokens per round for SD and SSD (default 4)")
+    p.add_argument("--k", type=int, default=4, help="speculative tokens per round for SSD (and SD; default 4)")
+    p.add_argument("--sd-k", type=int, default=None, help="SD's K when it differs from SSD's (e.g. SD's best K)")
     p.add_argument("--fan-outs", default="uniform;last3",
                    help="SSD fan-outs, ';' separated: 'uniform' (1 per depth), 'lastN' ([1,..,1,N]), 'auto', "
                         "or K+1 comma separated counts (default 'uniform;last3')")
@@ -72,16 +73,21 @@ def fan_out_label(f: list[int] | str) -> str:
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
-    k = args.k
+    k, sd_k = args.k, args.sd_k or args.k
     one = engine_options(args.compile, threads=1, target_cores=[0])
     two = engine_options(args.compile, threads=2, target_cores=[0, 1])
-    names = {"ar1": "AR (1 core)", "sd1": f"SD K={k} (1 core)", "ar2": "AR (2 threads)", "sd2": f"SD K={k} (2 threads)"}
+    names = {"ar1": "AR (1 core)", "sd1": f"SD K={sd_k} (1 core)", "ar2": "AR (2 threads)",
+             "sd2": f"SD K={sd_k} (2 threads)"}
     fmt_ = draft_options(args)
     configs = [(names["ar1"], dict(one, mode="ar")),
-               (names["sd1"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=k, **fmt_))]
+               (names["sd1"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
+    names["sd_ref"] = names["sd1"]  # verification without contention, at SSD's K (same rows)
+    if sd_k != k:
+        names["sd_ref"] = f"SD K={k} (1 core)"
+        configs.append((names["sd_ref"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=k, **fmt_)))
     if not args.skip_two_threads:
         configs += [(names["ar2"], dict(two, mode="ar")),
-                    (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=k, **fmt_))]
+                    (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
     ssd = []
     for f in fan_outs(args):
         name = f"SSD K={k} F={fan_out_label(f)} (2 cores)"
@@ -107,7 +113,7 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
     ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t], k)
                          for t in args.temperatures} for name in plan_["ssd"]}
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
-             f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k}, "
+             f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={args.sd_k or k}), "
              f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
              f"fallback={args.fallback}, temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
@@ -148,11 +154,11 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
                   "", f"## {tk}: tok/s per dataset", "",
                   table(["config"] + list(next(iter(summaries.values()))[tk]), per_dataset)]
     # contention: in the run, and from the probe
-    sd1 = summaries[names["sd1"]]
+    sd_ref = summaries[names["sd_ref"]]
     rows = []
-    for tk in sd1:
-        sd_verify = sd1[tk][ALL].get("verify_ms_median")
-        rows.append([f"in run, {tk}: {names['sd1']} (other core idle)", fmt(sd_verify, ".0f"), "1.00"])
+    for tk in sd_ref:
+        sd_verify = sd_ref[tk][ALL].get("verify_ms_median")
+        rows.append([f"in run, {tk}: {names['sd_ref']} (other core idle)", fmt(sd_verify, ".0f"), "1.00"])
         for name in plan_["ssd"]:
             v = summaries[name][tk][ALL].get("verify_ms_median")
             rows.append([f"in run, {tk}: {name} (draft building on core 1)", fmt(v, ".0f"), fmt(ratio(v, sd_verify))])
