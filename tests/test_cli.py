@@ -1,0 +1,17 @@
+"""The command line parses what the README shows, and passes draft formats to the engine."""
+from saguaro.cli import DEMO_FAN_OUT, DEMO_SD_K, _engine_options, build_parser
+
+
+def test_generate_flags_reach_the_engine_options():
+    args = build_parser().parse_args(["generate", "--target", "a", "--draft", "b", "--mode", "ssd", "--k", "3",
+                                      "--fan-out", "1,1,1,2", "--compile", "--draft-weights", "int8",
+                                      "--draft-vocab", "65536", "--prompt", "x"])
+    opts = _engine_options(args)
+    assert opts["fan_out"] == [1, 1, 1, 2] and opts["num_speculative_tokens"] == 3 and opts["compile"]
+    assert opts["draft_weights"] == "int8" and opts["draft_vocab"] == 65536
+
+
+def test_demo_defaults_are_consistent():
+    args = build_parser().parse_args(["demo"])
+    assert args.k == DEMO_SD_K and args.ssd_fan_out == DEMO_FAN_OUT and args.draft_weights == "int8"
+    assert build_parser().parse_args(["demo", "--ssd-fan-out", "1,1,3"]).ssd_fan_out == [1, 1, 3]
