@@ -10,7 +10,7 @@ import torch
 
 from saguaro import LLM, SamplingParams
 from saguaro.models import kernels
-from saguaro.models.fast_forward import FastCausalLM
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.spec.draft_format import DraftFormat
 from tests.dist_harness import measure
 from tests.tiny import PROMPTS, greedy_tokens, perturbed, tiny_model, truncated
@@ -72,10 +72,9 @@ def bf16_model(vocab=100, seed=0):
     return tiny_model(seed=seed, vocab=vocab, hidden=64).model.to(torch.bfloat16)
 
 
-def logits_of(net, ids):
-    from saguaro.engine.model_runner import ForwardItem, ModelRunner
-    runner = ModelRunner(net.model if isinstance(net, FastCausalLM) else net, 8, 16)
-    runner.net = net
+def logits_of(model, ids, **fast):
+    """Logits of every position of ``ids`` through a fast-path runner with ``fast`` (weights, head_ids)."""
+    runner = ModelRunner(model, 8, 16, fast=True, **fast)
     table = []
     runner.blocks.reserve(table, len(ids))
     return runner.forward([ForwardItem(ids, 0, table, "all")])[0]
@@ -84,8 +83,7 @@ def logits_of(net, ids):
 def test_reduced_head_keeps_exact_logits_and_masks_the_rest():
     model = bf16_model()
     keep = torch.tensor([0, 1, 2, 5, 50, 99])
-    full, reduced = FastCausalLM(model), FastCausalLM(model, "bf16", keep)
-    a, b = logits_of(full, [3, 4, 5, 6]), logits_of(reduced, [3, 4, 5, 6])
+    a, b = logits_of(model, [3, 4, 5, 6]), logits_of(model, [3, 4, 5, 6], head_ids=keep)
     assert torch.equal(b[:, keep], a[:, keep])
     dropped = torch.ones(100, dtype=torch.bool)
     dropped[keep] = False
@@ -95,8 +93,14 @@ def test_reduced_head_keeps_exact_logits_and_masks_the_rest():
 def test_int8_model_close_to_bf16():
     model = bf16_model()
     ids = [3, 14, 15, 9, 26, 5]
-    a, b = logits_of(FastCausalLM(model), ids), logits_of(FastCausalLM(model, "int8"), ids)
+    a, b = logits_of(model, ids), logits_of(model, ids, weights="int8")
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
+
+
+def test_draft_format_without_the_fast_path_is_an_error():
+    fp32 = tiny_model(vocab=100, hidden=64).model  # the fast path is bf16 only
+    with pytest.raises(ValueError, match="need the fast path"):
+        ModelRunner(fp32, 8, 16, fast=True, weights="int8")
 
 
 def test_head_ids_keep_prefix_and_special_tokens():

@@ -104,6 +104,10 @@ class Tokenizer:
         """Number of token ids the tokenizer can produce, added/special tokens included."""
         return self.backend.get_vocab_size(with_added_tokens=True)
 
+    def special_ids(self) -> list[int]:
+        """Ids of the added/special tokens (chat markers, EOS, padding) and of every EOS token."""
+        return sorted(set(self.backend.get_added_tokens_decoder()) | set(self.eos_token_ids))
+
     @property
     def eos_token_id(self) -> int | None:
         return self.eos_token_ids[0] if self.eos_token_ids else None

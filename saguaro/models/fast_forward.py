@@ -225,12 +225,18 @@ class FastCausalLM:
 
 def fast_or_eager(model: CausalLM, weights: str = "bf16",
                   head_ids: torch.Tensor | None = None) -> "FastCausalLM | CausalLM":
-    """``FastCausalLM(model, ...)`` where the fast path applies, else ``model`` itself (logged)."""
+    """``FastCausalLM(model, ...)`` where the fast path applies, else ``model`` itself (logged).
+
+    int8 weights and a reduced head exist only on the fast path, so asking for them where it
+    cannot run is an error rather than a silent fall back to the full bf16 eager model.
+    """
     reason = unsupported_reason(model, weights)
     if reason is None:
         try:
             return FastCausalLM(model, weights, head_ids)
         except kernels.KernelsUnavailable as e:
             reason = str(e)
+    if weights != "bf16" or head_ids is not None:
+        raise ValueError(f"int8 weights and a reduced head need the fast path, which cannot run here: {reason}")
     log.warning("fast path off, running eager: %s", reason)
     return model

@@ -25,8 +25,7 @@ import torch
 
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.loading import LoadedModel
-
-WEIGHTS = ("bf16", "int8")
+from saguaro.models.fast_forward import WEIGHT_FORMATS
 
 
 @dataclass(frozen=True)
@@ -35,8 +34,8 @@ class DraftFormat:
     vocab: int | None = None
 
     def __post_init__(self) -> None:
-        if self.weights not in WEIGHTS:
-            raise ValueError(f"draft_weights must be one of {WEIGHTS}, got {self.weights!r}")
+        if self.weights not in WEIGHT_FORMATS:
+            raise ValueError(f"draft_weights must be one of {WEIGHT_FORMATS}, got {self.weights!r}")
         if self.vocab is not None and self.vocab < 1:
             raise ValueError(f"draft_vocab must be >= 1, got {self.vocab}")
 
@@ -53,19 +52,12 @@ class DraftFormat:
         if self.vocab is None:
             return None
         v = draft.config.vocab_size
-        tok = draft.tokenizer
-        special = [i for i in tok.backend.get_added_tokens_decoder() if i < v] + list(tok.eos_token_ids)
-        return torch.tensor(sorted(set(range(min(self.vocab, v))) | set(special)), dtype=torch.long)
+        keep = set(range(min(self.vocab, v))) | {i for i in draft.tokenizer.special_ids() if i < v}
+        return torch.tensor(sorted(keep), dtype=torch.long)
 
     def runner(self, draft: LoadedModel, num_blocks: int, block_size: int, device: str,
                fast: bool) -> ModelRunner:
-        """The draft's runner: fast path with this format if custom, else as the engine runs."""
-        if not self.custom:
-            return ModelRunner(draft.model, num_blocks, block_size, device, fast=fast)
-        if device != "cpu":
-            raise ValueError("draft_weights='int8' and draft_vocab run on the CPU fast path only")
-        runner = ModelRunner(draft.model, num_blocks, block_size, device, fast=True, weights=self.weights,
-                             head_ids=self.head_ids(draft))
-        if runner.net is draft.model:
-            raise ValueError("draft_weights / draft_vocab need the fast path, which is off here (see the log)")
-        return runner
+        """The draft's runner: the fast path with this format if custom (an error where it cannot
+        run), else as the engine runs."""
+        return ModelRunner(draft.model, num_blocks, block_size, device, fast=fast or self.custom,
+                           weights=self.weights, head_ids=self.head_ids(draft))

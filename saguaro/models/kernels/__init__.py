@@ -1,8 +1,9 @@
 """Builds and loads the bf16 CPU kernels (``cpu_bf16.cpp``) on first use.
 
-The kernels need AVX512-BF16 (AMD Zen 4, Intel Sapphire Rapids and later). They are
-compiled with ``-march=native`` by ``torch.utils.cpp_extension`` the first time they are
-asked for (about a minute on a 2-core machine) and cached under
+The kernels need AVX512-BF16, and AVX512-VNNI for the int8 draft GEMMs (AMD Zen 4, Intel
+Sapphire Rapids and later). They are compiled with ``-march=native`` by
+``torch.utils.cpp_extension`` the first time they are asked for (about a minute on a 2-core
+machine) and cached under
 ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); torch rebuilds them
 when the source changes and serialises concurrent builds with a file lock, so later
 processes load them in well under a second.

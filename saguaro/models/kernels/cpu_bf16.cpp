@@ -355,13 +355,14 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
     ldr = residual->stride(0);
   }
   void* op = out.data_ptr();
+  const void* wp = packed.data_ptr();
   QuantRows xr;
   if (int8) xr = quantize_rows(xp, ldx, M, K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(M * TN);
     for (int64_t t = t0; t < t1; t++) {
       if (int8) {
-        const uint8_t* tile = packed.data_ptr<uint8_t>() + t * (P + 4) * TN * 4;
+        const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (P + 4) * TN * 4;
         const int64_t blocks = K / QB, kb = M <= MAXMB8 ? blocks : KBLOCK / 16;  // 64 x 2048 bytes stay in L2
         for (int64_t b0 = 0; b0 < blocks; b0 += kb) {
           const int64_t b1 = std::min(blocks, b0 + kb);
@@ -375,7 +376,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
         for (int64_t m = 0; m < M; m++)
           for (int64_t j = 0; j < TN; j++) acc[m * TN + j] *= scales[j];
       } else {
-        const bf16* tile = packed.data_ptr<bf16>() + t * P * TN * 2;
+        const bf16* tile = static_cast<const bf16*>(wp) + t * P * TN * 2;
         const int64_t kb = M <= MAXMB ? P : KBLOCK;  // one pass over k when all rows fit the registers
         for (int64_t p0 = 0; p0 < P; p0 += kb) {
           const int64_t p1 = std::min(P, p0 + kb);
