@@ -88,7 +88,8 @@ class Config:
         if not self.draft:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         from saguaro.calibration.policy import recommended_k, resolve_profile
-        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile)
+        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile,
+                                  draft_format=self.draft_format.tag)
         return recommended_k(profile, self.fallback, mode=self.mode)
 
     @property

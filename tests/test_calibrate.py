@@ -91,3 +91,38 @@ def test_missing_or_stale_profile_reads_as_none(tmp_path, monkeypatch):
     profile_path("a", "b", "bfloat16").write_text("{not json")
     assert load_profile("a", "b", "bf16") is None
     assert math.isclose(default_profile("a", "b", "bf16", 2)["timing"]["target_rows"]["3"], 1.0)
+
+
+def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
+    """An int8 / reduced-head draft has its own profile; the engine falls back to the plain one, with a warning."""
+    from saguaro.calibration.policy import resolve_profile
+    from saguaro.spec.draft_format import DraftFormat
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    fmt = DraftFormat("int8", 4096)
+    assert fmt.tag == "int8-v4096" and DraftFormat().tag == "" and DraftFormat(vocab=8).tag == "v8"
+    assert profile_path("a", "b", "bf16", True, fmt.tag) != profile_path("a", "b", "bf16", True)
+    plain = default_profile("a", "b", "bfloat16", 4)
+    plain["default"], plain["marker"] = False, "plain"
+    save_profile(plain)
+    with caplog.at_level("WARNING", logger="saguaro"):
+        assert resolve_profile("a", "b", "bfloat16", 4, fast=True, draft_format=fmt.tag)["marker"] == "plain"
+    assert "draft format 'int8-v4096'" in caplog.text
+    own = dict(plain, marker="int8", draft_format=fmt.tag, fast=True)
+    assert save_profile(own) == profile_path("a", "b", "bfloat16", True, fmt.tag)
+    assert resolve_profile("a", "b", "bfloat16", 4, fast=True, draft_format=fmt.tag)["marker"] == "int8"
+    assert resolve_profile("a", "b", "bfloat16", 4, fast=True)["marker"] == "plain"
+
+
+@pytest.mark.skipif(not __import__("saguaro.models.kernels", fromlist=["x"]).cpu_supports_bf16(),
+                    reason="CPU lacks AVX512-BF16/VNNI")
+def test_calibrate_an_int8_draft(pair, tmp_path, monkeypatch):
+    """Timings and ranks come from the draft as the engine runs it: int8 weights, reduced head."""
+    from saguaro.spec.draft_format import DraftFormat
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    fmt = DraftFormat("int8", 48)
+    profile = calibrate(pair[0], pair[1], dtype="float32", k=3, temperatures=(0.0,), max_tokens=12, batch=4,
+                        max_rows=4, prompt_ids=PROMPTS, log=lambda s: None, draft_format=fmt)
+    assert profile["draft_format"] == "int8-v48" and profile["timing"]["draft_step_s"] > 0
+    assert profile["temperatures"]["0.0"]["primary"]["ranked_rounds"] > 0
+    assert save_profile(profile) == profile_path(pair[0].name, pair[1].name, "float32", False, "int8-v48")
+    assert next(pair[1].model.parameters()).dtype == torch.float32  # the caller's draft is not converted

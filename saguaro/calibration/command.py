@@ -10,6 +10,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--draft-weights", default="bf16", choices=("bf16", "int8"),
+                   help="the draft's weight format, as the engine will run it (the profile is keyed by it)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
     p.add_argument("--k", type=int, default=4, help="lookahead K used while calibrating")
     p.add_argument("--temperatures", default="0,1", help="comma separated")
     p.add_argument("--c-values", default="",
@@ -40,28 +43,31 @@ def run(args: argparse.Namespace) -> int:
     from saguaro.config import DTYPES
     from saguaro.engine.device import pin_process
     from saguaro.loading import check_shared_vocabulary, load_model
+    from saguaro.spec.draft_format import DraftFormat
     pin_process([args.core] if args.core >= 0 else None, args.threads)
     dtype = DTYPES[args.dtype]
+    fmt = DraftFormat(args.draft_weights, args.draft_vocab)
     target = load_model(args.target, dtype=dtype)
-    draft = load_model(args.draft, dtype=dtype)
+    draft = load_model(args.draft, dtype=fmt.dtype(dtype))
     check_shared_vocabulary(target.tokenizer, draft.tokenizer)
     if args.timing_only:
-        profile = load_profile(args.target, args.draft, args.dtype, args.compile)
+        profile = load_profile(args.target, args.draft, args.dtype, args.compile, fmt.tag)
         if profile is None and args.compile:  # reuse the eager profile's ranks with fast-path timings
-            profile = load_profile(args.target, args.draft, args.dtype)
+            profile = load_profile(args.target, args.draft, args.dtype, False, fmt.tag)
         if profile is None:
-            raise FileNotFoundError(f"no profile at {profile_path(args.target, args.draft, args.dtype)}; "
-                                    "run `saguaro calibrate` without --timing-only first")
+            path = profile_path(args.target, args.draft, args.dtype, False, fmt.tag)
+            raise FileNotFoundError(f"no profile at {path}; run `saguaro calibrate` without --timing-only first")
         args.k = profile["k"]
         context = profile["timing"].get("context", 256)
-        profile["timing"] = measure_timing(target, draft, args.k, context, args.max_rows, fast=args.compile)
+        profile["timing"] = measure_timing(target, draft, args.k, context, args.max_rows, fast=args.compile,
+                                           draft_format=fmt)
         profile["fast"] = bool(args.compile)
         print(f"timing: verify(K+1) {profile['timing']['verify_s'] * 1e3:.1f} ms, "
               f"draft step {profile['timing']['draft_step_s'] * 1e3:.1f} ms, T_p {profile['timing']['T_p']:.2f}")
     else:
         profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
                             c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
-                            batch=args.batch, max_rows=args.max_rows, fast=args.compile)
+                            batch=args.batch, max_rows=args.max_rows, fast=args.compile, draft_format=fmt)
     if not args.no_save:
         print(f"profile saved to {save_profile(profile)}")
     if args.json:

@@ -29,11 +29,13 @@ import numpy as np
 import torch
 
 from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, dtype_name
+from saguaro.engine.device import place
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.params import SamplingParams
+from saguaro.spec.draft_format import DraftFormat
 from saguaro.spec.ngram_proposer import NgramProposer
 from saguaro.ssd.decoder import SSDDecoder
 from saguaro.ssd.plan import SpecPlan
@@ -54,11 +56,13 @@ def calibration_prompts(tokenizer, n: int) -> list[list[int]]:
 
 # -- timings -------------------------------------------------------------------------------------------
 class _RowTimer:
-    """One model over ``context`` cached tokens; ``once(n)`` times a forward over n new rows (all logits)."""
+    """One model over ``context`` cached tokens; ``once(n)`` times a forward over n new rows (all logits).
 
-    def __init__(self, model, context: int, max_rows: int, block_size: int = 16, fast: bool = False):
-        vocab = model.config.vocab_size
-        self.runner = ModelRunner(model, math.ceil((context + max_rows) / block_size) + 1, block_size, fast=fast)
+    ``make_runner(num_blocks, block_size)`` builds the model's runner (so a draft runs in its format)."""
+
+    def __init__(self, make_runner, context: int, max_rows: int, block_size: int = 16):
+        self.runner = make_runner(math.ceil((context + max_rows) / block_size) + 1, block_size)
+        vocab = self.runner.config.vocab_size
         self.table: list[int] = []
         self.runner.blocks.reserve(self.table, context + max_rows)
         self.tokens = [(101 + 7 * i) % vocab for i in range(context + max_rows)]
@@ -84,12 +88,12 @@ def monotone(times: dict[str, float]) -> dict[str, float]:
     return {n: out[n] for n in sorted(out, key=int)}
 
 
-def time_rows(models: dict, rows: list[int], context: int, repeats: int = 5,
-              fast: bool = False) -> dict[str, dict[str, float]]:
-    """Per model, seconds for one forward over n new rows after ``context`` tokens: min over ``repeats``
-    interleaved rounds (every model and row count once per round, so slow spells hit all of them)."""
-    timers = {name: _RowTimer(m, context, max(rows), fast=fast) for name, m in models.items()}
-    raw = {name: {str(n): math.inf for n in rows} for name in models}
+def time_rows(runners: dict, rows: list[int], context: int, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Per model (``runners``: name -> ``make_runner(num_blocks, block_size)``), seconds for one forward over
+    n new rows after ``context`` tokens: min over ``repeats`` interleaved rounds (every model and row count
+    once per round, so slow spells hit all of them)."""
+    timers = {name: _RowTimer(make, context, max(rows)) for name, make in runners.items()}
+    raw = {name: {str(n): math.inf for n in rows} for name in runners}
     for _ in range(repeats):
         for n in rows:
             for name, timer in timers.items():
@@ -111,9 +115,14 @@ def time_ngram(prompt: list[int], k: int, repeats: int = 20) -> float:
 
 
 def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repeats: int = 5,
-                   prompt: list[int] | None = None, fast: bool = False) -> dict:
+                   prompt: list[int] | None = None, fast: bool = False,
+                   draft_format: DraftFormat = DraftFormat()) -> dict:
+    """Timings of the target (as the engine runs it) and of the draft in ``draft_format``."""
     rows = sorted(set([n for n in ROW_GRID if n <= max_rows] + [k + 1]))
-    raw = time_rows({"target": target.model, "draft": draft.model}, rows, context, repeats, fast)
+    draft = place(draft, "cpu", draft_format.dtype(next(draft.model.parameters()).dtype))
+    runners = {"target": lambda n, bs: ModelRunner(target.model, n, bs, fast=fast),
+               "draft": lambda n, bs: draft_format.runner(draft, n, bs, "cpu", fast)}
+    raw = time_rows(runners, rows, context, repeats)
     target_rows, draft_rows = monotone(raw["target"]), monotone(raw["draft"])
     ngram = time_ngram(prompt or list(range(context)), k)
     verify, step = target_rows[str(k + 1)], draft_rows["1"]
@@ -124,17 +133,17 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
 
 # -- ranks ---------------------------------------------------------------------------------------------
 def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingParams], k: int, plan: SpecPlan,
-               max_num_seqs: int = 8, block_size: int = 16, build_branches: bool = False, fast: bool = False
-               ) -> tuple[list[RankRecord], dict]:
+               max_num_seqs: int = 8, block_size: int = 16, build_branches: bool = False, fast: bool = False,
+               draft_format: DraftFormat = DraftFormat()) -> tuple[list[RankRecord], dict]:
     """Run SSD over the prompts with the speculator in this process, recording bonus-token ranks.
 
     ``build_branches=False`` skips decoding the cache (ranks need only the glue's logits)."""
     max_len = max(len(p) for p in prompts) + max(p.max_tokens for p in params) + 2 * (k + 1)
     kv_tokens = (max_len + block_size) * max_num_seqs
     runner = ModelRunner(target.model, math.ceil(kv_tokens / block_size), block_size, fast=fast)
-    dtype = next(draft.model.parameters()).dtype
+    dtype = draft_format.dtype(next(draft.model.parameters()).dtype)
     opts = WorkerOptions(k, plan.fan_out(0.0, "p"), plan.fallback_for(1), dtype, "cpu", None, 1, kv_tokens,
-                         block_size, 600.0, 1.0, plan, fast)
+                         block_size, 600.0, 1.0, plan, fast, draft_format)
     recorder = RankRecorder(build_branches=build_branches)
     decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), k, max_len)
     engine = LLMEngine(runner, target.tokenizer, decoder, max_len, max_num_seqs, 1 << 14)
@@ -212,32 +221,36 @@ def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) ->
 
 
 def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens, batch, plan=None,
-                fast: bool = False) -> dict:
+                fast: bool = False, draft_format: DraftFormat = DraftFormat()) -> dict:
     plan = plan or SpecPlan.fixed([0] * (k + 1), 1.0, "jit" if source == "primary" else "ngram")
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
               for i in range(len(prompts))]
-    records, metrics = run_ranked(target, draft, prompts, params, k, plan, batch, fast=fast)
+    records, metrics = run_ranked(target, draft, prompts, params, k, plan, batch, fast=fast, draft_format=draft_format)
     return summarize_source([r for r in records if r.source == ("p" if source == "primary" else "b")], k, metrics)
 
 
 def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0, 1.0), c_values=(),
               prompts: int = 8, max_tokens: int = 64, batch: int = 8, max_rows: int = 64,
               prompt_ids: list[list[int]] | None = None, log: Callable[[str], None] = print,
-              fast: bool = False) -> dict:
+              fast: bool = False, draft_format: DraftFormat = DraftFormat()) -> dict:
     """Measure the pair (``LoadedModel``s, already on their device and dtype) and return its profile.
 
     ``fast``: run both models through the bf16 fast path (what ``Config.compile`` selects), so the timings
-    match an engine started with ``compile=True``."""
+    match an engine started with ``compile=True``. ``draft_format``: the draft's weights and head, as the
+    engine's ``draft_weights`` / ``draft_vocab`` (then ``draft`` must be bf16); the profile is keyed by it."""
     from saguaro.calibration.policy import make_plan
     start = time.perf_counter()
     prompt_ids = prompt_ids or calibration_prompts(target.tokenizer, prompts)
     context = int(np.mean([len(p) for p in prompt_ids]))
-    log(f"calibrating {target.name} / {draft.name} ({dtype_name(dtype)}), K={k}, {len(prompt_ids)} prompts, "
+    log(f"calibrating {target.name} / {draft.name} [{draft_format.tag or 'bf16'}] ({dtype_name(dtype)}), K={k}, "
+        f"{len(prompt_ids)} prompts, "
         f"{max_tokens} tokens each, temperatures {list(temperatures)}")
-    timing = measure_timing(target, draft, k, context, max_rows, prompt=prompt_ids[0], fast=fast)
+    timing = measure_timing(target, draft, k, context, max_rows, prompt=prompt_ids[0], fast=fast,
+                            draft_format=draft_format)
     log(f"  timing: verify(K+1) {timing['verify_s'] * 1e3:.1f} ms, draft step {timing['draft_step_s'] * 1e3:.1f} ms, "
         f"T_p {timing['T_p']:.2f}, T_b {timing['T_b']:.4f}")
-    profile = {"version": PROFILE_VERSION, "target": target.name, "draft": draft.name, "dtype": dtype_name(dtype),
+    profile = {"version": PROFILE_VERSION, "target": target.name, "draft": draft.name,
+               "draft_format": draft_format.tag, "dtype": dtype_name(dtype),
                "fast": bool(fast), "k": k, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "settings": {"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
                             "temperatures": list(temperatures), "c_values": list(c_values),
@@ -246,7 +259,8 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
     for t in temperatures:
         entry = {}
         for source in ("primary", "backup"):
-            entry[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch, fast=fast)
+            entry[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch, fast=fast,
+                                        draft_format=draft_format)
             s = entry[source]
             log(f"  T={t} {source}: acceptance {s['acceptance']:.3f}, {s['rounds']} rounds, "
                 f"p_hit(F=1) {1 - s['miss_uniform'][1]:.2f}, r {s['r'] if s['r'] is None else round(s['r'], 3)} "
@@ -260,7 +274,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
             plan = make_plan({**profile, "temperatures": {key: profile["temperatures"][key]}}, k, 1.0, "jit", 1, vocab)
             reweight = plan.primary[0][0]
             s = _source_run(target, draft, prompt_ids, t, k, "primary", max_tokens, batch,
-                            SpecPlan.fixed(reweight, c, "jit"), fast=fast)
+                            SpecPlan.fixed(reweight, c, "jit"), fast=fast, draft_format=draft_format)
             s.update(c=float(c), fan_out=reweight)
             profile["temperatures"][key]["c_sweep"].append(s)
             log(f"  T={t} C={c}: acceptance {s['acceptance']:.3f}, p_hit(F=1) {1 - s['miss_uniform'][1]:.2f} "

@@ -258,21 +258,26 @@ def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks
     return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab).tok_s for e in entries))
 
 
-def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False) -> dict:
-    """The stored profile, or the documented defaults (logged). With ``fast`` (Config.compile) the fast-path
-    profile is preferred; the eager one still gives the acceptance and hit curves (its timings are logged as
-    a mismatch)."""
-    profile = load_profile(target, draft, dtype, fast)
-    if profile is None and fast:
-        profile = load_profile(target, draft, dtype)
-        if profile is not None:
-            log.warning("no fast-path calibration profile for %s / %s; using the eager one, whose timings are "
-                        "slower (run `saguaro calibrate --compile`)", target, draft)
-    if profile is None:
-        log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
-                    "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)
-        profile = default_profile(target, draft, dtype, k)
-    return profile
+def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "") -> dict:
+    """The stored profile, or the documented defaults (logged).
+
+    Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.compile),
+    with the draft in ``draft_format`` (``DraftFormat.tag``). Failing that, the nearest one that exists
+    (same format eager, then the plain draft), with a warning: its acceptance and hit curves still apply
+    roughly, its timings do not."""
+    tried = [(fast, draft_format), (False, draft_format), (fast, ""), (False, "")]
+    for i, (f, fmt) in enumerate(dict.fromkeys(tried)):
+        profile = load_profile(target, draft, dtype, f, fmt)
+        if profile is None:
+            continue
+        if i:
+            log.warning("no calibration profile for %s / %s as configured (fast path %s, draft format %r); using "
+                        "the one with fast path %s, draft format %r, whose timings differ (run `saguaro calibrate` "
+                        "with the same settings)", target, draft, fast, draft_format or "bf16", f, fmt or "bf16")
+        return profile
+    log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
+                "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)
+    return default_profile(target, draft, dtype, k)
 
 
 def paper_budget(timing: dict, k: int, batch: int = 1) -> int:

@@ -1,10 +1,12 @@
 """The calibration profile of a target/draft pair: what it holds, where it lives, and the defaults.
 
-Stored as JSON at ``<cache_root>/profiles/<target>__<draft>__<dtype>[__fast].json``
+Stored as JSON at ``<cache_root>/profiles/<target>__<draft>[@<format>]__<dtype>[__fast].json``
 (``saguaro.loading.cache_root``; ``SAGUARO_CACHE`` moves it; ``__fast``: timed on the bf16 fast path that
-``Config.compile`` selects). Schema (version 1)::
+``Config.compile`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g. ``int8-v65536``, since
+its weights and head change both its step time and its ranks). Schema (version 1)::
 
-    {"version": 1, "target", "draft", "dtype", "fast", "k": K used to calibrate, "created", "settings": {...},
+    {"version": 1, "target", "draft", "draft_format", "dtype", "fast", "k": K used to calibrate, "created",
+     "settings": {...},
      "timing": {                       # seconds, one process on one core, min over repeats
         "target_rows": {"n": s},       # one target forward over n new rows (n = K+1 is a verification)
         "draft_rows": {"n": s},        # one draft forward over n new rows (a branch step of n rows, a glue)
@@ -62,14 +64,17 @@ def dtype_name(dtype) -> str:
     return str(DTYPES.get(dtype, dtype)).replace("torch.", "")
 
 
-def profile_path(target: str, draft: str, dtype, fast: bool = False) -> Path:
-    """Keyed by target, draft and dtype; ``fast`` (timed on the bf16 fast path, Config.compile) adds a suffix."""
+def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "") -> Path:
+    """Keyed by target, draft (and its format tag) and dtype; ``fast`` (timed on the bf16 fast path,
+    Config.compile) adds a suffix."""
     suffix = "__fast" if fast else ""
-    return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}__{dtype_name(dtype)}{suffix}.json"
+    fmt = f"@{_slug(draft_format)}" if draft_format else ""
+    return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
 
 
 def save_profile(profile: dict) -> Path:
-    path = profile_path(profile["target"], profile["draft"], profile["dtype"], bool(profile.get("fast")))
+    path = profile_path(profile["target"], profile["draft"], profile["dtype"], bool(profile.get("fast")),
+                        profile.get("draft_format", ""))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(profile, indent=1))
@@ -77,9 +82,9 @@ def save_profile(profile: dict) -> Path:
     return path
 
 
-def load_profile(target: str, draft: str, dtype, fast: bool = False) -> dict | None:
+def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "") -> dict | None:
     """The stored profile, or None if there is none or it is unreadable / of another version."""
-    path = profile_path(target, draft, dtype, fast)
+    path = profile_path(target, draft, dtype, fast, draft_format)
     try:
         profile = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -44,6 +44,14 @@ class DraftFormat:
         """Whether the draft needs the fast path (and bf16) whatever the engine's settings."""
         return self.weights != "bf16" or self.vocab is not None
 
+    @property
+    def tag(self) -> str:
+        """A short name for this format ("" for the plain draft): keys the calibration profile."""
+        parts = [self.weights] if self.weights != "bf16" else []
+        if self.vocab is not None:
+            parts.append(f"v{self.vocab}")
+        return "-".join(parts)
+
     def dtype(self, engine_dtype: torch.dtype) -> torch.dtype:
         return torch.bfloat16 if self.custom else engine_dtype
 
