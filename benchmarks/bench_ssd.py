@@ -9,7 +9,7 @@ Reported: decode tok/s (median over prompts), ratios against AR and SD of this r
 tokens per round, p_hit (and after a hit / after a miss), and per round: verification time,
 the target's wait for the speculator, the speculator's cache-build time. The memory-bus
 contention between the cores is measured twice: verification per round in SSD against SD on
-one core (the other core idle) at the same K, and a controlled probe (contention.py). A round
+one core (the other core idle) at the same K, and a controlled probe (saguaro.calibration.contention). A round
 timeline of one request is drawn to results/ssd_timeline.png.
 
     python -m benchmarks.bench_ssd                         # defaults: 2+2 prompts, 64 tokens, greedy, K=4
@@ -170,7 +170,8 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
     lines += ["", "## Memory-bus contention: target verification time per round", "",
               f"Same number of rows (K+1 = {k + 1}). In run: median verify time per round. In SSD the build may "
               "finish before verification does (see full builds), so the in-run figure is a blend of contended and "
-              "uncontended time; the probe keeps the draft busy for the whole pass (eager path, made-up tokens).", "",
+              "uncontended time; the probe keeps the draft busy for the whole pass (as the engine runs both, made-up "
+              "tokens).", "",
               table(["measurement", "verify ms", "slowdown"], rows)]
     equal = {name: same_tokens(recs, records[names["ar1"]]) for name, recs in records.items() if name != names["ar1"]}
     if any(b for _, b in equal.values()):
@@ -223,9 +224,12 @@ def main(argv: list[str] | None = None) -> int:
     summaries = {name: group_records(recs) for name, recs in records.items()}
     contention = None
     if not args.skip_probe:
-        from benchmarks.contention import measure
+        from saguaro.calibration.contention import measure
+        from saguaro.spec.draft_format import DraftFormat
         widths = sorted({1} | {sum(f) for f in fan_outs(args) if isinstance(f, list)})
-        contention = measure(args.k + 1, widths, args.probe_context, args.probe_reps)
+        contention = measure(TARGET, DRAFT, args.k + 1, widths, fast=args.compile, context=args.probe_context,
+                             reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab),
+                             log=log)
     payload, markdown = report(args, labels, plan_, records, summaries, contention)
     timeline = draw_timeline(args, plan_, records)
     if timeline:

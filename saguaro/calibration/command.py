@@ -28,6 +28,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="calibrate the bf16 fast path (the engine's compile=True); stored as its own profile")
     p.add_argument("--timing-only", action="store_true",
                    help="re-measure only the timings of the stored profile (e.g. on a quieter machine)")
+    p.add_argument("--no-contention", action="store_true",
+                   help="skip the probe of how much the draft on core 1 slows verification on core 0 (memory bus)")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--json", help="also write the profile to this path")
 
@@ -60,14 +62,15 @@ def run(args: argparse.Namespace) -> int:
         args.k = profile["k"]
         context = profile["timing"].get("context", 256)
         profile["timing"] = measure_timing(target, draft, args.k, context, args.max_rows, fast=args.compile,
-                                           draft_format=fmt)
+                                           draft_format=fmt, contention=not args.no_contention)
         profile["fast"] = bool(args.compile)
         print(f"timing: verify(K+1) {profile['timing']['verify_s'] * 1e3:.1f} ms, "
               f"draft step {profile['timing']['draft_step_s'] * 1e3:.1f} ms, T_p {profile['timing']['T_p']:.2f}")
     else:
         profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
                             c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
-                            batch=args.batch, max_rows=args.max_rows, fast=args.compile, draft_format=fmt)
+                            batch=args.batch, max_rows=args.max_rows, fast=args.compile, draft_format=fmt,
+                            contention=not args.no_contention)
     if not args.no_save:
         print(f"profile saved to {save_profile(profile)}")
     if args.json:

@@ -114,10 +114,14 @@ def time_ngram(prompt: list[int], k: int, repeats: int = 20) -> float:
     return best
 
 
+CONTENTION_WIDTHS = (1, 4, 8, 16)  # draft pass widths probed beside a verification
+
+
 def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repeats: int = 5,
                    prompt: list[int] | None = None, fast: bool = False,
-                   draft_format: DraftFormat = DraftFormat()) -> dict:
-    """Timings of the target (as the engine runs it) and of the draft in ``draft_format``."""
+                   draft_format: DraftFormat = DraftFormat(), contention: bool = False) -> dict:
+    """Timings of the target (as the engine runs it) and of the draft in ``draft_format``; with
+    ``contention``, also the target's verification beside a busy draft on core 1 (``contention.measure``)."""
     rows = sorted(set([n for n in ROW_GRID if n <= max_rows] + [k + 1]))
     draft = place(draft, "cpu", draft_format.dtype(next(draft.model.parameters()).dtype))
     runners = {"target": lambda n, bs: ModelRunner(target.model, n, bs, fast=fast),
@@ -126,9 +130,18 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
     target_rows, draft_rows = monotone(raw["target"]), monotone(raw["draft"])
     ngram = time_ngram(prompt or list(range(context)), k)
     verify, step = target_rows[str(k + 1)], draft_rows["1"]
-    return {"target_rows": target_rows, "draft_rows": draft_rows, "ngram_s": ngram, "verify_s": verify,
-            "draft_step_s": step, "T_p": k * step / verify, "T_b": ngram / verify, "context": context,
-            "repeats": repeats, "raw": raw}
+    timing = {"target_rows": target_rows, "draft_rows": draft_rows, "ngram_s": ngram, "verify_s": verify,
+              "draft_step_s": step, "T_p": k * step / verify, "T_b": ngram / verify, "context": context,
+              "repeats": repeats, "raw": raw}
+    if contention:
+        from saguaro.calibration.contention import measure
+        timing["contention"] = measure(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=target_dtype(target),
+                                       fast=fast, draft_format=draft_format, context=context)
+    return timing
+
+
+def target_dtype(loaded) -> torch.dtype:
+    return next(loaded.model.parameters()).dtype
 
 
 # -- ranks ---------------------------------------------------------------------------------------------
@@ -232,12 +245,13 @@ def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens,
 def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0, 1.0), c_values=(),
               prompts: int = 8, max_tokens: int = 64, batch: int = 8, max_rows: int = 64,
               prompt_ids: list[list[int]] | None = None, log: Callable[[str], None] = print,
-              fast: bool = False, draft_format: DraftFormat = DraftFormat()) -> dict:
+              fast: bool = False, draft_format: DraftFormat = DraftFormat(), contention: bool = False) -> dict:
     """Measure the pair (``LoadedModel``s, already on their device and dtype) and return its profile.
 
     ``fast``: run both models through the bf16 fast path (what ``Config.compile`` selects), so the timings
     match an engine started with ``compile=True``. ``draft_format``: the draft's weights and head, as the
-    engine's ``draft_weights`` / ``draft_vocab`` (then ``draft`` must be bf16); the profile is keyed by it."""
+    engine's ``draft_weights`` / ``draft_vocab``; the profile is keyed by it. ``contention``: probe how much
+    the draft on core 1 slows verification on core 0 (the calling process is pinned to core 0 meanwhile)."""
     from saguaro.calibration.policy import make_plan
     start = time.perf_counter()
     prompt_ids = prompt_ids or calibration_prompts(target.tokenizer, prompts)
@@ -246,7 +260,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
         f"{len(prompt_ids)} prompts, "
         f"{max_tokens} tokens each, temperatures {list(temperatures)}")
     timing = measure_timing(target, draft, k, context, max_rows, prompt=prompt_ids[0], fast=fast,
-                            draft_format=draft_format)
+                            draft_format=draft_format, contention=contention)
     log(f"  timing: verify(K+1) {timing['verify_s'] * 1e3:.1f} ms, draft step {timing['draft_step_s'] * 1e3:.1f} ms, "
         f"T_p {timing['T_p']:.2f}, T_b {timing['T_b']:.4f}")
     profile = {"version": PROFILE_VERSION, "target": target.name, "draft": draft.name,

@@ -2,8 +2,10 @@
 
 Per temperature and batch size b, for each candidate per-sequence branch budget B:
 
-* **Timing** (profile, seconds): a verification of the batch takes t_v = target(b (K+1) rows); the build
-  glues the speculation (draft(b (K+1) rows)) and then runs branch steps of b B rows each. The speculator
+* **Timing** (profile, seconds): a verification of the batch takes t_v = target(b (K+1) rows) times the
+  memory-bus slowdown the profile measured beside a draft making passes of b B rows (1 without a probe);
+  the build glues the speculation (draft(b (K+1) rows)) and then runs branch steps of b B rows each, its
+  passes slowed likewise. A miss's just-in-time drafting runs while the target waits, at full speed. The speculator
   always runs one step and starts another only while the verification is still running, so a cached
   speculation has L = min(K, max(1, ceil((t_v - t_glue) / t_step))) tokens, and a hit round lasts
   max(t_v, t_glue + L t_step).
@@ -35,6 +37,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from saguaro.calibration.contention import slowdowns
 from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, default_profile, load_profile
 from saguaro.ssd.plan import SpecPlan
 from saguaro.theory import (accepted_length_pmf, choose_fallback, critical_batch_size, expected_tokens,
@@ -153,10 +156,14 @@ class Choice:
 
 
 def _steps(timing: dict, k: int, batch: int, rows: int) -> tuple[int, float, float]:
-    """(L, hit-round time / t_v, t_v) when each branch step decodes ``rows`` rows per sequence."""
-    t_v = rows_time(timing["target_rows"], batch * (k + 1))
-    t_glue = rows_time(timing["draft_rows"], batch * (k + 1))
-    t_step = rows_time(timing["draft_rows"], batch * max(rows, 1))
+    """(L, hit-round time / t_v, t_v) when each branch step decodes ``rows`` rows per sequence.
+
+    t_v is the verification as it runs beside the building draft: slowed by the memory-bus contention the
+    profile measured (``contention.slowdowns``; 1 without a probe), and so are the draft's passes."""
+    slow_target, slow_draft = slowdowns(timing, batch * max(rows, 1))
+    t_v = rows_time(timing["target_rows"], batch * (k + 1)) * slow_target
+    t_glue = rows_time(timing["draft_rows"], batch * (k + 1)) * slow_draft
+    t_step = rows_time(timing["draft_rows"], batch * max(rows, 1)) * slow_draft
     steps = k if t_step <= 0 else min(k, max(1, math.ceil((t_v - t_glue) / t_step)))
     return steps, (t_glue + steps * t_step) / t_v, t_v
 

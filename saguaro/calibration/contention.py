@@ -1,0 +1,164 @@
+"""Memory-bus contention: how much a busy draft on the other core slows the target's verification.
+
+The two cores of this machine compute independently but share one memory bus (shared/MODELS.md).
+In SSD the draft builds its tree while the target verifies, so a hit round lasts one verification
+*slowed by the draft's traffic*, not one verification alone; a profile that ignores this predicts
+too much (Thm 2's T_SD is "verify time" as it runs beside the draft).
+
+The probe times one target verification pass (``rows`` tokens over a ``context``-token KV cache, all
+logits, one thread on the target core):
+  - with the other core idle (before and after the busy phases, to catch drift);
+  - while a second process, pinned to the other core, runs draft forward passes back to back, of each
+    width in ``widths`` (1 row streams the draft's weights fastest: the worst case for the bus; wider
+    passes, the shape of a branch step, do more compute per byte).
+It also counts the draft's passes per second meanwhile, so the draft's own slowdown is known too.
+Both sides run as the engine runs them (fast path, the draft in its format) with made-up token ids.
+Other tenants of a shared machine load the bus too; the load average is recorded next to it.
+"""
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.spec.draft_format import DraftFormat
+
+BLOCK = 16
+
+
+def _loaded(model: Any, dtype: torch.dtype):
+    from saguaro.engine.device import place
+    from saguaro.loading import load_model
+    return load_model(model, dtype=dtype, progress=False) if isinstance(model, str) else place(model, "cpu", dtype)
+
+
+class _Pass:
+    """One model with ``context`` cached tokens; ``run()`` is a forward over ``rows`` new rows (same slots each time)."""
+
+    def __init__(self, runner: ModelRunner, context: int, rows: int, logits: str):
+        self.runner, vocab = runner, runner.config.vocab_size
+        table: list[int] = []
+        runner.blocks.reserve(table, context + rows)
+        ids = [(1000 + 7 * i) % vocab for i in range(context + rows)]
+        runner.forward([ForwardItem(ids[:context], 0, table, "none")])  # fill the cache once
+        self.item = ForwardItem(ids[context:context + rows], context, table, logits)
+
+    @torch.inference_mode()
+    def run(self) -> float:
+        start = time.perf_counter()
+        self.runner.forward([self.item])
+        return time.perf_counter() - start
+
+
+def _blocks(context: int, rows: int) -> int:
+    return math.ceil((context + rows) / BLOCK) + 1
+
+
+def _busy_draft(ready: Any, stop: Any, passes: Any, draft: Any, dtype: torch.dtype, fmt: DraftFormat,
+                fast: bool, cores: list[int], rows: int, context: int) -> None:
+    """The busy process: draft forward passes of ``rows`` tokens, back to back, until told to stop."""
+    from saguaro.engine.device import pin_process
+    pin_process(cores, 1)
+    loaded = _loaded(draft, fmt.dtype(dtype))
+    one = _Pass(fmt.runner(loaded, _blocks(context, rows), BLOCK, "cpu", fast), context, rows, "all")
+    one.run()
+    ready.set()
+    while not stop.is_set():
+        one.run()
+        passes.value += 1
+
+
+def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: torch.dtype = torch.bfloat16,
+            fast: bool = False, draft_format: DraftFormat = DraftFormat(), context: int = 256, reps: int = 8,
+            target_cores: list[int] | None = None, draft_cores: list[int] | None = None,
+            log=lambda s: None) -> dict[str, Any]:
+    """Target verification time alone and beside a busy draft, for each draft width.
+
+    ``target`` / ``draft``: model names (loaded here and in the busy process) or ``LoadedModel``s. The
+    caller's process is pinned to ``target_cores`` with one thread meanwhile, then restored."""
+    from saguaro.engine.device import pin_process
+    target_cores, draft_cores = target_cores or [0], draft_cores or [1]
+    affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    threads = torch.get_num_threads()
+    pin_process(target_cores, 1)
+    try:
+        return _measure(target, draft, rows, widths, dtype, fast, draft_format, context, reps, target_cores,
+                        draft_cores, log)
+    finally:
+        pin_process(sorted(affinity) if affinity else None, threads)
+
+
+def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, reps, target_cores, draft_cores,
+             log) -> dict[str, Any]:
+    loaded = _loaded(target, dtype)
+    verify = _Pass(ModelRunner(loaded.model, _blocks(context, rows), BLOCK, fast=fast), context, rows, "all")
+
+    def verify_times() -> list[float]:
+        return [1e3 * verify.run() for _ in range(reps)]
+
+    verify_times()  # warm-up
+    idle_before = verify_times()
+    log(f"contention probe: target {rows} rows alone: {statistics.median(idle_before):.0f} ms")
+    busy = []
+    ctx = mp.get_context("spawn")
+    for width in widths:
+        ready, stop, passes = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
+        proc = ctx.Process(target=_busy_draft, args=(ready, stop, passes, draft, dtype, draft_format, fast,
+                                                     draft_cores, width, context),
+                           daemon=True, name="saguaro-busy-draft")
+        proc.start()
+        try:
+            while not ready.wait(0.5):
+                if not proc.is_alive():
+                    raise RuntimeError(f"busy draft process exited during start-up (exit code {proc.exitcode})")
+            time.sleep(0.5)
+            p0, t0 = passes.value, time.perf_counter()
+            times = verify_times()
+            rate = (passes.value - p0) / (time.perf_counter() - t0)
+        finally:
+            stop.set()
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=5)
+        busy.append({"draft_rows": width, "verify_ms": times, "verify_ms_median": statistics.median(times),
+                     "draft_passes_per_s": rate})
+        log(f"contention probe: target {rows} rows beside a busy {width}-row draft: "
+            f"{statistics.median(times):.0f} ms ({rate:.1f} draft passes/s)")
+    idle_after = verify_times()
+    idle = statistics.median(idle_before + idle_after)
+    for b in busy:
+        b["slowdown"] = b["verify_ms_median"] / idle
+    return {
+        "description": "target verification pass (1 thread) alone vs beside a busy draft process on the other core",
+        "rows": rows, "context": context, "reps": reps, "fast": bool(fast), "draft_format": draft_format.tag,
+        "target_cores": target_cores, "draft_cores": draft_cores,
+        "idle_ms_before": idle_before, "idle_ms_after": idle_after, "idle_ms_median": idle,
+        "busy": busy,
+        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+    }
+
+
+def slowdowns(timing: dict, draft_rows: float) -> tuple[float, float]:
+    """(target, draft) slowdown factors while the draft runs ``draft_rows``-row passes beside a verification.
+
+    Read from the probe stored in a profile's ``timing["contention"]``, interpolated in the draft width
+    (clamped to the widths probed); the draft's factor compares its busy pass rate with its own time
+    alone (``timing["draft_rows"]``). (1, 1) when the profile has no probe."""
+    probe = timing.get("contention")
+    if not probe or not probe.get("busy"):
+        return 1.0, 1.0
+    import numpy as np
+    from saguaro.calibration.policy import rows_time
+    pts = sorted(probe["busy"], key=lambda b: b["draft_rows"])
+    xs = [b["draft_rows"] for b in pts]
+    target = float(max(1.0, np.interp(draft_rows, xs, [b["slowdown"] for b in pts])))  # clamps at the ends
+    alone = [rows_time(timing["draft_rows"], b["draft_rows"]) for b in pts]
+    draft = [1.0 / (b["draft_passes_per_s"] * a) if b["draft_passes_per_s"] > 0 else 1.0 for b, a in zip(pts, alone)]
+    return target, float(max(1.0, np.interp(draft_rows, xs, draft)))
