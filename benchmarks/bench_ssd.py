@@ -38,7 +38,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "or K+1 comma separated counts (default 'uniform;last3')")
     p.add_argument("--fan-out-sweep", type=int_list, default=[],
                    help="also run F=[1,..,1,F_K] for each F_K given (comma separated)")
-    p.add_argument("--fallback", default="jit", choices=["jit", "ngram", "random"], help="SSD cache-miss fallback")
+    p.add_argument("--fallback", default="jit", type=fallbacks,
+                   help="SSD cache-miss fallback(s), comma separated: jit, ngram, random, auto (default jit)")
     p.add_argument("--skip-two-threads", action="store_true", help="skip AR and SD with two threads")
     p.add_argument("--skip-probe", action="store_true", help="skip the controlled contention probe")
     p.add_argument("--probe-reps", type=int, default=8, help="timed passes per probe phase (default 8)")
@@ -47,6 +48,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="which request of the first SSD configuration to draw (default 0: the first prompt)")
     p.add_argument("--timeline-rounds", type=int, default=40, help="rounds shown in the timeline (default 40)")
     return p.parse_args(argv)
+
+
+def fallbacks(text: str) -> list[str]:
+    names = [f.strip() for f in text.split(",") if f.strip()]
+    bad = [f for f in names if f not in ("jit", "ngram", "random", "auto")]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown fallback(s) {bad}: choose from jit, ngram, random, auto")
+    return names
 
 
 def fan_outs(args: argparse.Namespace) -> list[list[int] | str]:
@@ -89,11 +98,13 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         configs += [(names["ar2"], dict(two, mode="ar")),
                     (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
     ssd = []
-    for f in fan_outs(args):
-        name = f"SSD K={k} F={fan_out_label(f)} (2 cores)"
-        ssd.append(name)
-        configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k, fan_out=f,
-                                   fallback=args.fallback, draft_cores=[1], **fmt_)))
+    for fallback in args.fallback:
+        for f in fan_outs(args):
+            tag = f", {fallback}" if len(args.fallback) > 1 else ""
+            name = f"SSD K={k} F={fan_out_label(f)}{tag} (2 cores)"
+            ssd.append(name)
+            configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k, fan_out=f,
+                                       fallback=fallback, draft_cores=[1], **fmt_)))
     return {"configs": configs, "names": names, "ssd": ssd}
 
 
@@ -115,7 +126,7 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={args.sd_k or k}), "
              f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
-             f"fallback={args.fallback}, temperatures "
+             f"fallback={','.join(args.fallback)}, temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
              "", "Hardware: '1 core' = target (and a collocated draft) pinned to core 0, one thread; '2 threads' = "
              "pinned to cores 0-1, two threads; SSD '2 cores' = target on core 0 (one thread), speculator process "

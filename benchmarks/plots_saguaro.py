@@ -1,6 +1,7 @@
 """Saguaro figures (paper Sec. 4): PNGs under results/, their numbers in results/saguaro_plots.json.
 
-    python -m benchmarks.plots_saguaro                         # every figure, full settings (a quiet machine)
+    python -m benchmarks.plots_saguaro --compile --draft-weights int8 --draft-vocab 65536   # every figure
+                                                               # (a quiet machine; calibrate the same pair first)
     python -m benchmarks.plots_saguaro --prompts 1 --max-tokens 16 --batch-sizes 1,2 --c-values 1,0.5  # smoke
     python -m benchmarks.plots_saguaro --only fanout           # just the calibration figure (no decoding)
 
@@ -40,7 +41,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--target", default=TARGET)
     p.add_argument("--draft", default=DRAFT)
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--k", type=int, default=4)
+    p.add_argument("--k", type=int, default=3)
     p.add_argument("--prompts", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=96)
     p.add_argument("--temperatures", default="0,0.5,1")
@@ -50,6 +51,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma separated subset of {', '.join(FIGURES)}")
     p.add_argument("--out", default="results")
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--draft-weights", choices=["bf16", "int8"], default="bf16",
+                   help="the draft's weight format in SD and SSD (the profile for this format is used)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
     return p.parse_args(argv)
 
 
@@ -66,7 +70,7 @@ def run(args, mode: str, prompts: list[list[int]], temperature: float = 0.0, bat
     common = dict(dtype=args.dtype, compile=args.compile, max_num_seqs=batch, kv_cache_tokens=16384,
                   max_model_len=4096)
     if mode != "ar":
-        common["num_speculative_tokens"] = args.k
+        common.update(num_speculative_tokens=args.k, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
     llm = LLM(target=args.target, draft=draft, mode=mode, **common, **opts)
     try:
         work = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
@@ -263,7 +267,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=args.compile)
+    from saguaro.spec.draft_format import DraftFormat
+    profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=args.compile,
+                              draft_format=DraftFormat(args.draft_weights, args.draft_vocab).tag)
     if profile.get("default"):
         print("note: no calibration profile for this pair; figures use the documented defaults "
               "(run `saguaro calibrate` first)", file=sys.stderr)

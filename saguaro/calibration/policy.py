@@ -210,7 +210,7 @@ def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: li
 
 def best_choice(profile: dict, entry: dict, k: int, batch: int, fallback: str, vocab: int) -> Choice:
     """The budget B with the best predicted speedup."""
-    return max((evaluate(profile, entry, k, batch, b, fallback, vocab) for b in BUDGETS), key=lambda c: c.speedup)
+    return max((evaluate(profile, entry, k, batch, b, fallback, vocab) for b in BUDGETS), key=lambda c: c.tok_s)  # t_v differs per budget (contention)
 
 
 def _entry_with_c(entry: dict, c: float) -> dict:
@@ -230,7 +230,7 @@ def choose_c(profile: dict, temperature: str, k: int, fallback: str, vocab: int)
     if float(temperature) <= 0:
         return 1.0
     return max(calibrated_cs(entry),
-               key=lambda c: best_choice(profile, _entry_with_c(entry, c), k, 1, fallback, vocab).speedup)
+               key=lambda c: best_choice(profile, _entry_with_c(entry, c), k, 1, fallback, vocab).tok_s)
 
 
 def critical_batch(profile: dict, temperature: str, k: int, vocab: int, c: float = 1.0) -> tuple[float, dict]:
