@@ -21,6 +21,13 @@ class KVCache:
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[index, 0], self.data[index, 1]
 
+    def copy_slots(self, src: list[int], dst: list[int]) -> None:
+        """Copy every layer's k/v from slots ``src`` to slots ``dst`` (e.g. a speculation branch's scratch
+        into its sequence's own blocks)."""
+        dst_index = torch.tensor(dst, dtype=torch.long, device=self.data.device)
+        src_index = torch.tensor(src, dtype=torch.long, device=self.data.device)
+        self.data.index_copy_(2, dst_index, self.data.index_select(2, src_index))
+
     @staticmethod
     def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         itemsize = torch.empty((), dtype=dtype).element_size()

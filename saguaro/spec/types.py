@@ -21,10 +21,18 @@ class Proposal:
     tokens: list[list[int]]
     probs: torch.Tensor | None  # [B, K, V] float32, or None when every row is a point mass
     point_mass: torch.Tensor  # [B] bool
+    # ranked[b][i]: the draft's most likely ids at the position of token i (only when the proposer was
+    # asked to keep them: the SSD speculator reuses them as the next round's outcome guesses)
+    ranked: list[list[list[int]]] | None = None
 
     @staticmethod
     def deterministic(tokens: list[list[int]]) -> "Proposal":
         return Proposal(tokens, None, torch.ones(len(tokens), dtype=torch.bool))
+
+
+def ranked_ids(logits: torch.Tensor, width: int) -> list[list[int]]:
+    """Per row of ``logits`` [N, V], the ``width`` most likely token ids, most likely first."""
+    return torch.topk(logits.float(), min(width, logits.shape[-1]), dim=-1).indices.tolist()
 
 
 class Proposer(ABC):

@@ -10,6 +10,11 @@ import torch
 class CachedSpeculation:
     tokens: list[int]  # drafted after the outcome's bonus token (may be shorter than K if the build was cut short)
     probs: torch.Tensor | None  # [len(tokens), V] distributions they were drawn from; None for greedy rows
+    # ranked[j]: the draft's most likely ids at the position tokens[j] was drawn for (the next build's
+    # outcome guesses at depth j, so that build need not re-run these positions)
+    ranked: list[list[int]] | None = None
+    # scratch KV slots of the bonus token and tokens[:-1] (what the next build's glue would recompute)
+    kv_slots: list[int] | None = None
 
 
 class SpeculationCache:

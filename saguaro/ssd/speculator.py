@@ -14,6 +14,13 @@ depth k) and decode all branches together, one tree-masked draft pass per step. 
 finished step makes every branch one token longer; if the next request arrives early the
 build stops and branches keep the tokens they have.
 
+The glue is usually one row. A speculation drafted by the primary comes with the draft's
+ranked ids at each of its positions (from the tree step or the just-in-time step that drew
+it), and its k/v is already computed: the just-in-time drafter wrote it into the sequence's
+cache, and a hit's branch wrote it into the build's scratch, which ``respond`` copies over
+before freeing the scratch. So only the last drafted token is fed, for the depth-K guesses.
+A backup speculation (n-gram / random) has neither and is glued whole.
+
 Fan-outs, the Saguaro sampling constant C and the fallback come from a ``SpecPlan`` (per
 temperature, per batch size, and per source: the cache for a speculation drafted by the
 primary uses F^p, one drafted by the backup uses F^b). Every token the primary draws for
@@ -38,6 +45,7 @@ from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.sampler import sample
 from saguaro.spec.draft_model import DraftModelProposer, DraftState
 from saguaro.spec.ngram_proposer import NgramProposer
+from saguaro.spec.types import ranked_ids
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import SpecPlan
@@ -77,13 +85,16 @@ class AsyncSpeculator:
         if min(self.plan.c) < 1.0:
             self.saguaro = SaguaroSampling(lambda s: self.plan.fan_out(_temperature(s), "p", self.batch),
                                            lambda s: self.plan.c_for(_temperature(s)))
+        self.width = self.plan.max_fan_out() + 1  # ranked ids kept per draft position (top-F_k plus the drafted)
         # the jit drafter also owns each sequence's draft KV state
-        self.jit = DraftModelProposer(runner, self.saguaro.apply if self.saguaro else None)
+        self.jit = DraftModelProposer(runner, self.saguaro.apply if self.saguaro else None, keep_ranked=self.width)
         self.ngram = NgramProposer()
         self.recorder = recorder
         self.seqs: dict[int, Sequence] = {}
         self.sent: dict[int, list[int]] = {}  # speculation under verification, per sequence
         self.source: dict[int, str] = {}  # who drafted it: "p" (primary draft) or "b" (fast backup)
+        self.ranked: dict[int, list[list[int]]] = {}  # the draft's ranked ids at each position of it (primary only)
+        self.scratch: dict[int, list[int]] = {}  # per sequence, the last build's branch blocks (until respond)
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
         self._rng = random.Random(0)
@@ -129,9 +140,11 @@ class AsyncSpeculator:
             cached = self.cache.get(out.seq_id, out.num_accepted, out.bonus)
             if cached is not None:
                 hits[out.seq_id] = cached
+                self._adopt_kv(seq, state, cached)
             if self.recorder is not None:
                 self.recorder.records[-1].hit = cached is not None
         self.cache.clear()
+        self._free_scratch()
         order = [self.seqs[i] for i in req.order]
         misses = [s for s in order if s.seq_id not in hits]
         fallback_rows = self._fallback(misses)
@@ -140,6 +153,7 @@ class AsyncSpeculator:
             if seq.seq_id in hits:
                 c = hits[seq.seq_id]
                 row = SpecRow(True, c.tokens, c.probs)
+                self.ranked[seq.seq_id] = c.ranked
             else:
                 row = fallback_rows[seq.seq_id]
             self.sent[seq.seq_id] = row.tokens
@@ -147,11 +161,32 @@ class AsyncSpeculator:
             rows.append(row)
         return RoundResponse(rows, self.last_build.seconds, time.perf_counter() - start, self.last_build.steps)
 
+    def _adopt_kv(self, seq: Sequence, state: DraftState | None, cached: CachedSpeculation) -> None:
+        """Copy a hit branch's k/v (its bonus token and every drafted token but the last) from the build's
+        scratch into the sequence's draft cache, right after the verified prefix, where the glue would
+        otherwise recompute it."""
+        if state is None or not cached.kv_slots or state.num_cached != len(seq) - 1:
+            return
+        end = state.num_cached + len(cached.kv_slots)
+        self.runner.blocks.reserve(state.block_table, end)
+        self.runner.cache.copy_slots(cached.kv_slots, self.runner.slots(state.block_table, state.num_cached, end))
+        state.num_cached = end
+
+    def _free_scratch(self, seq_id: int | None = None) -> None:
+        for i in ([seq_id] if seq_id is not None else list(self.scratch)):
+            table = self.scratch.pop(i, None)
+            if table:
+                self.runner.blocks.free(table)
+
     def _fallback(self, seqs: list[Sequence]) -> dict[int, SpecRow]:
+        for s in seqs:
+            self.ranked.pop(s.seq_id, None)
         if not seqs:
             return {}
         if self.fallback == "jit":
             proposal = self.jit.propose(seqs, [self.k] * len(seqs))
+            for s, ranked in zip(seqs, proposal.ranked):
+                self.ranked[s.seq_id] = ranked
             return {s.seq_id: SpecRow(False, toks, None if s.params.greedy else proposal.probs[b, :len(toks)].clone())
                     for b, (s, toks) in enumerate(zip(seqs, proposal.tokens))}
         if self.fallback == "ngram":
@@ -169,6 +204,8 @@ class AsyncSpeculator:
             self.ngram.release(seq)
         self.sent.pop(seq_id, None)
         self.source.pop(seq_id, None)
+        self.ranked.pop(seq_id, None)
+        self._free_scratch(seq_id)
         if self.recorder is not None:
             self.recorder.forget(seq_id)
 
@@ -177,38 +214,52 @@ class AsyncSpeculator:
         """Prepare the speculation cache for the outcomes of what was just sent."""
         start = time.perf_counter()
         stats = BuildStats()
+        self._free_scratch()
         seqs = [self.seqs[i] for i, spec in self.sent.items() if spec and i in self.seqs]
         if seqs and (self.recorder is not None or not interrupted()):  # calibration needs every glue
             layouts = self._glue(seqs)
             scratch: list[list[int]] = [[] for _ in seqs]
             try:
                 stats = self._decode_branches(seqs, layouts, scratch, interrupted)
-            finally:
+            except BaseException:
                 for table in scratch:
                     self.runner.blocks.free(table)
+                raise
+            # kept until the next respond: a hit adopts its branch's k/v from here
+            self.scratch = {seq.seq_id: table for seq, table in zip(seqs, scratch) if table}
         stats.seconds = time.perf_counter() - start
         self.last_build = stats
         return stats
 
     def _glue(self, seqs: list[Sequence]) -> list[BranchLayout]:
-        """Extend each draft cache with the speculation under verification; pick the branches."""
-        items = []
+        """Extend each draft cache with the speculation under verification; pick the branches.
+
+        Depth j's guesses come from the draft's distribution after the verified prefix and d_1..d_j,
+        i.e. from feeding position ``base + j`` (``base``: the last verified token). Positions whose
+        k/v is cached and whose ranked ids came with the speculation are not fed again."""
+        items, known = [], []
         for seq in seqs:
             state = self.jit.states.setdefault(seq.seq_id, DraftState())
-            start = min(state.num_cached, len(seq) - 1)  # re-feed the last verified token for its logits
+            spec, base = self.sent[seq.seq_id], len(seq) - 1
+            ranked = self.ranked.get(seq.seq_id) if self.recorder is None else None  # calibration ranks every depth
+            start = min(state.num_cached, base)  # else re-feed the last verified token for its logits
+            if ranked is not None and state.num_cached >= base:
+                start = min(state.num_cached, base + len(ranked), base + len(spec))
+            known.append(max(start - base, 0))
             self.runner.blocks.truncate(state.block_table, start)
-            tokens = (seq.tokens + self.sent[seq.seq_id])[start:]
+            tokens = (seq.tokens + spec)[start:]
             self.runner.blocks.reserve(state.block_table, start + len(tokens))
             items.append(ForwardItem(tokens, start, state.block_table, "all"))
             state.num_cached = start + len(tokens)
         logits = self.runner.forward(items)
         layouts = []
-        for seq, rows in zip(seqs, logits):
+        for seq, rows, j0 in zip(seqs, logits, known):
             spec = self.sent[seq.seq_id]
-            depth_logits = rows[-(len(spec) + 1):]
+            depth_logits = rows[-(len(spec) + 1 - j0):]  # depths j0..n
             if self.recorder is not None:
                 self.recorder.remember(seq.seq_id, depth_logits, spec)
-            outcomes = predict_outcomes(depth_logits, spec, self.fan_out_for(seq))
+            ranked = (self.ranked.get(seq.seq_id) or [])[:j0] + ranked_ids(depth_logits, self.width)
+            outcomes = predict_outcomes(ranked, spec, self.fan_out_for(seq))
             if self.recorder is not None and not self.recorder.build_branches:
                 outcomes = []
             state = self.jit.states[seq.seq_id]
@@ -231,6 +282,7 @@ class AsyncSpeculator:
         inputs = [t for i in live for t in layouts[i].roots]
         drafted: list[list[int]] = []  # per step, the token of every row
         step_probs: list[torch.Tensor] = []  # per step, [rows, V]
+        step_ranked: list[list[list[int]]] = []  # per step, every row's ranked ids
         for step in range(self.k):
             if step > 0 and interrupted():
                 break
@@ -248,18 +300,24 @@ class AsyncSpeculator:
             inputs = sample(probs, generators, greedy).tolist()
             drafted.append(inputs)
             step_probs.append(probs)
+            step_ranked.append(ranked_ids(logits, self.width))
         steps = len(drafted)
         stacked = torch.stack(step_probs, dim=1) if steps and not bool(greedy.all()) else None  # [rows, steps, V]
         row = 0
         for i in live:
             seq, lay = seqs[i], layouts[i]
-            for q in range(lay.num_branches):
+            n = lay.num_branches
+            for q in range(n):
                 tokens = [drafted[j][row] for j in range(steps)]
                 probs = None if seq.params.greedy or stacked is None else stacked[row]
-                self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q], CachedSpeculation(tokens, probs))
+                ranked = [step_ranked[j][row] for j in range(steps)]
+                kv_slots = [lay.scratch_slots[j * n + q] for j in range(steps)]  # root, then tokens[:-1]
+                self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q],
+                               CachedSpeculation(tokens, probs, ranked, kv_slots))
                 row += 1
         return BuildStats(steps=steps, branches=len(row_seqs))
 
     def close(self) -> None:
         for seq_id in list(self.seqs):
             self._forget(seq_id)
+        self._free_scratch()

@@ -1,0 +1,104 @@
+"""The speculator's draft cache between rounds: one-row glues, adopted branch k/v, and no leaked blocks.
+
+After a hit the branch's k/v is copied from the build's scratch, after just-in-time drafting it is
+already in place, so the next glue feeds only the last drafted token. Whatever the path, the draft
+cache must hold exactly what a fresh prefill of the same tokens gives, and every block must come
+back when the sequences leave.
+"""
+import pytest
+import torch
+
+from saguaro import SamplingParams
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.kv.kv_cache import KVCache
+from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
+from saguaro.ssd.speculator import AsyncSpeculator
+from tests.tiny import perturbed, tiny_model
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return perturbed(tiny_model(seed=5, vocab=48, layers=2), noise=0.05)
+
+
+def test_copy_slots_moves_every_layer():
+    cache = KVCache(tiny_model(seed=1, vocab=16, layers=2).config, 4, BLOCK, torch.float32)
+    cache.data.normal_()
+    before = cache.data.clone()
+    cache.copy_slots([1, 2, 9], [12, 13, 14])
+    assert torch.equal(cache.data[:, :, [12, 13, 14]], before[:, :, [1, 2, 9]])
+    assert torch.equal(cache.data[:, :, :12], before[:, :, :12])
+
+
+def _reference_kv(draft, tokens: list[int]) -> torch.Tensor:
+    """The draft's k/v for ``tokens`` from one fresh prefill: [layers, 2, n, heads, dim]."""
+    runner = ModelRunner(draft.model, 64, BLOCK)
+    table: list[int] = []
+    runner.blocks.reserve(table, len(tokens))
+    runner.forward([ForwardItem(tokens, 0, table, "none")])
+    return runner.cache.data[:, :, runner.slots(table, 0, len(tokens))]
+
+
+def _glue_lengths(spec: AsyncSpeculator) -> list[int]:
+    """Record the rows of every glue pass (``runner.forward`` is only used by the glue and the jit drafter)."""
+    seen: list[int] = []
+    forward = spec.runner.forward
+
+    def recording(items):
+        if all(item.logits == "all" for item in items):
+            seen.extend(len(item.token_ids) for item in items)
+        return forward(items)
+
+    spec.runner.forward = recording
+    return seen
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature):
+    k = 3
+    spec = AsyncSpeculator(ModelRunner(draft.model, 128, BLOCK), k, [1, 1, 1, 2], "jit")
+    glues = _glue_lengths(spec)
+    params = SamplingParams(temperature=temperature, max_tokens=64)
+    rows = spec.respond(RoundRequest([], [Admission(0, [3, 7, 1, 9, 4], params, seed=1)], [], [0])).rows
+    hits = misses = 0
+    for round_ in range(10):
+        spec.build()
+        seq, state = spec.seqs[0], spec.jit.states[0]
+        tokens = seq.tokens + spec.sent[0]
+        assert state.num_cached == len(tokens)
+        ref = _reference_kv(draft, tokens)
+        got = spec.runner.cache.data[:, :, spec.runner.slots(state.block_table, 0, state.num_cached)]
+        torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
+        if round_ > 0:
+            assert glues[-1] == 1, glues  # only the last drafted token was fed
+        keys = [key for key in spec.cache._entries if key[0] == 0]
+        if round_ % 3 == 2:  # a miss: an outcome the cache did not prepare
+            taken = {(kk, t) for _, kk, t in keys}
+            bonus = next(t for t in range(48) if (0, t) not in taken and t != spec.sent[0][0])
+            outcome = Outcome(0, 0, bonus)
+        else:
+            _, kk, bonus = keys[round_ % len(keys)]
+            outcome = Outcome(0, kk, bonus)
+        rows = spec.respond(RoundRequest([outcome], [], [], [0])).rows
+        hits, misses = hits + rows[0].hit, misses + (not rows[0].hit)
+    assert hits >= 5 and misses >= 3
+    spec.close()
+
+
+def test_draft_blocks_return_to_full(draft):
+    runner = ModelRunner(draft.model, 128, BLOCK)
+    spec = AsyncSpeculator(runner, 3, [2, 1, 1, 2], "jit")
+    params = [SamplingParams(), SamplingParams(temperature=1.0)]
+    spec.respond(RoundRequest([], [Admission(i, [3, 7, 1, i + 2], p, seed=i) for i, p in enumerate(params)], [], [0, 1]))
+    for round_ in range(6):
+        spec.build()
+        keys = {key[0]: key for key in spec.cache._entries}
+        outcomes = [Outcome(i, keys[i][1], keys[i][2]) if round_ % 2 else Outcome(i, 0, 47) for i in (0, 1)]
+        spec.respond(RoundRequest(outcomes, [], [], [0, 1]))
+    spec.build()  # scratch held until the next request
+    assert runner.blocks.num_free < runner.blocks.num_blocks
+    spec.respond(RoundRequest([], [], [0, 1], []))  # both sequences leave
+    spec.build()
+    assert runner.blocks.num_free == runner.blocks.num_blocks
