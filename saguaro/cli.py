@@ -8,8 +8,9 @@ import time
 
 from saguaro.sampling.params import SamplingParams
 
-# demo defaults: the best SD K and SSD fan-out measured with the int8 draft (results/bench_ssd.md)
-DEMO_SD_K = 3
+# demo defaults: SD at its best K and SSD at its best fan-out, both with the int8 draft (results/bench_sd.md,
+# results/bench_ssd.md)
+DEMO_SD_K = 5
 DEMO_FAN_OUT = [1, 1, 1, 2]
 
 
