@@ -102,3 +102,45 @@ def test_draft_blocks_return_to_full(draft):
     spec.respond(RoundRequest([], [], [0, 1], []))  # both sequences leave
     spec.build()
     assert runner.blocks.num_free == runner.blocks.num_blocks
+
+
+def _prefill_request(seq_id: int, tokens: list[int]):
+    from saguaro.ssd.protocol import CMD_PREFILL
+    return RoundRequest(admissions=[Admission(seq_id, tokens, SamplingParams(), 0)], command=CMD_PREFILL)
+
+
+def test_prefill_ahead_of_admission_is_kept_and_exact(draft):
+    """The draft cache filled during the target's prefill serves the first speculation: only the last
+    prompt token and the first generated one are fed, and the cache equals a fresh prefill."""
+    runner = ModelRunner(draft.model, 128, BLOCK)
+    spec = AsyncSpeculator(runner, 3, [1, 1, 1, 2], "jit")
+    prompt = [3, 7, 1, 9, 4, 11, 2]
+    spec.prefill(_prefill_request(0, prompt))
+    assert spec.jit.states[0].num_cached == len(prompt) - 1
+    fed: list[int] = []
+    forward = runner.forward
+    runner.forward = lambda items: fed.extend(len(i.token_ids) for i in items) or forward(items)
+    rows = spec.respond(RoundRequest([], [Admission(0, prompt + [5], SamplingParams(), 0)], [], [0])).rows
+    assert fed[0] == 2 and len(rows[0].tokens) == 3
+    state = spec.jit.states[0]
+    tokens = prompt + [5] + rows[0].tokens
+    ref = _reference_kv(draft, tokens[:state.num_cached])
+    torch.testing.assert_close(runner.cache.data[:, :, runner.slots(state.block_table, 0, state.num_cached)], ref,
+                               atol=1e-5, rtol=1e-4)
+    spec.respond(RoundRequest([], [], [0], []))
+    assert runner.blocks.num_free == runner.blocks.num_blocks
+
+
+def test_prefill_that_does_not_match_the_admission_starts_over(draft):
+    runner = ModelRunner(draft.model, 128, BLOCK)
+    spec = AsyncSpeculator(runner, 3, [1, 1, 1, 2], "jit")
+    spec.prefill(_prefill_request(0, [3, 7, 1, 9]))
+    spec.prefill(_prefill_request(1, [4, 4, 4]))
+    spec.respond(RoundRequest([], [Admission(0, [3, 8, 1, 9, 2], SamplingParams(), 0)], [], [0]))
+    tokens = spec.seqs[0].tokens + spec.sent[0]
+    state = spec.jit.states[0]
+    ref = _reference_kv(draft, tokens[:state.num_cached])
+    torch.testing.assert_close(runner.cache.data[:, :, runner.slots(state.block_table, 0, state.num_cached)], ref,
+                               atol=1e-5, rtol=1e-4)
+    spec.respond(RoundRequest([], [], [0, 1], []))  # 1 was prefilled and never admitted
+    assert runner.blocks.num_free == runner.blocks.num_blocks and not spec.prefilled

@@ -25,6 +25,10 @@ class Decoder(ABC):
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         """Advance each sequence by one round; return the new tokens per sequence."""
 
+    def prefilling(self, seqs: list[Sequence]) -> None:
+        """The engine is about to prefill these sequences in the target (a speculator on another device
+        may prefill its draft meanwhile)."""
+
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (on finish or preemption)."""
 

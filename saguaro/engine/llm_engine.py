@@ -83,6 +83,7 @@ class LLMEngine:
             upto = len(seq) if fresh else len(seq) - 1  # a resumed request re-feeds its last token next round
             items.append(ForwardItem(seq.tokens[seq.num_cached:upto], seq.num_cached, seq.block_table,
                                      "last" if fresh else "none"))
+        self.decoder.prefilling(seqs)
         logits = self.target.forward(items)
         for seq, item in zip(seqs, items):
             seq.num_cached += len(item.token_ids)

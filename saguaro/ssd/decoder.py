@@ -27,7 +27,7 @@ from saguaro.spec.sd import SDDecoder, draft_budget, verify_round
 from saguaro.spec.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.plan import SpecPlan
-from saguaro.ssd.protocol import Admission, Outcome, RoundRequest, SpecRow
+from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
 from saguaro.ssd.worker import WorkerLink, WorkerOptions
 
 log = logging.getLogger("saguaro.ssd")
@@ -91,6 +91,18 @@ class SSDDecoder(Decoder):
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
                                      response.build_steps, hits, self._fallback_mode(len(seqs))))
         return [out[s.seq_id] for s in seqs]
+
+    def prefilling(self, seqs: list[Sequence]) -> None:
+        """Let the speculator prefill its draft while the target prefills (no response; the sequences are
+        admitted for real, with their first token and seed, in the next round)."""
+        if self.link is None or not seqs:
+            return
+        request = RoundRequest(admissions=[Admission(s.seq_id, s.tokens, s.params, 0) for s in seqs],
+                               command=CMD_PREFILL)
+        try:
+            self.link.prefill(request)
+        except ChannelClosed as e:
+            self._fail(str(e))
 
     def _fallback_mode(self, batch: int) -> str:
         """Mirror of the speculator's choice (same plan, same batch size), logged here where logging is set up."""

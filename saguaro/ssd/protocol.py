@@ -19,6 +19,9 @@ import torch
 from saguaro.sampling.params import SamplingParams
 
 CMD_ROUND, CMD_STOP = 1, 2
+# admissions only, sent before the target's own prefill: the speculator fills its draft cache with them
+# meanwhile (on its own device) and sends no response
+CMD_PREFILL = 3
 
 
 @dataclass

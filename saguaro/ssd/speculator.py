@@ -95,6 +95,7 @@ class AsyncSpeculator:
         self.source: dict[int, str] = {}  # who drafted it: "p" (primary draft) or "b" (fast backup)
         self.ranked: dict[int, list[list[int]]] = {}  # the draft's ranked ids at each position of it (primary only)
         self.scratch: dict[int, list[int]] = {}  # per sequence, the last build's branch blocks (until respond)
+        self.prefilled: dict[int, list[int]] = {}  # tokens already in the draft cache of sequences not yet admitted
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
         self._rng = random.Random(0)
@@ -112,18 +113,44 @@ class AsyncSpeculator:
             self.fallback_switches.append((self.batch, fallback))
             self.fallback = fallback
 
+    # -- prefill -----------------------------------------------------------------
+    def prefill(self, req: RoundRequest) -> None:
+        """Fill the draft cache with these sequences' tokens while the target prefills its own; their
+        admission in the next round keeps it (so the first speculation drafts without a draft prefill).
+        The last token is left out: drafting starts by feeding it (a resumed sequence gains no token in
+        its prefill, so its admission brings nothing newer)."""
+        items = []
+        for adm in req.admissions:
+            self._forget(adm.seq_id)
+            cached = list(adm.tokens[:-1])
+            state = self.jit.states.setdefault(adm.seq_id, DraftState())
+            self.runner.blocks.reserve(state.block_table, len(cached))
+            if cached:
+                items.append(ForwardItem(cached, 0, state.block_table, "none"))
+            state.num_cached = len(cached)
+            self.prefilled[adm.seq_id] = cached
+        if items:
+            self.runner.forward(items)
+
     # -- respond -----------------------------------------------------------------
     def respond(self, req: RoundRequest) -> RoundResponse:
         start = time.perf_counter()
         for seq_id in req.releases:
             self._forget(seq_id)
         for adm in req.admissions:
+            tokens = self.prefilled.pop(adm.seq_id, None)
+            state = self.jit.states.pop(adm.seq_id, None) if tokens is not None else None
+            if state is not None and (tokens != adm.tokens[:len(tokens)] or len(tokens) >= len(adm.tokens)):
+                self.runner.blocks.free(state.block_table)  # not a prefix of what was admitted: start over
+                state = None
             self._forget(adm.seq_id)
             seq = Sequence(adm.tokens, adm.params)
             seq.seq_id = adm.seq_id
             if seq.generator is not None:
                 seq.generator.manual_seed(adm.seed)
             self.seqs[adm.seq_id] = seq
+            if state is not None:  # prefilled with a prefix of its tokens: keep that draft cache
+                self.jit.states[adm.seq_id] = state
         self._set_batch(len(req.order))
         hits: dict[int, CachedSpeculation] = {}
         for out in req.outcomes:
@@ -202,6 +229,10 @@ class AsyncSpeculator:
         if seq is not None:
             self.jit.release(seq)
             self.ngram.release(seq)
+        elif self.prefilled.pop(seq_id, None) is not None:  # prefilled, never admitted
+            state = self.jit.states.pop(seq_id, None)
+            if state is not None:
+                self.runner.blocks.free(state.block_table)
         self.sent.pop(seq_id, None)
         self.source.pop(seq_id, None)
         self.ranked.pop(seq_id, None)

@@ -24,8 +24,8 @@ from saguaro.engine.device import pin_process, place
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.channel import Channel, ChannelClosed, free_port, make_counters
 from saguaro.ssd.plan import SpecPlan
-from saguaro.ssd.protocol import (CMD_STOP, RoundRequest, RoundResponse, pack_request, pack_response,
-                                  unpack_request, unpack_response)
+from saguaro.ssd.protocol import (CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse, pack_request,
+                                  pack_response, unpack_request, unpack_response)
 from saguaro.ssd.ranks import RankRecorder
 from saguaro.ssd.speculator import AsyncSpeculator
 from saguaro.spec.draft_format import DraftFormat
@@ -80,6 +80,9 @@ def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: Worker
         req = unpack_request(channel.recv())
         if req.command == CMD_STOP:
             break
+        if req.command == CMD_PREFILL:  # no response; a build it cut short stays as it is
+            speculator.prefill(req)
+            continue
         channel.send(pack_response(speculator.respond(req), opts.k))
         speculator.build(interrupted=channel.poll)
     speculator.close()
@@ -105,6 +108,10 @@ class WorkerLink:
         self.channel = Channel(0, port, counters, backend, device, opts.timeout_s)
         ready = self.channel.recv(timeout_s=max(opts.timeout_s, 600), alive=self.process.is_alive)
         self.vocab = int(ready[0])
+
+    def prefill(self, request: RoundRequest) -> None:
+        """Send admissions to prefill ahead of their first round (no response). Raises ``ChannelClosed``."""
+        self.channel.send(pack_request(request))
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
         """Send one request, wait for the one response. Raises ``ChannelClosed`` on failure."""
@@ -136,6 +143,11 @@ class InProcessLink:
         runner = opts.draft_format.runner(place(draft, opts.device, opts.dtype), opts.draft_blocks(),
                                           opts.block_size, opts.device, opts.fast)
         self.speculator: AsyncSpeculator | None = opts.make_speculator(runner, recorder)
+
+    def prefill(self, request: RoundRequest) -> None:
+        if self.speculator is None:
+            raise ChannelClosed("in-process speculator was stopped")
+        self.speculator.prefill(request)
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
         if self.speculator is None:
