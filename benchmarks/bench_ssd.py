@@ -137,15 +137,19 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
               "Per-round times are medians over rounds (ms). SD/AR verify = the round minus drafting; SSD verify = "
               "the target pass with rejection sampling; wait = from sending the outcome to holding the next "
               "speculation; build = the speculator's cache build that overlapped that round's verification. "
-              "full builds: builds that finished all K steps before the next request arrived."]
+              "full builds: builds that finished all K steps before the next request arrived. e2e tok/s: new "
+              "tokens over the whole request, prefill included (SSD's draft prefills the prompt on its own core "
+              "while the target prefills; SD's draft prefills it on the target's core in the first round)."]
     for tk in summaries[names["ar1"]]:
         speed_rows, round_rows = [], []
         for name, by_t in summaries.items():
             s = by_t[tk][ALL]
             x = {key: ratio(s["tok_s_median"], (b or {}).get(tk, {}).get(ALL, {}).get("tok_s_median"))
                  for key, b in base.items()}
+            e2e_sd = summaries[names["sd1"]][tk][ALL].get("e2e_tok_s_median")
             speed_rows.append([name, fmt(s["tok_s_median"]), fmt(x["ar1"]), fmt(x["sd1"]), fmt(x["ar2"]),
-                               fmt(x["sd2"]), fmt(s.get("acceptance_rate"), ".3f"), fmt(s.get("tokens_per_round")),
+                               fmt(x["sd2"]), fmt(s.get("e2e_tok_s_median")), fmt(ratio(s.get("e2e_tok_s_median"), e2e_sd)),
+                               fmt(s.get("acceptance_rate"), ".3f"), fmt(s.get("tokens_per_round")),
                                fmt(s.get("p_hit")), s["requests"]])
             if name == names["ar1"] or name == names["ar2"]:
                 continue
@@ -157,7 +161,7 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
                                fmt(b.get("full_build_fraction")), fmt(s.get("admit_wait_ms_median"), ".0f")])
         per_dataset = [[name] + [fmt(g["tok_s_median"]) for g in by_t[tk].values()] for name, by_t in summaries.items()]
         lines += ["", f"## {tk}{' (greedy)' if tk == 'T=0' else ''}: speed", "",
-                  table(["config", "tok/s", "xAR 1c", "xSD 1c", "xAR 2t", "xSD 2t", "accept", "tok/rnd", "p_hit", "n"],
+                  table(["config", "tok/s", "xAR 1c", "xSD 1c", "xAR 2t", "xSD 2t", "e2e tok/s", "e2e xSD 1c", "accept", "tok/rnd", "p_hit", "n"],
                         speed_rows),
                   "", f"## {tk}: rounds", "",
                   table(["config", "p_hit", "p_hit,p", "p_hit,b", "draft ms", "verify ms", "wait ms", "wait mean",

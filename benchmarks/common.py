@@ -229,6 +229,9 @@ def summarize_records(records: list[Record]) -> dict[str, Any]:
         "tok_s_min": min((r.tok_s for r in records), default=None),
         "tok_s_max": max((r.tok_s for r in records), default=None),
         "ttft_s_median": median(r.ttft_s for r in records),
+        # the whole request, prefill included: what a user waits for (a draft prefill moved out of the
+        # decode window still counts here)
+        "e2e_tok_s_median": median(r.new_tokens / r.total_s for r in records if r.total_s > 0),
         "new_tokens": sum(r.new_tokens for r in records),
     }
     specs = [r.spec for r in records if r.spec is not None]
