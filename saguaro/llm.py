@@ -12,12 +12,12 @@ from typing import Any
 
 from saguaro.config import Config
 from saguaro.engine.decoder import ARDecoder, Decoder
-from saguaro.engine.device import pin_process, place
+from saguaro.engine.device import load_or_place, pin_process
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.outputs import RequestOutput, SpecMetrics, StreamChunk
-from saguaro.loading import LoadedModel, load_model
+from saguaro.loading import LoadedModel
 from saguaro.loading.tokenizer import check_shared_vocabulary
 from saguaro.sampling.params import SamplingParams
 
@@ -123,10 +123,7 @@ def _name(model: str | LoadedModel) -> str:
 
 
 def _load(model: str | LoadedModel, cfg: Config, device: str | None = None, dtype: Any = None) -> LoadedModel:
-    device, dtype = device or cfg.device, dtype or cfg.torch_dtype
-    if isinstance(model, LoadedModel):
-        return place(model, device, dtype)
-    return load_model(model, dtype=dtype, device=device)
+    return load_or_place(model, device or cfg.device, dtype or cfg.torch_dtype)
 
 
 def _params_for(params: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

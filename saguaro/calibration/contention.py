@@ -17,7 +17,6 @@ Other tenants of a shared machine load the bus too; the load average is recorded
 """
 from __future__ import annotations
 
-import math
 import os
 import statistics
 import time
@@ -26,51 +25,21 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.calibration.timer import RowTimer, runner_factory
+from saguaro.engine.device import load_or_place, pin_process
 from saguaro.spec.draft_format import DraftFormat
-
-BLOCK = 16
-
-
-def _loaded(model: Any, dtype: torch.dtype):
-    from saguaro.engine.device import place
-    from saguaro.loading import load_model
-    return load_model(model, dtype=dtype, progress=False) if isinstance(model, str) else place(model, "cpu", dtype)
-
-
-class _Pass:
-    """One model with ``context`` cached tokens; ``run()`` is a forward over ``rows`` new rows (same slots each time)."""
-
-    def __init__(self, runner: ModelRunner, context: int, rows: int, logits: str):
-        self.runner, vocab = runner, runner.config.vocab_size
-        table: list[int] = []
-        runner.blocks.reserve(table, context + rows)
-        ids = [(1000 + 7 * i) % vocab for i in range(context + rows)]
-        runner.forward([ForwardItem(ids[:context], 0, table, "none")])  # fill the cache once
-        self.item = ForwardItem(ids[context:context + rows], context, table, logits)
-
-    @torch.inference_mode()
-    def run(self) -> float:
-        start = time.perf_counter()
-        self.runner.forward([self.item])
-        return time.perf_counter() - start
-
-
-def _blocks(context: int, rows: int) -> int:
-    return math.ceil((context + rows) / BLOCK) + 1
 
 
 def _busy_draft(ready: Any, stop: Any, passes: Any, draft: Any, dtype: torch.dtype, fmt: DraftFormat,
                 fast: bool, cores: list[int], rows: int, context: int) -> None:
     """The busy process: draft forward passes of ``rows`` tokens, back to back, until told to stop."""
-    from saguaro.engine.device import pin_process
     pin_process(cores, 1)
-    loaded = _loaded(draft, fmt.dtype(dtype))
-    one = _Pass(fmt.runner(loaded, _blocks(context, rows), BLOCK, "cpu", fast), context, rows, "all")
-    one.run()
+    loaded = load_or_place(draft, "cpu", fmt.dtype(dtype), progress=False)
+    timer = RowTimer(runner_factory(loaded, fast, fmt), context, rows)
+    timer.once(rows)
     ready.set()
     while not stop.is_set():
-        one.run()
+        timer.once(rows)
         passes.value += 1
 
 
@@ -82,7 +51,6 @@ def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: tor
 
     ``target`` / ``draft``: model names (loaded here and in the busy process) or ``LoadedModel``s. The
     caller's process is pinned to ``target_cores`` with one thread meanwhile, then restored."""
-    from saguaro.engine.device import pin_process
     target_cores, draft_cores = target_cores or [0], draft_cores or [1]
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     threads = torch.get_num_threads()
@@ -96,11 +64,10 @@ def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: tor
 
 def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, reps, target_cores, draft_cores,
              log) -> dict[str, Any]:
-    loaded = _loaded(target, dtype)
-    verify = _Pass(ModelRunner(loaded.model, _blocks(context, rows), BLOCK, fast=fast), context, rows, "all")
+    verify = RowTimer(runner_factory(load_or_place(target, "cpu", dtype, progress=False), fast), context, rows)
 
     def verify_times() -> list[float]:
-        return [1e3 * verify.run() for _ in range(reps)]
+        return [1e3 * verify.once(rows) for _ in range(reps)]
 
     verify_times()  # warm-up
     idle_before = verify_times()

@@ -29,10 +29,11 @@ import numpy as np
 import torch
 
 from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, dtype_name
+from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.engine.device import place
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
-from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.params import SamplingParams
 from saguaro.spec.draft_format import DraftFormat
@@ -55,27 +56,6 @@ def calibration_prompts(tokenizer, n: int) -> list[list[int]]:
 
 
 # -- timings -------------------------------------------------------------------------------------------
-class _RowTimer:
-    """One model over ``context`` cached tokens; ``once(n)`` times a forward over n new rows (all logits).
-
-    ``make_runner(num_blocks, block_size)`` builds the model's runner (so a draft runs in its format)."""
-
-    def __init__(self, make_runner, context: int, max_rows: int, block_size: int = 16):
-        self.runner = make_runner(math.ceil((context + max_rows) / block_size) + 1, block_size)
-        vocab = self.runner.config.vocab_size
-        self.table: list[int] = []
-        self.runner.blocks.reserve(self.table, context + max_rows)
-        self.tokens = [(101 + 7 * i) % vocab for i in range(context + max_rows)]
-        self.context = context
-        self.runner.forward([ForwardItem(self.tokens[:context], 0, self.table, "none")])
-
-    @torch.inference_mode()
-    def once(self, n: int) -> float:
-        start = time.perf_counter()
-        self.runner.forward([ForwardItem(self.tokens[self.context:self.context + n], self.context, self.table, "all")])
-        return time.perf_counter() - start
-
-
 def monotone(times: dict[str, float]) -> dict[str, float]:
     """More rows never cost less: replace each time by the least time measured at >= as many rows.
 
@@ -92,7 +72,7 @@ def time_rows(runners: dict, rows: list[int], context: int, repeats: int = 5) ->
     """Per model (``runners``: name -> ``make_runner(num_blocks, block_size)``), seconds for one forward over
     n new rows after ``context`` tokens: min over ``repeats`` interleaved rounds (every model and row count
     once per round, so slow spells hit all of them)."""
-    timers = {name: _RowTimer(make, context, max(rows)) for name, make in runners.items()}
+    timers = {name: RowTimer(make, context, max(rows)) for name, make in runners.items()}
     raw = {name: {str(n): math.inf for n in rows} for name in runners}
     for _ in range(repeats):
         for n in rows:
@@ -123,9 +103,8 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
     """Timings of the target (as the engine runs it) and of the draft in ``draft_format``; with
     ``contention``, also the target's verification beside a busy draft on core 1 (``contention.measure``)."""
     rows = sorted(set([n for n in ROW_GRID if n <= max_rows] + [k + 1]))
-    draft = place(draft, "cpu", draft_format.dtype(next(draft.model.parameters()).dtype))
-    runners = {"target": lambda n, bs: ModelRunner(target.model, n, bs, fast=fast),
-               "draft": lambda n, bs: draft_format.runner(draft, n, bs, "cpu", fast)}
+    draft = place(draft, "cpu", draft_format.dtype(model_dtype(draft)))
+    runners = {"target": runner_factory(target, fast), "draft": runner_factory(draft, fast, draft_format)}
     raw = time_rows(runners, rows, context, repeats)
     target_rows, draft_rows = monotone(raw["target"]), monotone(raw["draft"])
     ngram = time_ngram(prompt or list(range(context)), k)
@@ -135,12 +114,12 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
               "repeats": repeats, "raw": raw}
     if contention:
         from saguaro.calibration.contention import measure
-        timing["contention"] = measure(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=target_dtype(target),
+        timing["contention"] = measure(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
                                        fast=fast, draft_format=draft_format, context=context)
     return timing
 
 
-def target_dtype(loaded) -> torch.dtype:
+def model_dtype(loaded) -> torch.dtype:
     return next(loaded.model.parameters()).dtype
 
 
@@ -154,7 +133,7 @@ def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingPar
     max_len = max(len(p) for p in prompts) + max(p.max_tokens for p in params) + 2 * (k + 1)
     kv_tokens = (max_len + block_size) * max_num_seqs
     runner = ModelRunner(target.model, math.ceil(kv_tokens / block_size), block_size, fast=fast)
-    dtype = draft_format.dtype(next(draft.model.parameters()).dtype)
+    dtype = draft_format.dtype(model_dtype(draft))
     opts = WorkerOptions(k, plan.fan_out(0.0, "p"), plan.fallback_for(1), dtype, "cpu", None, 1, kv_tokens,
                          block_size, 600.0, 1.0, plan, fast, draft_format)
     recorder = RankRecorder(build_branches=build_branches)

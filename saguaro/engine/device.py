@@ -22,6 +22,15 @@ def describe(device: str, cores: list[int] | None, threads: int) -> str:
     return f"cpu, {where}, {threads} thread(s)"
 
 
+def load_or_place(model, device: str, dtype: torch.dtype, progress: bool = True):
+    """A ``LoadedModel`` on ``device``/``dtype`` from a registry name / path (loaded) or a ``LoadedModel``
+    (``place``d)."""
+    if isinstance(model, str):
+        from saguaro.loading import load_model
+        return load_model(model, dtype=dtype, device=device, progress=progress)
+    return place(model, device, dtype)
+
+
 def place(loaded, device: str, dtype: torch.dtype):
     """``loaded`` on ``device``/``dtype``: itself if it is there already, else a converted copy.
 

@@ -49,7 +49,7 @@ from saguaro.spec.types import ranked_ids
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import SpecPlan
-from saguaro.ssd.protocol import RoundRequest, RoundResponse, SpecRow
+from saguaro.ssd.protocol import Admission, RoundRequest, RoundResponse, SpecRow
 from saguaro.ssd.ranks import RankRecorder
 from saguaro.ssd.saguaro_sampling import SaguaroSampling
 from saguaro.ssd.tree import BranchLayout
@@ -138,19 +138,7 @@ class AsyncSpeculator:
         for seq_id in req.releases:
             self._forget(seq_id)
         for adm in req.admissions:
-            tokens = self.prefilled.pop(adm.seq_id, None)
-            state = self.jit.states.pop(adm.seq_id, None) if tokens is not None else None
-            if state is not None and (tokens != adm.tokens[:len(tokens)] or len(tokens) >= len(adm.tokens)):
-                self.runner.blocks.free(state.block_table)  # not a prefix of what was admitted: start over
-                state = None
-            self._forget(adm.seq_id)
-            seq = Sequence(adm.tokens, adm.params)
-            seq.seq_id = adm.seq_id
-            if seq.generator is not None:
-                seq.generator.manual_seed(adm.seed)
-            self.seqs[adm.seq_id] = seq
-            if state is not None:  # prefilled with a prefix of its tokens: keep that draft cache
-                self.jit.states[adm.seq_id] = state
+            self._admit(adm)
         self._set_batch(len(req.order))
         hits: dict[int, CachedSpeculation] = {}
         for out in req.outcomes:
@@ -187,6 +175,23 @@ class AsyncSpeculator:
             self.source[seq.seq_id] = "b" if row.point_mass else "p"
             rows.append(row)
         return RoundResponse(rows, self.last_build.seconds, time.perf_counter() - start, self.last_build.steps)
+
+    def _admit(self, adm: Admission) -> None:
+        """Start tracking a sequence; keep the draft cache ``prefill`` filled for it if that holds a strict
+        prefix of its tokens (else start over)."""
+        prefilled = self.prefilled.pop(adm.seq_id, None)
+        state = self.jit.states.pop(adm.seq_id, None) if prefilled is not None else None
+        if state is not None and not (len(prefilled) < len(adm.tokens) and adm.tokens[:len(prefilled)] == prefilled):
+            self.runner.blocks.free(state.block_table)
+            state = None
+        self._forget(adm.seq_id)
+        seq = Sequence(adm.tokens, adm.params)
+        seq.seq_id = adm.seq_id
+        if seq.generator is not None:
+            seq.generator.manual_seed(adm.seed)
+        self.seqs[adm.seq_id] = seq
+        if state is not None:
+            self.jit.states[adm.seq_id] = state
 
     def _adopt_kv(self, seq: Sequence, state: DraftState | None, cached: CachedSpeculation) -> None:
         """Copy a hit branch's k/v (its bonus token and every drafted token but the last) from the build's

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from saguaro.engine.device import pin_process, place
+from saguaro.engine.device import load_or_place, pin_process, place
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.channel import Channel, ChannelClosed, free_port, make_counters
 from saguaro.ssd.plan import SpecPlan
@@ -67,11 +67,7 @@ def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: Worker
     backend = "gloo" if opts.device == "cpu" else "nccl"
     started.set()
     channel = Channel(1, port, counters, backend, opts.device, opts.timeout_s)
-    if isinstance(draft, str):
-        from saguaro.loading import load_model
-        draft = load_model(draft, dtype=opts.dtype, device=opts.device)
-    else:
-        draft = place(draft, opts.device, opts.dtype)
+    draft = load_or_place(draft, opts.device, opts.dtype)
     runner = opts.draft_format.runner(draft, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
     speculator = opts.make_speculator(runner)
     vocab = draft.config.vocab_size
