@@ -25,6 +25,7 @@ import torch
 
 from saguaro.bench import datasets as ds
 from saguaro.engine.metrics import summarize
+from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 
 TARGET = "qwen2.5-coder-1.5b"
@@ -74,7 +75,7 @@ def add_common_args(p: argparse.ArgumentParser, *, prompts: int = 2, max_tokens:
                    help=f"comma separated; 0 is greedy, >0 is seeded sampling (default {temperatures})")
     p.add_argument("--seed", type=int, default=1234, help="base seed of sampled requests (prompt i uses seed+i)")
     p.add_argument("--compile", action="store_true", help="pass compile=True to the engine (faster bf16 path)")
-    p.add_argument("--draft-weights", choices=["bf16", "int8"], default="bf16",
+    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="draft weight format for SD and SSD (default bf16)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="the draft head keeps token ids below this, plus special tokens (default: all)")

@@ -28,6 +28,8 @@ import sys
 import time
 from pathlib import Path
 
+from saguaro.models.kernels import WEIGHT_FORMATS
+
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 FIGURES = ("fanout", "geometric", "csweep", "batch", "predicted")
 
@@ -51,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma separated subset of {', '.join(FIGURES)}")
     p.add_argument("--out", default="results")
     p.add_argument("--compile", action="store_true")
-    p.add_argument("--draft-weights", choices=["bf16", "int8"], default="bf16",
+    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="the draft's weight format in SD and SSD (the profile for this format is used)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
     return p.parse_args(argv)

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 
 # demo defaults: SD at its best K and SSD at its best fan-out, both with the int8 draft (results/bench_sd.md,
@@ -129,8 +130,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="compile the decode path (faster bf16 on CPU)")
-    p.add_argument("--draft-weights", choices=["bf16", "int8"], default="bf16",
-                   help="draft weight format; int8 halves the draft's step cost and stays lossless")
+    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
+                   help="draft weight format; int8/int4 cut the draft's step cost and stay lossless")
     p.add_argument("--draft-vocab", type=int, help="the draft head keeps token ids below this (plus special tokens)")
 
 
@@ -162,7 +163,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ssd-fan-out", type=_int_list, default=DEMO_FAN_OUT,
                    help="SSD fan-out F_0..F_K; K is its length minus one (default "
                         f"{','.join(map(str, DEMO_FAN_OUT))})")
-    d.add_argument("--draft-weights", choices=["bf16", "int8"], default="int8")
+    d.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="int8")
     d.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     d.add_argument("--no-compile", dest="compile", action="store_false")
     d.set_defaults(func=cmd_demo)

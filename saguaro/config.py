@@ -38,7 +38,7 @@ class Config:
     max_prefill_tokens: int = 4096
     max_model_len: int | None = None  # defaults to the model's context length
     compile: bool = False  # torch.compile the decode path (bf16 speed); off for tests
-    draft_weights: str = "bf16"  # "int8": the draft runs W8A8 on the fast path (cheaper steps, still lossless)
+    draft_weights: str = "bf16"  # "int8"/"int4": the draft runs W8A8/W4A8 on the fast path (cheaper, still lossless)
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
 

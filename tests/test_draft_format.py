@@ -1,10 +1,13 @@
-"""Cheaper drafts: int8 weights (W8A8 kernels) and a reduced draft head stay lossless.
+"""Cheaper drafts: int8 / int4 weights (W8A8 / W4A8 kernels) and a reduced draft head stay lossless.
 
-The kernels are checked against fp32 references within int8 accuracy; the draft formats
+The int8 kernels are checked against fp32 references within int8 accuracy, the int4 kernels
+against an exact reference of their quantization (to fp32 rounding); the draft formats
 are checked where exactness lives: greedy SD/SSD equal AR token for token with an fp32
 target, and SD/SSD at temperature 1 sample the target's exact law (50,000 samples, the
 threshold derived in tests/dist_harness.py).
 """
+import copy
+
 import pytest
 import torch
 
@@ -28,6 +31,33 @@ def pack_i8(ops, *weights, epilogue=0):
     dst = torch.empty(-(-n // 64), k // 4 + 4, 64, 4, dtype=torch.uint8)
     ops.pack_i8(dst, list(weights), epilogue)
     return dst
+
+
+def pack_i4(ops, *weights, epilogue=0):
+    n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
+    dst = torch.empty(-(-n // 64), k // 32, 1280, dtype=torch.uint8)
+    ops.pack_i4(dst, list(weights), epilogue)
+    return dst
+
+
+def _safe_inverse(x: torch.Tensor, numerator: float) -> torch.Tensor:
+    """numerator / x in fp32 true division as C++ computes it (not torch's reciprocal-times), 0 where x is 0."""
+    return torch.where(x > 0, torch.full_like(x, numerator) / torch.where(x > 0, x, 1), torch.zeros_like(x))
+
+
+def int4_reference(w: torch.Tensor) -> torch.Tensor:
+    """The int4 weights as the kernel sees them: per 32 inputs, 16 levels from min to max, s and z in fp16."""
+    g = w.float().view(w.shape[0], -1, 32)
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    s, z = ((hi - lo) / 15).half().float(), lo.half().float()
+    return (((g - z) * _safe_inverse(s, 1.0)).round().clamp(0, 15) * s + z).view_as(w)
+
+
+def int8_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the quantized kernels see it: int8 per 32 values, scale absmax / 127."""
+    g = x.float().view(x.shape[0], -1, 32)
+    amax = g.abs().amax(-1, keepdim=True)
+    return ((g * _safe_inverse(amax, 127.0)).round() * (amax / 127)).view_as(x)
 
 
 def rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
@@ -66,6 +96,51 @@ def test_int8_zero_rows_and_padding(ops):
     assert out.shape == (2, 70) and torch.all(out[:, 3] == 64) and torch.count_nonzero(out) == 2
 
 
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 7, 12])
+@pytest.mark.parametrize("n,k", [(64, 32), (100, 96), (300, 2080), (130, 4096)])
+def test_int4_gemm_equals_its_quantization(ops, m, n, k):
+    """W4A8 computes exactly (to fp32 rounding) the product of its quantized weights and activations,
+    and lands within int4 accuracy of the bf16 product."""
+    torch.manual_seed(m * n + k)
+    x, w = torch.randn(m, k).bfloat16(), torch.randn(n, k).bfloat16()
+    x[:, 5] *= 30
+    packed = pack_i4(ops, w)
+    exact = int8_activations(x).double() @ int4_reference(w).double().T
+    got = ops.gemm(x, packed, n, None, None, 0, True)
+    assert rel_err(got.double(), exact) < 1e-5
+    assert rel_err(got, x.float() @ w.float().T) < 0.12  # 16 levels per group of Gaussian weights
+    bias, res = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
+    assert rel_err(ops.gemm(x, packed, n, bias, None, 0, False), exact.float() + bias.float()) < 0.01
+    assert rel_err(ops.gemm(x, packed, n, None, res, 0, False), exact.float() + res.float()) < 0.01
+
+
+def test_int4_weights_on_a_4bit_grid_are_kept_exactly(ops):
+    """Weights already on a per-group 16-level grid (as GGUF Q4 blocks are) pack without loss."""
+    torch.manual_seed(0)
+    codes = torch.randint(0, 16, (128, 256)).float()
+    codes[:, ::32], codes[:, 1::32] = 0, 15  # every group spans its whole grid
+    scale = 2.0 ** -torch.randint(4, 9, (128, 8, 1)).float()  # powers of two: the grid survives bf16
+    offset = torch.randint(-40, 20, (128, 8, 1)).float() * scale
+    w = (codes.view(128, 8, 32) * scale + offset).view(128, 256).bfloat16()
+    assert torch.equal(int4_reference(w), w.float())
+    x = torch.randn(3, 256).bfloat16()
+    got = ops.gemm(x, pack_i4(ops, w), 128, None, None, 0, True)
+    assert rel_err(got.double(), int8_activations(x).double() @ w.double().T) < 1e-5
+
+
+def test_int4_swiglu_epilogue_and_padding(ops):
+    torch.manual_seed(0)
+    x, gate, up = torch.randn(5, 64).bfloat16(), torch.randn(96, 64).bfloat16(), torch.randn(96, 64).bfloat16()
+    xq, g4, u4 = int8_activations(x), int4_reference(gate), int4_reference(up)
+    ref = torch.nn.functional.silu(xq @ g4.T) * (xq @ u4.T)
+    got = ops.gemm(x, pack_i4(ops, gate, up, epilogue=1), 192, None, None, 1, False)
+    assert got.shape == (5, 96) and rel_err(got, ref) < 0.01
+    w = torch.zeros(70, 64).bfloat16()
+    w[3] = 1.0
+    out = ops.gemm(torch.ones(2, 64).bfloat16(), pack_i4(ops, w), 70, None, None, 0, True)
+    assert out.shape == (2, 70) and torch.all(out[:, 3] == 64) and torch.count_nonzero(out) == 2
+
+
 # -- the model with a draft format ----------------------------------------------------------
 
 def bf16_model(vocab=100, seed=0):
@@ -97,6 +172,21 @@ def test_int8_model_close_to_bf16():
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
 
 
+def test_int4_model_runs_its_quantized_weights():
+    """Every matrix (qkv, o, SwiGLU gate/up, down, head) goes through int4: the int4 model is the bf16
+    model with each matrix replaced by its int4 grid, up to int8 activation rounding."""
+    model = bf16_model()
+    assert not model.config.tie_word_embeddings  # so the head can be quantized without the embedding
+    grid = copy.deepcopy(model)
+    with torch.no_grad():
+        for name, p in grid.named_parameters():
+            if p.dim() == 2 and "embed_tokens" not in name:
+                p.copy_(int4_reference(p).bfloat16())
+    ids = [3, 14, 15, 9, 26, 5]
+    a, b = logits_of(grid, ids), logits_of(model, ids, weights="int4")
+    assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
+
+
 def test_draft_format_without_the_fast_path_is_an_error():
     fp32 = tiny_model(vocab=100, hidden=64).model  # the fast path is bf16 only
     with pytest.raises(ValueError, match="need the fast path"):
@@ -118,10 +208,11 @@ def test_bad_formats_are_refused():
 
 # -- exactness --------------------------------------------------------------------------------
 
-FORMATS = [dict(draft_weights="int8"), dict(draft_weights="int8", draft_vocab=40), dict(draft_vocab=20)]
+FORMATS = [dict(draft_weights="int8"), dict(draft_weights="int4"), dict(draft_weights="int8", draft_vocab=40),
+           dict(draft_vocab=20)]
 
 
-@pytest.mark.parametrize("fmt", FORMATS, ids=["int8", "int8-vocab40", "bf16-vocab20"])
+@pytest.mark.parametrize("fmt", FORMATS, ids=["int8", "int4", "int8-vocab40", "bf16-vocab20"])
 @pytest.mark.parametrize("mode", ["sd", "ssd"])
 def test_greedy_equals_ar_with_cheap_draft(fmt, mode):
     """fp32 target, draft run int8 / reduced head in bf16: output equals AR token for token."""
@@ -142,12 +233,12 @@ def pair():
     return target, perturbed(target, noise=0.03)
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_distribution_with_int8_reduced_head_draft(pair, mode):
-    """T = 1: the draft can never propose ids 12..15 (q = 0) and computes q in int8; the law is exact."""
+@pytest.mark.parametrize("mode,weights", [("sd", "int8"), ("ssd", "int8"), ("ssd", "int4")])
+def test_distribution_with_quantized_reduced_head_draft(pair, mode, weights):
+    """T = 1: the draft can never propose ids 12..15 (q = 0) and computes q in int8/int4; the law is exact."""
     extra = dict(fan_out=[2, 3]) if mode == "ssd" else {}
     llm = LLM(target=pair[0], draft=pair[1], mode=mode, num_speculative_tokens=1 if mode == "ssd" else 3,
-              draft_weights="int8", draft_vocab=12, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16,
+              draft_weights=weights, draft_vocab=12, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16,
               **extra)
     with llm:
         tv, threshold = measure(llm, pair[0], SamplingParams(temperature=1.0), positions=[0, 1])

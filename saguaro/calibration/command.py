@@ -5,12 +5,14 @@ import argparse
 import json
 import math
 
+from saguaro.models.kernels import WEIGHT_FORMATS
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--draft-weights", default="bf16", choices=("bf16", "int8"),
+    p.add_argument("--draft-weights", default="bf16", choices=WEIGHT_FORMATS,
                    help="the draft's weight format, as the engine will run it (the profile is keyed by it)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
     p.add_argument("--k", type=int, default=4, help="lookahead K used while calibrating")

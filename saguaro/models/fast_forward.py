@@ -45,13 +45,13 @@ ROUND_BF16 = 2  # gemm epilogues (kernels/cpu_bf16.cpp)
 
 
 def unsupported_reason(model: CausalLM, weights: str = "bf16") -> str | None:
-    """Why ``model`` cannot take the fast path (with ``weights`` packed as bf16 or int8), or None if it can."""
+    """Why ``model`` cannot take the fast path (with ``weights`` packed as bf16, int8 or int4), or None if it can."""
     cfg = model.config
     if weights not in WEIGHT_FORMATS:
         return f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}"
-    if weights == "int8" and any(k % 32 for k in (cfg.hidden_size, cfg.num_heads * cfg.head_dim,
+    if weights != "bf16" and any(k % 32 for k in (cfg.hidden_size, cfg.num_heads * cfg.head_dim,
                                                    cfg.intermediate_size)):
-        return "int8 weights need hidden, attention and intermediate sizes that are multiples of 32"
+        return f"{weights} weights need hidden, attention and intermediate sizes that are multiples of 32"
     dtype = model.model.embed_tokens.weight.dtype
     if dtype != torch.bfloat16:
         return f"the fast path is bf16 only (model is {dtype})"
@@ -73,29 +73,33 @@ def _tiles(rows: int) -> int:
     return -(-rows // TILE)
 
 
-WEIGHT_FORMATS = ("bf16", "int8")
+WEIGHT_FORMATS = kernels.WEIGHT_FORMATS
+I4_BLOCK = 1280  # bytes per tile and 32 k values in the int4 layout: 1024 of codes, 64 fp16 scales, 64 offsets
 
 
 class _Arena:
     """One huge-page allocation holding every packed matrix back to back.
 
     bf16 tiles are [K/2, 64, 2] values; int8 tiles are [K/4, 64, 4] bytes followed by the 64
-    outputs' fp32 scales (kernels/cpu_bf16.cpp, "int8 weights").
+    outputs' fp32 scales; int4 tiles are K/32 blocks of I4_BLOCK bytes (kernels/quant_gemm.h).
     """
 
     def __init__(self, shapes: list[tuple[int, int]], weights: str):
-        self.int8 = weights == "int8"
+        self.weights = weights
         self.buffer = kernels.load().alloc_huge(sum(self._size(n, k) for n, k in shapes))
         self.offset = 0
 
     def _size(self, n: int, k: int) -> int:
-        return _tiles(n) * TILE * (k + 16 if self.int8 else 2 * k)
+        per_tile = {"bf16": 2 * TILE * k, "int8": TILE * (k + 16), "int4": k // 32 * I4_BLOCK}[self.weights]
+        return _tiles(n) * per_tile
 
     def take(self, n: int, k: int) -> torch.Tensor:
         size = self._size(n, k)
         chunk = self.buffer[self.offset:self.offset + size]
         self.offset += size
-        if self.int8:
+        if self.weights == "int4":
+            return chunk.view(_tiles(n), k // 32, I4_BLOCK)
+        if self.weights == "int8":
             return chunk.view(_tiles(n), k // 4 + 4, TILE, 4)
         return chunk.view(torch.bfloat16).view(_tiles(n), k // 2, TILE, 2)
 
@@ -114,7 +118,8 @@ class FastCausalLM:
     """``forward``/``logits`` with the signatures of ``CausalLM``, over packed weights.
 
     ``weights="int8"`` quantizes every matrix per output channel (for drafts: half the bytes
-    of bf16 per step). ``head_ids`` keeps only those rows of the output head; every other
+    of bf16 per step); ``weights="int4"`` per group of 32 inputs (5 bits a weight with the
+    group's fp16 scale and offset: under a third of bf16's bytes). ``head_ids`` keeps only those rows of the output head; every other
     token gets logit -inf, so a draft never proposes it (for drafts: the head is a quarter of
     a 0.5B model's bytes). Neither is exact, so neither belongs on a target.
     """
@@ -140,7 +145,7 @@ class FastCausalLM:
         per_layer = [(self.qkv_rows, h), (h, self.q_cols), (2 * inter, h), (h, inter)]
         arena = _Arena(per_layer * cfg.num_layers + [(head.shape[0], h)], weights)
         self.layers: list[_Layer] = []
-        pack = self.ops.pack_i8 if weights == "int8" else self.ops.pack
+        pack = {"bf16": self.ops.pack, "int8": self.ops.pack_i8, "int4": self.ops.pack_i4}[weights]
         with torch.no_grad():
             for block in model.model.layers:
                 attn, mlp, layer = block.self_attn, block.mlp, _Layer()
@@ -227,7 +232,7 @@ def fast_or_eager(model: CausalLM, weights: str = "bf16",
                   head_ids: torch.Tensor | None = None) -> "FastCausalLM | CausalLM":
     """``FastCausalLM(model, ...)`` where the fast path applies, else ``model`` itself (logged).
 
-    int8 weights and a reduced head exist only on the fast path, so asking for them where it
+    int8/int4 weights and a reduced head exist only on the fast path, so asking for them where it
     cannot run is an error rather than a silent fall back to the full bf16 eager model.
     """
     reason = unsupported_reason(model, weights)
@@ -237,6 +242,6 @@ def fast_or_eager(model: CausalLM, weights: str = "bf16",
         except kernels.KernelsUnavailable as e:
             reason = str(e)
     if weights != "bf16" or head_ids is not None:
-        raise ValueError(f"int8 weights and a reduced head need the fast path, which cannot run here: {reason}")
+        raise ValueError(f"int8/int4 weights and a reduced head need the fast path, which cannot run here: {reason}")
     log.warning("fast path off, running eager: %s", reason)
     return model

@@ -1,6 +1,6 @@
 """Builds and loads the bf16 CPU kernels (``cpu_bf16.cpp``) on first use.
 
-The kernels need AVX512-BF16, and AVX512-VNNI for the int8 draft GEMMs (AMD Zen 4, Intel
+The kernels need AVX512-BF16, and AVX512-VNNI for the int8/int4 draft GEMMs (AMD Zen 4, Intel
 Sapphire Rapids and later). They are compiled with ``-march=native`` by
 ``torch.utils.cpp_extension`` the first time they are asked for (about a minute on a 2-core
 machine) and cached under
@@ -11,6 +11,7 @@ processes load them in well under a second.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import platform
 from pathlib import Path
@@ -18,6 +19,8 @@ from types import ModuleType
 
 log = logging.getLogger("saguaro.kernels")
 SOURCE = Path(__file__).with_name("cpu_bf16.cpp")
+WEIGHT_FORMATS = ("bf16", "int8", "int4")  # how the fast path can pack a matrix (quant_gemm.h)
+HEADERS = [Path(__file__).with_name("quant_gemm.h")]  # #included by SOURCE
 
 
 class KernelsUnavailable(RuntimeError):
@@ -41,9 +44,13 @@ def load() -> ModuleType:
     if not cpu_supports_bf16():
         raise KernelsUnavailable("this CPU lacks AVX512-BF16; the fast bf16 path needs it")
     from torch.utils.cpp_extension import load as build
+    # torch rebuilds when the sources or flags change, but does not read #included headers: their
+    # hash goes into the flags
+    headers = hashlib.sha256(b"".join(h.read_bytes() for h in HEADERS)).hexdigest()[:16]
     try:
         return build(name="saguaro_cpu_bf16", sources=[str(SOURCE)],
-                     extra_cflags=["-O3", "-march=native", "-fno-math-errno"], verbose=False)
+                     extra_cflags=["-O3", "-march=native", "-fno-math-errno", f"-DSAGUARO_HEADERS={headers}"],
+                     verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, failed build
         raise KernelsUnavailable(f"could not build {SOURCE.name}: {e}") from e
 

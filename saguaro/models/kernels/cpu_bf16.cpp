@@ -157,135 +157,7 @@ void tile_rows(int mb, const bf16* x, int64_t ldx, const bf16* tile, int64_t p0,
 
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
-// ---------------------------------------------------------------------------------------------
-// int8 weights (draft models): W8A8 dot products with vpdpbusd
-//
-// Why: a draft step streams the draft's weights, and its cost is what SSD's tree build and
-// SD's drafting pay per step. int8 halves the bytes of bf16, and vpdpbusd does 64 multiply-adds
-// per instruction against vdpbf16ps's 32, so wide branch steps get cheaper as well. Draft
-// arithmetic never touches exactness: verification uses the q the draft actually sampled from.
-//
-// Packed layout for W [N, K]: [T, K/4 + 4, 64, 4] bytes. Tile t holds, for each k quad, 64
-// outputs x 4 consecutive k values as (w + 128) in uint8 (vpdpbusd's unsigned operand), then
-// 256 bytes of fp32 scales, one per output (symmetric, per output channel: w = scale * q).
-// Activations are quantized per row in blocks of QB = 32 values (scale = absmax / 127, as
-// llama.cpp's Q8_0); sum((q_w + 128) q_x) - 128 sum(q_x) = sum(q_w q_x) per block.
-
-constexpr int64_t QB = 32;     // activation quantization block
-constexpr int MAXMB8 = 3;      // rows per register tile: 4 x 3 int32 + 4 x 3 fp32 accumulators
-
-struct QuantRows {  // x quantized per row and block
-  std::vector<int8_t> q;       // [M, K]
-  std::vector<float> scale;    // [M, K / QB]
-  std::vector<int32_t> bias;   // [M, K / QB]: -128 * sum of the block's q (the uint8 offset's correction)
-};
-
-QuantRows quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
-  const int64_t nb = K / QB;
-  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb)};
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t b = 0; b < nb; b++) {
-      const bf16* src = x + m * ldx + b * QB;
-      float amax = 0.f;
-      for (int64_t i = 0; i < QB; i++) amax = std::max(amax, std::fabs(float(src[i])));
-      const float s = amax / 127.f, inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < QB; i++) {
-        const int32_t q = (int32_t)std::nearbyint(float(src[i]) * inv);
-        r.q[m * K + b * QB + i] = (int8_t)q;
-        sum += q;
-      }
-      r.scale[m * nb + b] = s;
-      r.bias[m * nb + b] = -128 * sum;
-    }
-  return r;
-}
-
-// acc (fp32 [MB, 64], row stride 64) += dequantized x[0:MB, blocks b0..b1] . tile
-template <int MB>
-inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
-                          int64_t b1, float* __restrict acc_io, bool first) {
-  const int64_t nb = K / QB;
-  __m512 facc[4][MB];
-#pragma GCC unroll 4
-  for (int v = 0; v < 4; v++)
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) facc[v][m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + m * TN + v * 16);
-  for (int64_t b = b0; b < b1; b++) {
-    __m512i acc[4][MB];
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) {
-      const __m512i init = _mm512_set1_epi32(xr.bias[(m0 + m) * nb + b]);
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; v++) acc[v][m] = init;
-    }
-    const uint8_t* w = tile + b * (QB / 4) * TN * 4;
-#pragma GCC unroll 8
-    for (int64_t p = 0; p < QB / 4; p++, w += TN * 4) {
-      const __m512i w0 = _mm512_loadu_si512(w), w1 = _mm512_loadu_si512(w + 64);
-      const __m512i w2 = _mm512_loadu_si512(w + 128), w3 = _mm512_loadu_si512(w + 192);
-#pragma GCC unroll 4
-      for (int m = 0; m < MB; m++) {
-        int32_t quad;
-        std::memcpy(&quad, xr.q.data() + (m0 + m) * K + b * QB + 4 * p, 4);
-        const __m512i xb = _mm512_set1_epi32(quad);
-        acc[0][m] = _mm512_dpbusd_epi32(acc[0][m], w0, xb);
-        acc[1][m] = _mm512_dpbusd_epi32(acc[1][m], w1, xb);
-        acc[2][m] = _mm512_dpbusd_epi32(acc[2][m], w2, xb);
-        acc[3][m] = _mm512_dpbusd_epi32(acc[3][m], w3, xb);
-      }
-    }
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) {
-      const __m512 s = _mm512_set1_ps(xr.scale[(m0 + m) * nb + b]);
-#pragma GCC unroll 4
-      for (int v = 0; v < 4; v++) facc[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v][m]), s, facc[v][m]);
-    }
-  }
-#pragma GCC unroll 4
-  for (int v = 0; v < 4; v++)
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc_io + m * TN + v * 16, facc[v][m]);
-}
-
-void tile_rows_i8(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
-                  float* acc, bool first) {
-  switch (mb) {
-    case 1: tile_block_i8<1>(xr, m0, K, tile, b0, b1, acc, first); break;
-    case 2: tile_block_i8<2>(xr, m0, K, tile, b0, b1, acc, first); break;
-    default: tile_block_i8<3>(xr, m0, K, tile, b0, b1, acc, first); break;
-  }
-}
-
-// Pack bf16 rows into the int8 layout above (dst: [T, K/4 + 4, 64, 4] uint8); rows as in `pack`.
-void pack_i8(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilogue) {
-  TORCH_CHECK(dst.dim() == 4 && dst.size(2) == TN && dst.size(3) == 4 && dst.is_contiguous() &&
-              dst.scalar_type() == at::kByte);
-  const int64_t T = dst.size(0), Q = dst.size(1) - 4, K = 4 * Q;
-  TORCH_CHECK(K % QB == 0, "pack_i8: K must be a multiple of ", QB);
-  // bf16 staging tile [64 rows, K] through the bf16 packer's row order
-  auto staging = at::empty({T, K / 2, TN, 2}, at::TensorOptions().dtype(at::kBFloat16));
-  pack(staging, sources, epilogue);
-  const bf16* sp = staging.data_ptr<bf16>();
-  uint8_t* out = dst.data_ptr<uint8_t>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      const bf16* st = sp + t * K * TN;  // [K/2][64][2]: w[j][k] at ((k/2)*64 + j)*2 + k%2
-      uint8_t* o = out + t * (Q + 4) * TN * 4;
-      float* scales = reinterpret_cast<float*>(o + Q * TN * 4);
-      for (int64_t j = 0; j < TN; j++) {
-        float amax = 0.f;
-        for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(float(st[((k / 2) * TN + j) * 2 + k % 2])));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        scales[j] = amax / 127.f;
-        for (int64_t k = 0; k < K; k++) {
-          const int32_t q = (int32_t)std::nearbyint(float(st[((k / 2) * TN + j) * 2 + k % 2]) * inv);
-          o[((k / 4) * TN + j) * 4 + k % 4] = (uint8_t)(std::clamp(q, -127, 127) + 128);
-        }
-      }
-    }
-  });
-}
+#include "quant_gemm.h"  // int8 and int4 draft weights
 
 // Write tile t's accumulators (fp32 [M, 64], row stride 64) through the epilogue; see gemm.
 void finish_tile(float* acc, int64_t M, int64_t t, int64_t n, int64_t n_out, int64_t epilogue, bool out_fp32,
@@ -323,8 +195,8 @@ void finish_tile(float* acc, int64_t M, int64_t t, int64_t n, int64_t n_out, int
   }
 }
 
-// x [M, K] bf16 (rows may be strided), packed bf16 [T, K/2, 64, 2] or int8 [T, K/4 + 4, 64, 4];
-// n: real output count.
+// x [M, K] bf16 (rows may be strided); packed bf16 [T, K/2, 64, 2], int8 [T, K/4 + 4, 64, 4]
+// or int4 [T, K/32, I4_BLOCK] (quant_gemm.h); n: real output count.
 // PLAIN:  out = x w^T (+ bias) (+ residual), out [M, n] bf16 or fp32.
 // ROUND_BF16: as PLAIN into fp32, each value rounded to bf16 first (the eager head's logits).
 // SWIGLU: each tile holds 32 gate rows then the 32 matching up rows;
@@ -332,11 +204,17 @@ void finish_tile(float* acc, int64_t M, int64_t t, int64_t n, int64_t n_out, int
 at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const c10::optional<at::Tensor>& bias,
                 const c10::optional<at::Tensor>& residual, int64_t epilogue, bool out_fp32) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1, "gemm: x must be [M, K] bf16 rows");
-  const bool int8 = packed.scalar_type() == at::kByte;
-  TORCH_CHECK(packed.dim() == 4 && packed.size(2) == TN && packed.size(3) == (int8 ? 4 : 2) && packed.is_contiguous());
+  const bool int4 = packed.dim() == 3, int8 = !int4 && packed.scalar_type() == at::kByte;
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0);
-  const int64_t P = int8 ? packed.size(1) - 4 : packed.size(1);  // k pairs (bf16) or quads (int8)
-  TORCH_CHECK((int8 ? 4 : 2) * P == K, "gemm: x has ", K, " columns, weights ", (int8 ? 4 : 2) * P);
+  TORCH_CHECK(packed.is_contiguous());
+  if (int4) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) == I4_BLOCK);
+    TORCH_CHECK(packed.size(1) * QB == K, "gemm: x has ", K, " columns, weights ", packed.size(1) * QB);
+  } else {
+    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == TN && packed.size(3) == (int8 ? 4 : 2));
+  }
+  const int64_t P = int4 ? 0 : int8 ? packed.size(1) - 4 : packed.size(1);  // k pairs (bf16) or quads (int8)
+  TORCH_CHECK(int4 || (int8 ? 4 : 2) * P == K, "gemm: x has ", K, " columns, weights ", (int8 ? 4 : 2) * P);
   TORCH_CHECK(n <= T * TN);
   TORCH_CHECK(!(out_fp32 && (epilogue == SWIGLU || residual)), "gemm: fp32 output only for plain products");
   TORCH_CHECK(out_fp32 || epilogue != ROUND_BF16, "gemm: ROUND_BF16 writes fp32");
@@ -357,21 +235,20 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   void* op = out.data_ptr();
   const void* wp = packed.data_ptr();
   QuantRows xr;
-  if (int8) xr = quantize_rows(xp, ldx, M, K);
+  if (int8 || int4) xr = quantize_rows(xp, ldx, M, K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(M * TN);
     for (int64_t t = t0; t < t1; t++) {
-      if (int8) {
+      if (int4) {
+        const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (K / QB) * I4_BLOCK;
+        for_register_tiles(M, K, MAXMB4, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
+          tile_rows_i4(mb, xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
+        });
+      } else if (int8) {
         const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (P + 4) * TN * 4;
-        const int64_t blocks = K / QB, kb = M <= MAXMB8 ? blocks : KBLOCK / 16;  // 64 x 2048 bytes stay in L2
-        for (int64_t b0 = 0; b0 < blocks; b0 += kb) {
-          const int64_t b1 = std::min(blocks, b0 + kb);
-          for (int64_t m = 0; m < M;) {
-            const int64_t left = M - m, chunks = (left + MAXMB8 - 1) / MAXMB8, mb = (left + chunks - 1) / chunks;
-            tile_rows_i8((int)mb, xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
-            m += mb;
-          }
-        }
+        for_register_tiles(M, K, MAXMB8, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
+          tile_rows_i8(mb, xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
+        });
         const float* scales = reinterpret_cast<const float*>(tile + P * TN * 4);
         for (int64_t m = 0; m < M; m++)
           for (int64_t j = 0; j < TN; j++) acc[m * TN + j] *= scales[j];
@@ -692,6 +569,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("alloc_huge", &alloc_huge, "uint8 tensor of nbytes in 2 MB-aligned memory advised for huge pages");
   m.def("pack", &pack, "pack weight rows into the tile layout (dst: [T, K/2, 64, 2])");
   m.def("pack_i8", &pack_i8, "quantize and pack weight rows into the int8 tile layout (dst: [T, K/4 + 4, 64, 4])");
+  m.def("pack_i4", &pack_i4, "quantize and pack weight rows into the int4 layout (dst: [T, K/32, 1280])");
   m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues");
   m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it");
   m.def("rope_store", &rope_store, "RoPE on the fused qkv rows in place; k/v into the paged cache");
