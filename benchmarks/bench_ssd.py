@@ -32,7 +32,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, temperatures="0")
     p.add_argument("--k", type=int, default=4, help="speculative tokens per round for SSD (and SD; default 4)")
-    p.add_argument("--sd-k", type=int, default=None, help="SD's K when it differs from SSD's (e.g. SD's best K)")
+    p.add_argument("--sd-k", type=int_list, default=None,
+                   help="SD's K values on one core, comma separated (default: SSD's K); SSD is compared with the "
+                        "fastest of them, and the first also runs with two threads")
     p.add_argument("--fan-outs", default="uniform;last3",
                    help="SSD fan-outs, ';' separated: 'uniform' (1 per depth), 'lastN' ([1,..,1,N]), 'auto', "
                         "or K+1 comma separated counts (default 'uniform;last3')")
@@ -82,18 +84,21 @@ def fan_out_label(f: list[int] | str) -> str:
 
 
 def plan(args: argparse.Namespace) -> dict[str, Any]:
-    k, sd_k = args.k, args.sd_k or args.k
+    k, sd_ks = args.k, args.sd_k or [args.k]
+    sd_k = sd_ks[0]
     one = engine_options(args.compile, threads=1, target_cores=[0])
     two = engine_options(args.compile, threads=2, target_cores=[0, 1])
     names = {"ar1": "AR (1 core)", "sd1": f"SD K={sd_k} (1 core)", "ar2": "AR (2 threads)",
              "sd2": f"SD K={sd_k} (2 threads)"}
     fmt_ = draft_options(args)
-    configs = [(names["ar1"], dict(one, mode="ar")),
-               (names["sd1"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
-    names["sd_ref"] = names["sd1"]  # verification without contention, at SSD's K (same rows)
-    if sd_k != k:
-        names["sd_ref"] = f"SD K={k} (1 core)"
+    sd_one = [f"SD K={j} (1 core)" for j in sd_ks]
+    configs = [(names["ar1"], dict(one, mode="ar"))]
+    configs += [(name, dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=j, **fmt_))
+                for name, j in zip(sd_one, sd_ks)]
+    names["sd_ref"] = f"SD K={k} (1 core)"  # verification without contention, at SSD's K (same rows)
+    if k not in sd_ks:
         configs.append((names["sd_ref"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=k, **fmt_)))
+        sd_one.append(names["sd_ref"])  # it competes for "fastest SD" too
     if not args.skip_two_threads:
         configs += [(names["ar2"], dict(two, mode="ar")),
                     (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
@@ -105,7 +110,17 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             ssd.append(name)
             configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k, fan_out=f,
                                        fallback=fallback, draft_cores=[1], **fmt_)))
-    return {"configs": configs, "names": names, "ssd": ssd}
+    return {"configs": configs, "names": names, "ssd": ssd, "sd_one": sd_one}
+
+
+def fastest_sd_bases(plan_, summaries) -> dict[str, dict[str, Any]]:
+    """Per temperature: the baselines ratios are taken against, with "sd1" the fastest SD on one core."""
+    bases = {}
+    for tk in summaries[plan_["names"]["ar1"]]:
+        base = {key: summaries.get(name) for key, name in plan_["names"].items()}
+        base["sd1"] = max((summaries[n] for n in plan_["sd_one"]), key=lambda by_t: by_t[tk][ALL]["tok_s_median"])
+        bases[tk] = base
+    return bases
 
 
 def build_stats(records: list[Record], k: int) -> dict[str, Any]:
@@ -120,11 +135,11 @@ def build_stats(records: list[Record], k: int) -> dict[str, Any]:
 
 def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[str, Any], str]:
     names, k = plan_["names"], args.k
-    base = {key: summaries.get(name) for key, name in names.items()}
+    bases = fastest_sd_bases(plan_, summaries)
     ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t], k)
                          for t in args.temperatures} for name in plan_["ssd"]}
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
-             f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={args.sd_k or k}), "
+             f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
              f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
              f"fallback={','.join(args.fallback)}, temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
@@ -139,14 +154,15 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
               "speculation; build = the speculator's cache build that overlapped that round's verification. "
               "full builds: builds that finished all K steps before the next request arrived. e2e tok/s: new "
               "tokens over the whole request, prefill included (SSD's draft prefills the prompt on its own core "
-              "while the target prefills; SD's draft prefills it on the target's core in the first round)."]
+              "while the target prefills; SD's draft prefills it on the target's core in the first round). "
+              "xSD 1c and e2e xSD 1c: against the fastest SD on one core in this run, per temperature."]
     for tk in summaries[names["ar1"]]:
         speed_rows, round_rows = [], []
         for name, by_t in summaries.items():
             s = by_t[tk][ALL]
             x = {key: ratio(s["tok_s_median"], (b or {}).get(tk, {}).get(ALL, {}).get("tok_s_median"))
-                 for key, b in base.items()}
-            e2e_sd = summaries[names["sd1"]][tk][ALL].get("e2e_tok_s_median")
+                 for key, b in bases[tk].items()}
+            e2e_sd = bases[tk]["sd1"][tk][ALL].get("e2e_tok_s_median")
             speed_rows.append([name, fmt(s["tok_s_median"]), fmt(x["ar1"]), fmt(x["sd1"]), fmt(x["ar2"]),
                                fmt(x["sd2"]), fmt(s.get("e2e_tok_s_median")), fmt(ratio(s.get("e2e_tok_s_median"), e2e_sd)),
                                fmt(s.get("acceptance_rate"), ".3f"), fmt(s.get("tokens_per_round")),
@@ -204,7 +220,7 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
         "summary": summaries,
         "ratios": {name: {tk: {key: ratio(by_t[tk][ALL]["tok_s_median"],
                                           (b or {}).get(tk, {}).get(ALL, {}).get("tok_s_median"))
-                               for key, b in base.items()} for tk in by_t} for name, by_t in summaries.items()},
+                               for key, b in bases[tk].items()} for tk in by_t} for name, by_t in summaries.items()},
         "ssd_builds": ssd_builds,
         "contention_probe": contention,
         "greedy_equal_to_ar": {name: {"equal": a, "compared": b} for name, (a, b) in equal.items()},

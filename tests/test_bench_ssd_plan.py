@@ -1,0 +1,35 @@
+"""The SSD benchmark's plan: SD at several K on one core, and ratios against the fastest of them.
+
+No models run here; the benchmark itself is not a test (timings are noisy on shared machines).
+"""
+from benchmarks.bench_ssd import fastest_sd_bases, parse_args, plan
+from benchmarks.common import ALL
+
+
+def test_sd_k_list_runs_each_k_and_keeps_the_reference_at_ssd_k():
+    p = plan(parse_args(["--k", "3", "--sd-k", "5,7", "--fan-outs", "last2", "--skip-two-threads"]))
+    names = [name for name, _ in p["configs"]]
+    assert names == ["AR (1 core)", "SD K=5 (1 core)", "SD K=7 (1 core)", "SD K=3 (1 core)",
+                     "SSD K=3 F=[1,1,1,2] (2 cores)"]
+    assert p["sd_one"] == ["SD K=5 (1 core)", "SD K=7 (1 core)", "SD K=3 (1 core)"]
+    assert p["names"]["sd_ref"] == "SD K=3 (1 core)"  # same rows as SSD's verification
+    opts = dict(p["configs"])
+    assert opts["SD K=7 (1 core)"]["num_speculative_tokens"] == 7
+
+
+def test_default_sd_k_is_ssd_k():
+    p = plan(parse_args(["--k", "4", "--fan-outs", "uniform", "--skip-two-threads"]))
+    assert p["sd_one"] == ["SD K=4 (1 core)"] and p["names"]["sd_ref"] == "SD K=4 (1 core)"
+    assert [name for name, _ in p["configs"]].count("SD K=4 (1 core)") == 1
+
+
+def test_ratios_are_against_the_fastest_sd_per_temperature():
+    p = plan(parse_args(["--k", "3", "--sd-k", "5,7", "--fan-outs", "last2", "--skip-two-threads"]))
+
+    def summary(t0, t1):
+        return {"T=0": {ALL: {"tok_s_median": t0}}, "T=1": {ALL: {"tok_s_median": t1}}}
+    summaries = {"AR (1 core)": summary(10, 10), "SD K=5 (1 core)": summary(20, 18),
+                 "SD K=7 (1 core)": summary(22, 16), "SD K=3 (1 core)": summary(15, 19)}
+    bases = fastest_sd_bases(p, summaries)
+    assert bases["T=0"]["sd1"] is summaries["SD K=7 (1 core)"]
+    assert bases["T=1"]["sd1"] is summaries["SD K=3 (1 core)"]  # the reference at SSD's K competes too
