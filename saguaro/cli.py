@@ -9,10 +9,11 @@ import time
 from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 
-# demo defaults: SD at its best K and SSD at its best fan-out, both with the int8 draft (results/bench_sd.md,
-# results/bench_ssd.md)
+# demo defaults: SD at its best K (5 of 3, 5, 7) and SSD at a fixed fan-out, both with the int4 draft
+# (results/bench_ssd_int4.md; the fan-out does not depend on a calibration profile being there)
 DEMO_SD_K = 5
 DEMO_FAN_OUT = [1, 1, 1, 2]
+DEMO_DRAFT_WEIGHTS = "int4"
 
 
 def _int_list(text: str) -> list[int]:
@@ -163,7 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ssd-fan-out", type=_int_list, default=DEMO_FAN_OUT,
                    help="SSD fan-out F_0..F_K; K is its length minus one (default "
                         f"{','.join(map(str, DEMO_FAN_OUT))})")
-    d.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="int8")
+    d.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
     d.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     d.add_argument("--no-compile", dest="compile", action="store_false")
     d.set_defaults(func=cmd_demo)

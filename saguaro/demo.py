@@ -1,7 +1,8 @@
 """``saguaro demo``: SSD against SD and AR on the default real pair, side by side.
 
 Target Qwen2.5-Coder-1.5B-Instruct in bf16, draft Qwen2.5-Coder-0.5B-Instruct (by default
-run in int8 with a 65,536-token head: the same cheap draft for SD and SSD, still lossless).
+run with int4 weights and a 65,536-token head: the same cheap draft for SD and SSD, still
+lossless).
 AR and SD run on one core (the draft collocated with the target, as in the paper's SD
 baseline); SSD adds the draft's own core. Same prompts, greedy, one run; ratios from this run.
 """

@@ -1,5 +1,5 @@
 """The command line parses what the README shows, and passes draft formats to the engine."""
-from saguaro.cli import DEMO_FAN_OUT, DEMO_SD_K, _engine_options, build_parser
+from saguaro.cli import DEMO_DRAFT_WEIGHTS, DEMO_FAN_OUT, DEMO_SD_K, _engine_options, build_parser
 
 
 def test_generate_flags_reach_the_engine_options():
@@ -13,5 +13,5 @@ def test_generate_flags_reach_the_engine_options():
 
 def test_demo_defaults_are_consistent():
     args = build_parser().parse_args(["demo"])
-    assert args.k == DEMO_SD_K and args.ssd_fan_out == DEMO_FAN_OUT and args.draft_weights == "int8"
+    assert args.k == DEMO_SD_K and args.ssd_fan_out == DEMO_FAN_OUT and args.draft_weights == DEMO_DRAFT_WEIGHTS == "int4"
     assert build_parser().parse_args(["demo", "--ssd-fan-out", "1,1,3"]).ssd_fan_out == [1, 1, 3]
