@@ -141,7 +141,7 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
              f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
-             f"fallback={','.join(args.fallback)}, temperatures "
+             f"calibration profile {args.calibration_workload}, fallback={','.join(args.fallback)}, temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
              "", "Hardware: '1 core' = target (and a collocated draft) pinned to core 0, one thread; '2 threads' = "
              "pinned to cores 0-1, two threads; SSD '2 cores' = target on core 0 (one thread), speculator process "

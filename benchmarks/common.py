@@ -79,6 +79,8 @@ def add_common_args(p: argparse.ArgumentParser, *, prompts: int = 2, max_tokens:
                    help="draft weight format for SD and SSD (default bf16)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="the draft head keeps token ids below this, plus special tokens (default: all)")
+    p.add_argument("--calibration-workload", choices=["mixed", "code", "chat"], default="mixed",
+                   help="which calibration profile 'auto' settings read (saguaro calibrate --workload)")
     p.add_argument("--warmup-tokens", type=int, default=4, help="tokens of one warm-up request per engine (0: none)")
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for the JSON and Markdown files")
 
@@ -115,8 +117,10 @@ def engine_options(compile: bool = False, threads: int = 1, target_cores: Iterab
 
 
 def draft_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The draft format options (int8 weights, reduced head) of every SD and SSD configuration."""
-    return dict(draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
+    """The draft format options (int8/int4 weights, reduced head) of every SD and SSD configuration, and the
+    calibration profile their "auto" settings read."""
+    return dict(draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
+                calibration_workload=args.calibration_workload)
 
 
 def sampling_params(temperature: float, max_tokens: int, seed: int | None) -> SamplingParams:

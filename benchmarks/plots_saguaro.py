@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="the draft's weight format in SD and SSD (the profile for this format is used)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
+    p.add_argument("--workload", choices=["mixed", "code", "chat"], default="mixed",
+                   help="the calibration profile to predict from and to plan 'auto' with; 'code' matches these "
+                        "HumanEval prompts (saguaro calibrate --workload code)")
     return p.parse_args(argv)
 
 
@@ -72,7 +75,8 @@ def run(args, mode: str, prompts: list[list[int]], temperature: float = 0.0, bat
     common = dict(dtype=args.dtype, compile=args.compile, max_num_seqs=batch, kv_cache_tokens=16384,
                   max_model_len=4096)
     if mode != "ar":
-        common.update(num_speculative_tokens=args.k, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
+        common.update(num_speculative_tokens=args.k, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
+                      calibration_workload=args.workload)
     llm = LLM(target=args.target, draft=draft, mode=mode, **common, **opts)
     try:
         work = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
@@ -271,7 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     from saguaro.spec.draft_format import DraftFormat
     profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=args.compile,
-                              draft_format=DraftFormat(args.draft_weights, args.draft_vocab).tag)
+                              draft_format=DraftFormat(args.draft_weights, args.draft_vocab).tag,
+                              workload=args.workload)
     if profile.get("default"):
         print("note: no calibration profile for this pair; figures use the documented defaults "
               "(run `saguaro calibrate` first)", file=sys.stderr)

@@ -22,7 +22,8 @@ def _int_list(text: str) -> list[int]:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, compile=args.compile,
-                draft_weights=args.draft_weights, draft_vocab=args.draft_vocab)
+                draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
+                calibration_workload=args.calibration_workload)
     if args.mode != "ar":
         opts["num_speculative_tokens"] = args.k
         opts["speculator"] = args.speculator
@@ -134,6 +135,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="draft weight format; int8/int4 cut the draft's step cost and stay lossless")
     p.add_argument("--draft-vocab", type=int, help="the draft head keeps token ids below this (plus special tokens)")
+    p.add_argument("--calibration-workload", choices=["mixed", "code", "chat"], default="mixed",
+                   help="which calibration profile the 'auto' settings read (saguaro calibrate --workload)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -41,8 +41,12 @@ class Config:
     draft_weights: str = "bf16"  # "int8"/"int4": the draft runs W8A8/W4A8 on the fast path (cheaper, still lossless)
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
+    calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
 
     def __post_init__(self) -> None:
+        from saguaro.calibration.profile import WORKLOADS
+        if self.calibration_workload not in WORKLOADS:
+            raise ValueError(f"calibration_workload must be one of {WORKLOADS}, got {self.calibration_workload!r}")
         if self.num_speculative_tokens == "auto":
             self.num_speculative_tokens = self._profile_k()
         if self.mode not in MODES:
@@ -89,7 +93,7 @@ class Config:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         from saguaro.calibration.policy import recommended_k, resolve_profile
         profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile,
-                                  draft_format=self.draft_format.tag)
+                                  draft_format=self.draft_format.tag, workload=self.calibration_workload)
         return recommended_k(profile, self.fallback, mode=self.mode)
 
     @property

@@ -113,6 +113,42 @@ def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
     assert resolve_profile("a", "b", "bfloat16", 4, fast=True)["marker"] == "plain"
 
 
+def test_profiles_are_keyed_by_workload(tmp_path, monkeypatch, caplog):
+    """A code-only calibration has its own profile; the engine's calibration_workload picks it, and falls
+    back to the mixed one (with a warning) when it is missing."""
+    from saguaro.calibration.policy import resolve_profile
+    from saguaro.config import Config
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    assert profile_path("a", "b", "bf16", True, "int4", "code").name.endswith("__fast~code.json")
+    assert profile_path("a", "b", "bf16", True, "int4", "mixed") == profile_path("a", "b", "bf16", True, "int4")
+    with pytest.raises(ValueError, match="workload"):
+        profile_path("a", "b", "bf16", workload="poetry")
+    with pytest.raises(ValueError, match="calibration_workload"):
+        Config(target="a", calibration_workload="poetry")
+    mixed = dict(default_profile("a", "b", "bfloat16", 4), default=False, marker="mixed")
+    save_profile(mixed)
+    with caplog.at_level("WARNING", logger="saguaro"):
+        assert resolve_profile("a", "b", "bfloat16", 4, workload="code")["marker"] == "mixed"
+    assert "workload mixed" in caplog.text
+    save_profile(dict(mixed, marker="code", workload="code"))
+    assert resolve_profile("a", "b", "bfloat16", 4, workload="code")["marker"] == "code"
+    assert resolve_profile("a", "b", "bfloat16", 4)["marker"] == "mixed"
+
+
+def test_calibration_prompts_per_workload():
+    """code: the last HumanEval items; chat: the last MT-Bench questions; mixed: both, alternating."""
+    from saguaro.bench import datasets
+    from saguaro.calibration.measure import calibration_prompts
+    from saguaro.loading import load_tokenizer
+    tok = load_tokenizer("qwen2.5-coder-1.5b", progress=False)
+    last_code, last_chat = datasets.humaneval()[-1], datasets.mtbench()[-1]
+    code, chat, mixed = (calibration_prompts(tok, 3, w) for w in ("code", "chat", "mixed"))
+    assert len(code) == len(chat) == len(mixed) == 3
+    assert last_code.strip()[-40:] in tok.decode(code[0]) and last_chat.strip()[-40:] in tok.decode(chat[0])
+    assert tok.decode(mixed[0]) == tok.decode(code[0]) and tok.decode(mixed[1]) == tok.decode(chat[0])
+    assert all("Complete this Python function" in tok.decode(p) for p in code)
+
+
 @pytest.mark.skipif(not __import__("saguaro.models.kernels", fromlist=["x"]).cpu_supports_bf16(),
                     reason="CPU lacks AVX512-BF16/VNNI")
 def test_calibrate_an_int8_draft(pair, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ import argparse
 import json
 import math
 
+from saguaro.calibration.profile import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS
 
 
@@ -15,6 +16,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", default="bf16", choices=WEIGHT_FORMATS,
                    help="the draft's weight format, as the engine will run it (the profile is keyed by it)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
+    p.add_argument("--workload", default="mixed", choices=WORKLOADS,
+                   help="held-out prompts to calibrate on: code (HumanEval), chat (MT-Bench) or both; a workload "
+                        "other than mixed gets its own profile (the engine's calibration_workload)")
     p.add_argument("--k", type=int, default=4, help="lookahead K used while calibrating")
     p.add_argument("--temperatures", default="0,1", help="comma separated")
     p.add_argument("--c-values", default="",
@@ -55,11 +59,11 @@ def run(args: argparse.Namespace) -> int:
     draft = load_model(args.draft, dtype=fmt.dtype(dtype))
     check_shared_vocabulary(target.tokenizer, draft.tokenizer)
     if args.timing_only:
-        profile = load_profile(args.target, args.draft, args.dtype, args.compile, fmt.tag)
+        profile = load_profile(args.target, args.draft, args.dtype, args.compile, fmt.tag, args.workload)
         if profile is None and args.compile:  # reuse the eager profile's ranks with fast-path timings
-            profile = load_profile(args.target, args.draft, args.dtype, False, fmt.tag)
+            profile = load_profile(args.target, args.draft, args.dtype, False, fmt.tag, args.workload)
         if profile is None:
-            path = profile_path(args.target, args.draft, args.dtype, False, fmt.tag)
+            path = profile_path(args.target, args.draft, args.dtype, False, fmt.tag, args.workload)
             raise FileNotFoundError(f"no profile at {path}; run `saguaro calibrate` without --timing-only first")
         args.k = profile["k"]
         context = profile["timing"].get("context", 256)
@@ -72,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
                             c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
                             batch=args.batch, max_rows=args.max_rows, fast=args.compile, draft_format=fmt,
-                            contention=not args.no_contention)
+                            contention=not args.no_contention, workload=args.workload)
     if not args.no_save:
         print(f"profile saved to {save_profile(profile)}")
     if args.json:

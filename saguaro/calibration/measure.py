@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, dtype_name
+from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, WORKLOADS, dtype_name
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.engine.device import place
 from saguaro.engine.llm_engine import LLMEngine
@@ -45,13 +45,16 @@ from saguaro.ssd.worker import InProcessLink, WorkerOptions
 from saguaro.theory import fit_power_law
 
 
-def calibration_prompts(tokenizer, n: int) -> list[list[int]]:
-    """``n`` chat prompts: the last HumanEval items and the last MT-Bench questions, alternating."""
+def calibration_prompts(tokenizer, n: int, workload: str = "mixed") -> list[list[int]]:
+    """``n`` chat prompts, held out from the benchmarks (which start at the front of each set): the last
+    HumanEval items ("code"), the last MT-Bench questions ("chat"), or both alternating ("mixed")."""
     from saguaro.bench import datasets
-    n_code = (n + 1) // 2
+    if workload not in WORKLOADS:
+        raise ValueError(f"calibration workload must be one of {WORKLOADS}, got {workload!r}")
+    n_code = {"mixed": (n + 1) // 2, "code": n, "chat": 0}[workload]
     code = [f"Complete this Python function:\n\n{p}" for p in datasets.humaneval()[::-1][:n_code]]
     chat = datasets.mtbench()[::-1][:n - n_code]
-    texts = [t for pair in zip(code, chat) for t in pair] + code[len(chat):]
+    texts = [t for pair in zip(code, chat) for t in pair] + code[len(chat):] + chat[len(code):]
     return datasets.as_chat(tokenizer, texts[:n])
 
 
@@ -224,7 +227,8 @@ def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens,
 def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0, 1.0), c_values=(),
               prompts: int = 8, max_tokens: int = 64, batch: int = 8, max_rows: int = 64,
               prompt_ids: list[list[int]] | None = None, log: Callable[[str], None] = print,
-              fast: bool = False, draft_format: DraftFormat = DraftFormat(), contention: bool = False) -> dict:
+              fast: bool = False, draft_format: DraftFormat = DraftFormat(), contention: bool = False,
+              workload: str = "mixed") -> dict:
     """Measure the pair (``LoadedModel``s, already on their device and dtype) and return its profile.
 
     ``fast``: run both models through the bf16 fast path (what ``Config.compile`` selects), so the timings
@@ -233,7 +237,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
     the draft on core 1 slows verification on core 0 (the calling process is pinned to core 0 meanwhile)."""
     from saguaro.calibration.policy import make_plan
     start = time.perf_counter()
-    prompt_ids = prompt_ids or calibration_prompts(target.tokenizer, prompts)
+    prompt_ids = prompt_ids or calibration_prompts(target.tokenizer, prompts, workload)
     context = int(np.mean([len(p) for p in prompt_ids]))
     log(f"calibrating {target.name} / {draft.name} [{draft_format.tag or 'bf16'}] ({dtype_name(dtype)}), K={k}, "
         f"{len(prompt_ids)} prompts, "
@@ -243,7 +247,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
     log(f"  timing: verify(K+1) {timing['verify_s'] * 1e3:.1f} ms, draft step {timing['draft_step_s'] * 1e3:.1f} ms, "
         f"T_p {timing['T_p']:.2f}, T_b {timing['T_b']:.4f}")
     profile = {"version": PROFILE_VERSION, "target": target.name, "draft": draft.name,
-               "draft_format": draft_format.tag, "dtype": dtype_name(dtype),
+               "draft_format": draft_format.tag, "workload": workload, "dtype": dtype_name(dtype),
                "fast": bool(fast), "k": k, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
                "settings": {"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
                             "temperatures": list(temperatures), "c_values": list(c_values),

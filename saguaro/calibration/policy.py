@@ -265,22 +265,26 @@ def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks
     return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab).tok_s for e in entries))
 
 
-def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "") -> dict:
+def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "",
+                    workload: str = "mixed") -> dict:
     """The stored profile, or the documented defaults (logged).
 
     Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.compile),
     with the draft in ``draft_format`` (``DraftFormat.tag``). Failing that, the nearest one that exists
     (same format eager, then the plain draft), with a warning: its acceptance and hit curves still apply
-    roughly, its timings do not."""
-    tried = [(fast, draft_format), (False, draft_format), (fast, ""), (False, "")]
-    for i, (f, fmt) in enumerate(dict.fromkeys(tried)):
-        profile = load_profile(target, draft, dtype, f, fmt)
+    roughly, its timings do not. A ``workload`` ("code", "chat") without its own profile falls back to the
+    "mixed" one, whose acceptance and hit rates are those of both kinds of prompts."""
+    settings = [(fast, draft_format), (False, draft_format), (fast, ""), (False, "")]
+    tried = [(f, fmt, w) for w in dict.fromkeys([workload, "mixed"]) for f, fmt in settings]
+    for i, (f, fmt, w) in enumerate(dict.fromkeys(tried)):
+        profile = load_profile(target, draft, dtype, f, fmt, w)
         if profile is None:
             continue
         if i:
-            log.warning("no calibration profile for %s / %s as configured (fast path %s, draft format %r); using "
-                        "the one with fast path %s, draft format %r, whose timings differ (run `saguaro calibrate` "
-                        "with the same settings)", target, draft, fast, draft_format or "bf16", f, fmt or "bf16")
+            log.warning("no calibration profile for %s / %s as configured (fast path %s, draft format %r, workload "
+                        "%s); using the one with fast path %s, draft format %r, workload %s, whose timings or rates "
+                        "differ (run `saguaro calibrate` with the same settings)", target, draft, fast,
+                        draft_format or "bf16", workload, f, fmt or "bf16", w)
         return profile
     log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
                 "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)

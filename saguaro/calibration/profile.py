@@ -64,17 +64,23 @@ def dtype_name(dtype) -> str:
     return str(DTYPES.get(dtype, dtype)).replace("torch.", "")
 
 
-def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "") -> Path:
+WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a profile was calibrated on
+
+
+def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
+                 workload: str = "mixed") -> Path:
     """Keyed by target, draft (and its format tag) and dtype; ``fast`` (timed on the bf16 fast path,
-    Config.compile) adds a suffix."""
-    suffix = "__fast" if fast else ""
+    Config.compile) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
+    if workload not in WORKLOADS:
+        raise ValueError(f"calibration workload must be one of {WORKLOADS}, got {workload!r}")
+    suffix = ("__fast" if fast else "") + ("" if workload == "mixed" else f"~{workload}")
     fmt = f"@{_slug(draft_format)}" if draft_format else ""
     return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
 
 
 def save_profile(profile: dict) -> Path:
     path = profile_path(profile["target"], profile["draft"], profile["dtype"], bool(profile.get("fast")),
-                        profile.get("draft_format", ""))
+                        profile.get("draft_format", ""), profile.get("workload", "mixed"))
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(profile, indent=1))
@@ -82,9 +88,10 @@ def save_profile(profile: dict) -> Path:
     return path
 
 
-def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "") -> dict | None:
+def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
+                 workload: str = "mixed") -> dict | None:
     """The stored profile, or None if there is none or it is unreadable / of another version."""
-    path = profile_path(target, draft, dtype, fast, draft_format)
+    path = profile_path(target, draft, dtype, fast, draft_format, workload)
     try:
         profile = json.loads(path.read_text())
     except (OSError, ValueError):

@@ -189,7 +189,8 @@ def build_plan(cfg: Config, vocab: int) -> SpecPlan:
     if cfg.fan_out != "auto" and cfg.fallback != "auto" and cfg.saguaro_c != "auto":
         return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback)
     from saguaro.calibration.policy import describe, make_plan, resolve_profile
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.compile, draft_format=cfg.draft_format.tag)
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.compile, draft_format=cfg.draft_format.tag,
+                              workload=cfg.calibration_workload)
     plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab)
     if cfg.fan_out != "auto":
         plan.primary = [[list(fixed)] for _ in plan.temperatures]
