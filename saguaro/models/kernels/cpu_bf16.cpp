@@ -27,6 +27,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -242,12 +243,16 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
       if (int4) {
         const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (K / QB) * I4_BLOCK;
         for_register_tiles(M, K, MAXMB4, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
-          tile_rows_i4(mb, xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
+          with_rows(mb, [&](auto rows) {
+            tile_block_i4<decltype(rows)::value>(xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
+          });
         });
       } else if (int8) {
         const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (P + 4) * TN * 4;
         for_register_tiles(M, K, MAXMB8, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
-          tile_rows_i8(mb, xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
+          with_rows(mb, [&](auto rows) {
+            tile_block_i8<decltype(rows)::value>(xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
+          });
         });
         const float* scales = reinterpret_cast<const float*>(tile + P * TN * 4);
         for (int64_t m = 0; m < M; m++)

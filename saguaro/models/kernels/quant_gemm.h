@@ -62,6 +62,47 @@ void for_register_tiles(int64_t M, int64_t K, int64_t maxmb, Rows rows) {
   }
 }
 
+// Quantizing packers start from the bf16 layout (so rows land where `pack` puts them, SwiGLU included):
+// tile(t, st) gets tile t as st [K/2][64][2], weight (output j, input k) at staged(st, j, k).
+template <typename Tile>
+void for_staged_tiles(const std::vector<at::Tensor>& sources, int64_t epilogue, int64_t T, int64_t K, Tile tile) {
+  auto staging = at::empty({T, K / 2, TN, 2}, at::TensorOptions().dtype(at::kBFloat16));
+  pack(staging, sources, epilogue);
+  const bf16* sp = staging.data_ptr<bf16>();
+  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; t++) tile(t, sp + t * K * TN);
+  });
+}
+
+inline float staged(const bf16* st, int64_t j, int64_t k) { return float(st[((k / 2) * TN + j) * 2 + k % 2]); }
+
+// kernel(std::integral_constant<int, MB>): a register-tile kernel instantiated for mb = MB rows (1-3)
+template <typename Kernel>
+inline void with_rows(int mb, Kernel kernel) {
+  switch (mb) {
+    case 1: kernel(std::integral_constant<int, 1>{}); break;
+    case 2: kernel(std::integral_constant<int, 2>{}); break;
+    default: kernel(std::integral_constant<int, 3>{}); break;
+  }
+}
+
+// A register tile's fp32 accumulators [4 vectors of 16 outputs][MB rows]: zero, or read back from acc_io.
+template <int MB>
+inline void load_tile(__m512 (&facc)[4][MB], const float* acc_io, bool first) {
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; v++)
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) facc[v][m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + m * TN + v * 16);
+}
+
+template <int MB>
+inline void store_tile(const __m512 (&facc)[4][MB], float* acc_io) {
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; v++)
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc_io + m * TN + v * 16, facc[v][m]);
+}
+
 // ---------------------------------------------------------------------------------------------
 // int8: W8A8, symmetric per output channel
 //
@@ -76,10 +117,7 @@ inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint
                           int64_t b1, float* __restrict acc_io, bool first) {
   const int64_t nb = K / QB;
   __m512 facc[4][MB];
-#pragma GCC unroll 4
-  for (int v = 0; v < 4; v++)
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) facc[v][m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + m * TN + v * 16);
+  load_tile<MB>(facc, acc_io, first);
   for (int64_t b = b0; b < b1; b++) {
     __m512i acc[4][MB];
 #pragma GCC unroll 4
@@ -111,19 +149,7 @@ inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint
       for (int v = 0; v < 4; v++) facc[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[v][m]), s, facc[v][m]);
     }
   }
-#pragma GCC unroll 4
-  for (int v = 0; v < 4; v++)
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc_io + m * TN + v * 16, facc[v][m]);
-}
-
-void tile_rows_i8(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
-                  float* acc, bool first) {
-  switch (mb) {
-    case 1: tile_block_i8<1>(xr, m0, K, tile, b0, b1, acc, first); break;
-    case 2: tile_block_i8<2>(xr, m0, K, tile, b0, b1, acc, first); break;
-    default: tile_block_i8<3>(xr, m0, K, tile, b0, b1, acc, first); break;
-  }
+  store_tile<MB>(facc, acc_io);
 }
 
 // Pack bf16 rows into the int8 layout above (dst: [T, K/4 + 4, 64, 4] uint8); rows as in `pack`.
@@ -132,25 +158,18 @@ void pack_i8(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t ep
               dst.scalar_type() == at::kByte);
   const int64_t T = dst.size(0), Q = dst.size(1) - 4, K = 4 * Q;
   TORCH_CHECK(K % QB == 0, "pack_i8: K must be a multiple of ", QB);
-  // bf16 staging tile [64 rows, K] through the bf16 packer's row order
-  auto staging = at::empty({T, K / 2, TN, 2}, at::TensorOptions().dtype(at::kBFloat16));
-  pack(staging, sources, epilogue);
-  const bf16* sp = staging.data_ptr<bf16>();
   uint8_t* out = dst.data_ptr<uint8_t>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      const bf16* st = sp + t * K * TN;  // [K/2][64][2]: w[j][k] at ((k/2)*64 + j)*2 + k%2
-      uint8_t* o = out + t * (Q + 4) * TN * 4;
-      float* scales = reinterpret_cast<float*>(o + Q * TN * 4);
-      for (int64_t j = 0; j < TN; j++) {
-        float amax = 0.f;
-        for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(float(st[((k / 2) * TN + j) * 2 + k % 2])));
-        const float inv = amax > 0.f ? 127.f / amax : 0.f;
-        scales[j] = amax / 127.f;
-        for (int64_t k = 0; k < K; k++) {
-          const int32_t q = (int32_t)std::nearbyint(float(st[((k / 2) * TN + j) * 2 + k % 2]) * inv);
-          o[((k / 4) * TN + j) * 4 + k % 4] = (uint8_t)(std::clamp(q, -127, 127) + 128);
-        }
+  for_staged_tiles(sources, epilogue, T, K, [&](int64_t t, const bf16* st) {
+    uint8_t* o = out + t * (Q + 4) * TN * 4;
+    float* scales = reinterpret_cast<float*>(o + Q * TN * 4);
+    for (int64_t j = 0; j < TN; j++) {
+      float amax = 0.f;
+      for (int64_t k = 0; k < K; k++) amax = std::max(amax, std::fabs(staged(st, j, k)));
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      scales[j] = amax / 127.f;
+      for (int64_t k = 0; k < K; k++) {
+        const int32_t q = (int32_t)std::nearbyint(staged(st, j, k) * inv);
+        o[((k / 4) * TN + j) * 4 + k % 4] = (uint8_t)(std::clamp(q, -127, 127) + 128);
       }
     }
   });
@@ -177,10 +196,7 @@ inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint
   const int64_t nb = K / QB;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   __m512 facc[4][MB];
-#pragma GCC unroll 4
-  for (int v = 0; v < 4; v++)
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) facc[v][m] = first ? _mm512_setzero_ps() : _mm512_loadu_ps(acc_io + m * TN + v * 16);
+  load_tile<MB>(facc, acc_io, first);
   for (int64_t b = b0; b < b1; b++) {
     const uint8_t* w = tile + b * I4_BLOCK;
     __m512i acc[4][MB];
@@ -219,19 +235,7 @@ inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint
       }
     }
   }
-#pragma GCC unroll 4
-  for (int v = 0; v < 4; v++)
-#pragma GCC unroll 4
-    for (int m = 0; m < MB; m++) _mm512_storeu_ps(acc_io + m * TN + v * 16, facc[v][m]);
-}
-
-void tile_rows_i4(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
-                  float* acc, bool first) {
-  switch (mb) {
-    case 1: tile_block_i4<1>(xr, m0, K, tile, b0, b1, acc, first); break;
-    case 2: tile_block_i4<2>(xr, m0, K, tile, b0, b1, acc, first); break;
-    default: tile_block_i4<3>(xr, m0, K, tile, b0, b1, acc, first); break;
-  }
+  store_tile<MB>(facc, acc_io);
 }
 
 // Pack bf16 rows into the int4 layout above (dst: [T, K/32, I4_BLOCK] uint8); rows as in `pack`.
@@ -240,34 +244,27 @@ void tile_rows_i4(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint
 void pack_i4(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilogue) {
   TORCH_CHECK(dst.dim() == 3 && dst.size(2) == I4_BLOCK && dst.is_contiguous() && dst.scalar_type() == at::kByte);
   const int64_t T = dst.size(0), nb = dst.size(1), K = nb * QB;
-  auto staging = at::empty({T, K / 2, TN, 2}, at::TensorOptions().dtype(at::kBFloat16));
-  pack(staging, sources, epilogue);
-  const bf16* sp = staging.data_ptr<bf16>();
   uint8_t* out = dst.data_ptr<uint8_t>();
-  at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
-    for (int64_t t = t0; t < t1; t++) {
-      const bf16* st = sp + t * K * TN;  // [K/2][64][2]: w[j][k] at ((k/2)*64 + j)*2 + k%2
-      for (int64_t b = 0; b < nb; b++) {
-        uint8_t* o = out + (t * nb + b) * I4_BLOCK;
-        std::memset(o, 0, QB * TN / 2);
-        at::Half* scales = reinterpret_cast<at::Half*>(o + QB * TN / 2);
-        for (int64_t j = 0; j < TN; j++) {
-          float w[QB], lo = INFINITY, hi = -INFINITY;
-          for (int64_t i = 0; i < QB; i++) {
-            const int64_t k = b * QB + i;
-            w[i] = float(st[((k / 2) * TN + j) * 2 + k % 2]);
-            lo = std::min(lo, w[i]);
-            hi = std::max(hi, w[i]);
-          }
-          const at::Half s = at::Half((hi - lo) / 15.f), z = at::Half(lo);
-          scales[j] = s;
-          scales[TN + j] = z;
-          const float sf = float(s), inv = sf > 0.f ? 1.f / sf : 0.f;
-          for (int64_t i = 0; i < QB; i++) {
-            const int32_t q = std::clamp((int32_t)std::nearbyint((w[i] - float(z)) * inv), 0, 15);
-            const int64_t g = i / 8, high = (i % 8) / 4, v = j / 16;
-            o[g * 4 * TN + v * 64 + (j % 16) * 4 + i % 4] |= (uint8_t)(q << (4 * high));
-          }
+  for_staged_tiles(sources, epilogue, T, K, [&](int64_t t, const bf16* st) {
+    for (int64_t b = 0; b < nb; b++) {
+      uint8_t* o = out + (t * nb + b) * I4_BLOCK;
+      std::memset(o, 0, QB * TN / 2);
+      at::Half* scales = reinterpret_cast<at::Half*>(o + QB * TN / 2);
+      for (int64_t j = 0; j < TN; j++) {
+        float w[QB], lo = INFINITY, hi = -INFINITY;
+        for (int64_t i = 0; i < QB; i++) {
+          w[i] = staged(st, j, b * QB + i);
+          lo = std::min(lo, w[i]);
+          hi = std::max(hi, w[i]);
+        }
+        const at::Half s = at::Half((hi - lo) / 15.f), z = at::Half(lo);
+        scales[j] = s;
+        scales[TN + j] = z;
+        const float sf = float(s), inv = sf > 0.f ? 1.f / sf : 0.f;
+        for (int64_t i = 0; i < QB; i++) {
+          const int32_t q = std::clamp((int32_t)std::nearbyint((w[i] - float(z)) * inv), 0, 15);
+          const int64_t g = i / 8, high = (i % 8) / 4, v = j / 16;
+          o[g * 4 * TN + v * 64 + (j % 16) * 4 + i % 4] |= (uint8_t)(q << (4 * high));
         }
       }
     }
