@@ -107,7 +107,7 @@ class Config:
 
     @property
     def draft_torch_dtype(self) -> torch.dtype:
-        """The draft's dtype: the engine's, or bf16 for an int8 / reduced-head draft."""
+        """The draft's dtype: the engine's, or bf16 for an int8 / int4 / reduced-head draft."""
         return self.draft_format.dtype(self.torch_dtype)
 
 

@@ -35,7 +35,7 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str = "cpu", fast: bool = False,
                  weights: str = "bf16", head_ids: torch.Tensor | None = None):
         self.model = model
-        # what forward passes run through; int8 weights and a reduced head are for drafts only
+        # what forward passes run through; quantized weights and a reduced head are for drafts only
         self.net = fast_or_eager(model, weights, head_ids) if fast else model
         self.config = model.config
         self.device = torch.device(device)

@@ -35,7 +35,7 @@ def cpu_supports_bf16() -> bool:
         flags = Path("/proc/cpuinfo").read_text()
     except OSError:
         return False
-    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512_vnni"))  # vnni: int8 draft weights
+    return all(f in flags for f in ("avx512_bf16", "avx512bw", "avx512_vnni"))  # vnni: int8 and int4 draft weights
 
 
 @functools.cache
