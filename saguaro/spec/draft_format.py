@@ -9,7 +9,9 @@ shorter draft step, which is what SD's drafting and SSD's tree build pay for.
     32 (W8A8, vpdpbusd; see saguaro/models/kernels/quant_gemm.h). Half the bytes of bf16.
   * ``weights="int4"``: every matrix quantized per group of 32 inputs, 16 levels from the
     group's min to its max (W4A8): 5 bits a weight with the fp16 scale and offset. The Qwen
-    drafts ship as GGUF Q4_K, whose blocks already lie on such a grid, so little is lost.
+    drafts ship as GGUF Q4_K, whose blocks already lie on such a grid, so little is lost
+    (measured: the same HumanEval acceptance as int8; a 1-row 0.5B step of 11 ms against int8's
+    17.5-20 ms and bf16's 31.5 ms; from ~8 rows on the step is compute-bound and int4 gains nothing).
   * ``vocab=N``: the output head keeps only token ids below N, plus the special tokens
     (EOS, chat markers). Byte-level BPE vocabularies list tokens in merge order, most
     frequent first, so a prefix keeps the common ones: the first 65,536 of Qwen2.5's 151,936
