@@ -35,7 +35,7 @@ def pack_i8(ops, *weights, epilogue=0):
 
 def pack_i4(ops, *weights, epilogue=0):
     n, k = sum(w.shape[0] for w in weights), weights[0].shape[1]
-    dst = torch.empty(-(-n // 64), k // 32, 1280, dtype=torch.uint8)
+    dst = torch.empty(-(-n // 64), k // 32, ops.I4_BLOCK, dtype=torch.uint8)
     ops.pack_i4(dst, list(weights), epilogue)
     return dst
 

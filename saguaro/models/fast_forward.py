@@ -74,23 +74,24 @@ def _tiles(rows: int) -> int:
 
 
 WEIGHT_FORMATS = kernels.WEIGHT_FORMATS
-I4_BLOCK = 1280  # bytes per tile and 32 k values in the int4 layout: 1024 of codes, 64 fp16 scales, 64 offsets
 
 
 class _Arena:
     """One huge-page allocation holding every packed matrix back to back.
 
     bf16 tiles are [K/2, 64, 2] values; int8 tiles are [K/4, 64, 4] bytes followed by the 64
-    outputs' fp32 scales; int4 tiles are K/32 blocks of I4_BLOCK bytes (kernels/quant_gemm.h).
+    outputs' fp32 scales; int4 tiles are K/32 blocks of the kernels' I4_BLOCK bytes (kernels/quant_gemm.h).
     """
 
     def __init__(self, shapes: list[tuple[int, int]], weights: str):
         self.weights = weights
-        self.buffer = kernels.load().alloc_huge(sum(self._size(n, k) for n, k in shapes))
+        ops = kernels.load()
+        self.i4_block = ops.I4_BLOCK
+        self.buffer = ops.alloc_huge(sum(self._size(n, k) for n, k in shapes))
         self.offset = 0
 
     def _size(self, n: int, k: int) -> int:
-        per_tile = {"bf16": 2 * TILE * k, "int8": TILE * (k + 16), "int4": k // 32 * I4_BLOCK}[self.weights]
+        per_tile = {"bf16": 2 * TILE * k, "int8": TILE * (k + 16), "int4": k // 32 * self.i4_block}[self.weights]
         return _tiles(n) * per_tile
 
     def take(self, n: int, k: int) -> torch.Tensor:
@@ -98,7 +99,7 @@ class _Arena:
         chunk = self.buffer[self.offset:self.offset + size]
         self.offset += size
         if self.weights == "int4":
-            return chunk.view(_tiles(n), k // 32, I4_BLOCK)
+            return chunk.view(_tiles(n), k // 32, self.i4_block)
         if self.weights == "int8":
             return chunk.view(_tiles(n), k // 4 + 4, TILE, 4)
         return chunk.view(torch.bfloat16).view(_tiles(n), k // 2, TILE, 2)

@@ -156,6 +156,23 @@ void tile_rows(int mb, const bf16* x, int64_t ldx, const bf16* tile, int64_t p0,
   }
 }
 
+// Walk a tile's rows in register tiles of at most maxmb rows, balanced. With more rows than one
+// register tile, k goes in chunks of `chunk` steps (k pairs, or quantized blocks of 32), so the
+// tile's chunk of weights stays in L2 while every register tile reads it.
+// rows(mb, m, s0, s1): accumulate rows m..m+mb over k steps s0..s1 (s0 == 0 starts the sums).
+template <typename Rows>
+void for_register_tiles(int64_t M, int64_t steps, int64_t chunk, int64_t maxmb, Rows rows) {
+  const int64_t kb = M <= maxmb ? steps : chunk;  // one pass over k when all rows fit the registers
+  for (int64_t s0 = 0; s0 < steps; s0 += kb) {
+    const int64_t s1 = std::min(steps, s0 + kb);
+    for (int64_t m = 0; m < M;) {
+      const int64_t left = M - m, chunks = (left + maxmb - 1) / maxmb, mb = (left + chunks - 1) / chunks;
+      rows((int)mb, m, s0, s1);
+      m += mb;
+    }
+  }
+}
+
 inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 #include "quant_gemm.h"  // int8 and int4 draft weights
@@ -208,14 +225,12 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   const bool int4 = packed.dim() == 3, int8 = !int4 && packed.scalar_type() == at::kByte;
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0);
   TORCH_CHECK(packed.is_contiguous());
-  if (int4) {
-    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) == I4_BLOCK);
-    TORCH_CHECK(packed.size(1) * QB == K, "gemm: x has ", K, " columns, weights ", packed.size(1) * QB);
-  } else {
-    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == TN && packed.size(3) == (int8 ? 4 : 2));
-  }
+  TORCH_CHECK(int4 ? packed.scalar_type() == at::kByte && packed.size(2) == I4_BLOCK
+                   : packed.dim() == 4 && packed.size(2) == TN && packed.size(3) == (int8 ? 4 : 2),
+              "gemm: packed weights in no known layout");
   const int64_t P = int4 ? 0 : int8 ? packed.size(1) - 4 : packed.size(1);  // k pairs (bf16) or quads (int8)
-  TORCH_CHECK(int4 || (int8 ? 4 : 2) * P == K, "gemm: x has ", K, " columns, weights ", (int8 ? 4 : 2) * P);
+  const int64_t packed_k = int4 ? packed.size(1) * QB : (int8 ? 4 : 2) * P;
+  TORCH_CHECK(packed_k == K, "gemm: x has ", K, " columns, weights ", packed_k);
   TORCH_CHECK(n <= T * TN);
   TORCH_CHECK(!(out_fp32 && (epilogue == SWIGLU || residual)), "gemm: fp32 output only for plain products");
   TORCH_CHECK(out_fp32 || epilogue != ROUND_BF16, "gemm: ROUND_BF16 writes fp32");
@@ -242,14 +257,14 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
     for (int64_t t = t0; t < t1; t++) {
       if (int4) {
         const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (K / QB) * I4_BLOCK;
-        for_register_tiles(M, K, MAXMB4, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
+        for_register_tiles(M, K / QB, KBLOCK / 16, MAXMB_Q, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
           with_rows(mb, [&](auto rows) {
             tile_block_i4<decltype(rows)::value>(xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
           });
         });
       } else if (int8) {
         const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (P + 4) * TN * 4;
-        for_register_tiles(M, K, MAXMB8, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
+        for_register_tiles(M, K / QB, KBLOCK / 16, MAXMB_Q, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
           with_rows(mb, [&](auto rows) {
             tile_block_i8<decltype(rows)::value>(xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
           });
@@ -259,15 +274,9 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
           for (int64_t j = 0; j < TN; j++) acc[m * TN + j] *= scales[j];
       } else {
         const bf16* tile = static_cast<const bf16*>(wp) + t * P * TN * 2;
-        const int64_t kb = M <= MAXMB ? P : KBLOCK;  // one pass over k when all rows fit the registers
-        for (int64_t p0 = 0; p0 < P; p0 += kb) {
-          const int64_t p1 = std::min(P, p0 + kb);
-          for (int64_t m = 0; m < M;) {
-            const int64_t left = M - m, chunks = (left + MAXMB - 1) / MAXMB, mb = (left + chunks - 1) / chunks;
-            tile_rows((int)mb, xp + m * ldx, ldx, tile, p0, p1, acc.data() + m * TN, p0 == 0);
-            m += mb;
-          }
-        }
+        for_register_tiles(M, P, KBLOCK, MAXMB, [&](int mb, int64_t m, int64_t p0, int64_t p1) {
+          tile_rows(mb, xp + m * ldx, ldx, tile, p0, p1, acc.data() + m * TN, p0 == 0);
+        });
       }
       finish_tile(acc.data(), M, t, n, n_out, epilogue, out_fp32, bp, rp, ldr, op);
     }
@@ -575,6 +584,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack weight rows into the tile layout (dst: [T, K/2, 64, 2])");
   m.def("pack_i8", &pack_i8, "quantize and pack weight rows into the int8 tile layout (dst: [T, K/4 + 4, 64, 4])");
   m.def("pack_i4", &pack_i4, "quantize and pack weight rows into the int4 layout (dst: [T, K/32, 1280])");
+  m.attr("I4_BLOCK") = I4_BLOCK;
   m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues");
   m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it");
   m.def("rope_store", &rope_store, "RoPE on the fused qkv rows in place; k/v into the paged cache");

@@ -11,7 +11,9 @@
 // instruction, unsigned weight bytes x signed activation bytes).
 
 constexpr int64_t QB = 32;     // activation quantization block (and int4 weight group)
-constexpr int MAXMB8 = 3;      // rows per register tile: 4 x 3 int32 + 4 x 3 fp32 accumulators
+// rows per register tile of both kernels: 4 x 3 int32 + 4 x 3 fp32 accumulators (with_rows instantiates 1..3;
+// measured for int4: 16-output strips of 4-6 rows were 15-35% slower)
+constexpr int MAXMB_Q = 3;
 
 struct QuantRows {  // x quantized per row and block
   std::vector<int8_t> q;       // [M, K]
@@ -46,22 +48,6 @@ QuantRows quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
   return r;
 }
 
-// Walk tile rows in register tiles of at most maxmb rows; with more rows than one register
-// tile, k goes in chunks of KBLOCK / 16 blocks so the tile's chunk stays in L2 across them.
-// rows(mb, m, b0, b1): accumulate rows m..m+mb over k blocks b0..b1.
-template <typename Rows>
-void for_register_tiles(int64_t M, int64_t K, int64_t maxmb, Rows rows) {
-  const int64_t blocks = K / QB, kb = M <= maxmb ? blocks : KBLOCK / 16;
-  for (int64_t b0 = 0; b0 < blocks; b0 += kb) {
-    const int64_t b1 = std::min(blocks, b0 + kb);
-    for (int64_t m = 0; m < M;) {
-      const int64_t left = M - m, chunks = (left + maxmb - 1) / maxmb, mb = (left + chunks - 1) / chunks;
-      rows((int)mb, m, b0, b1);
-      m += mb;
-    }
-  }
-}
-
 // Quantizing packers start from the bf16 layout (so rows land where `pack` puts them, SwiGLU included):
 // tile(t, st) gets tile t as st [K/2][64][2], weight (output j, input k) at staged(st, j, k).
 template <typename Tile>
@@ -76,9 +62,10 @@ void for_staged_tiles(const std::vector<at::Tensor>& sources, int64_t epilogue, 
 
 inline float staged(const bf16* st, int64_t j, int64_t k) { return float(st[((k / 2) * TN + j) * 2 + k % 2]); }
 
-// kernel(std::integral_constant<int, MB>): a register-tile kernel instantiated for mb = MB rows (1-3)
+// kernel(std::integral_constant<int, MB>): a register-tile kernel instantiated for mb = MB rows (1..MAXMB_Q)
 template <typename Kernel>
 inline void with_rows(int mb, Kernel kernel) {
+  static_assert(MAXMB_Q == 3, "with_rows instantiates 1..3 rows");
   switch (mb) {
     case 1: kernel(std::integral_constant<int, 1>{}); break;
     case 2: kernel(std::integral_constant<int, 2>{}); break;
@@ -187,8 +174,7 @@ void pack_i8(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t ep
 // high nibble, so two masks give two vpdpbusd weight operands of the int8 layout.
 // sum(w x) over a block = a (s sum(q q_x) + z sum(q_x)), a the activation block's scale.
 
-constexpr int64_t I4_BLOCK = QB * TN / 2 + 4 * TN;  // 1280 bytes: codes, scales, offsets
-constexpr int MAXMB4 = 3;  // as int8 (measured: 16-output strips of 4-6 rows were 15-35% slower)
+constexpr int64_t I4_BLOCK = QB * TN / 2 + 4 * TN;  // 1280 bytes: codes, scales, offsets (module attribute)
 
 template <int MB>
 inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
