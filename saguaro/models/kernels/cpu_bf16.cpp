@@ -225,12 +225,14 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   const bool int4 = packed.dim() == 3, int8 = !int4 && packed.scalar_type() == at::kByte;
   const int64_t M = x.size(0), K = x.size(1), T = packed.size(0);
   TORCH_CHECK(packed.is_contiguous());
-  TORCH_CHECK(int4 ? packed.scalar_type() == at::kByte && packed.size(2) == I4_BLOCK
-                   : packed.dim() == 4 && packed.size(2) == TN && packed.size(3) == (int8 ? 4 : 2),
-              "gemm: packed weights in no known layout");
+  if (int4) {
+    TORCH_CHECK(packed.scalar_type() == at::kByte && packed.size(2) == I4_BLOCK);
+    TORCH_CHECK(packed.size(1) * QB == K, "gemm: x has ", K, " columns, weights ", packed.size(1) * QB);
+  } else {
+    TORCH_CHECK(packed.dim() == 4 && packed.size(2) == TN && packed.size(3) == (int8 ? 4 : 2));
+  }
   const int64_t P = int4 ? 0 : int8 ? packed.size(1) - 4 : packed.size(1);  // k pairs (bf16) or quads (int8)
-  const int64_t packed_k = int4 ? packed.size(1) * QB : (int8 ? 4 : 2) * P;
-  TORCH_CHECK(packed_k == K, "gemm: x has ", K, " columns, weights ", packed_k);
+  TORCH_CHECK(int4 || (int8 ? 4 : 2) * P == K, "gemm: x has ", K, " columns, weights ", (int8 ? 4 : 2) * P);
   TORCH_CHECK(n <= T * TN);
   TORCH_CHECK(!(out_fp32 && (epilogue == SWIGLU || residual)), "gemm: fp32 output only for plain products");
   TORCH_CHECK(out_fp32 || epilogue != ROUND_BF16, "gemm: ROUND_BF16 writes fp32");
