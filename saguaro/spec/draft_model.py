@@ -82,6 +82,10 @@ class DraftModelProposer(Proposer):
         self.runner.blocks.truncate(state.block_table, state.num_cached)
 
     def release(self, seq: Sequence) -> None:
-        state = self.states.pop(seq.seq_id, None)
+        self.drop(seq.seq_id)
+
+    def drop(self, seq_id: int) -> None:
+        """Free the draft cache kept for ``seq_id``, if any."""
+        state = self.states.pop(seq_id, None)
         if state is not None:
             self.runner.blocks.free(state.block_table)

@@ -123,7 +123,7 @@ class AsyncSpeculator:
         for adm in req.admissions:
             self._forget(adm.seq_id)
             cached = list(adm.tokens[:-1])
-            state = self.jit.states.setdefault(adm.seq_id, DraftState())
+            state = self.jit.states[adm.seq_id] = DraftState()
             self.runner.blocks.reserve(state.block_table, len(cached))
             if cached:
                 items.append(ForwardItem(cached, 0, state.block_table, "none"))
@@ -179,12 +179,10 @@ class AsyncSpeculator:
     def _admit(self, adm: Admission) -> None:
         """Start tracking a sequence; keep the draft cache ``prefill`` filled for it if that holds a strict
         prefix of its tokens (else start over)."""
-        prefilled = self.prefilled.pop(adm.seq_id, None)
-        state = self.jit.states.pop(adm.seq_id, None) if prefilled is not None else None
-        if state is not None and not (len(prefilled) < len(adm.tokens) and adm.tokens[:len(prefilled)] == prefilled):
-            self.runner.blocks.free(state.block_table)
-            state = None
-        self._forget(adm.seq_id)
+        prefilled = self.prefilled.get(adm.seq_id)
+        keep = prefilled is not None and len(prefilled) < len(adm.tokens) and adm.tokens[:len(prefilled)] == prefilled
+        state = self.jit.states.pop(adm.seq_id, None) if keep else None
+        self._forget(adm.seq_id)  # frees a prefill that does not match
         seq = Sequence(adm.tokens, adm.params)
         seq.seq_id = adm.seq_id
         if seq.generator is not None:
@@ -231,13 +229,10 @@ class AsyncSpeculator:
 
     def _forget(self, seq_id: int) -> None:
         seq = self.seqs.pop(seq_id, None)
+        self.prefilled.pop(seq_id, None)
+        self.jit.drop(seq_id)  # its draft cache, admitted or only prefilled
         if seq is not None:
-            self.jit.release(seq)
             self.ngram.release(seq)
-        elif self.prefilled.pop(seq_id, None) is not None:  # prefilled, never admitted
-            state = self.jit.states.pop(seq_id, None)
-            if state is not None:
-                self.runner.blocks.free(state.block_table)
         self.sent.pop(seq_id, None)
         self.source.pop(seq_id, None)
         self.ranked.pop(seq_id, None)
