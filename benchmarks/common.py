@@ -24,6 +24,7 @@ from typing import Any, Iterable
 import torch
 
 from saguaro.bench import datasets as ds
+from saguaro.calibration.profile import WORKLOADS
 from saguaro.engine.metrics import summarize
 from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
@@ -79,7 +80,7 @@ def add_common_args(p: argparse.ArgumentParser, *, prompts: int = 2, max_tokens:
                    help="draft weight format for SD and SSD (default bf16)")
     p.add_argument("--draft-vocab", type=int, default=None,
                    help="the draft head keeps token ids below this, plus special tokens (default: all)")
-    p.add_argument("--calibration-workload", choices=["mixed", "code", "chat"], default="mixed",
+    p.add_argument("--calibration-workload", choices=WORKLOADS, default="mixed",
                    help="which calibration profile 'auto' settings read (saguaro calibrate --workload)")
     p.add_argument("--warmup-tokens", type=int, default=4, help="tokens of one warm-up request per engine (0: none)")
     p.add_argument("--out", type=Path, default=Path("results"), help="directory for the JSON and Markdown files")

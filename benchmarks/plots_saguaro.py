@@ -28,6 +28,7 @@ import sys
 import time
 from pathlib import Path
 
+from saguaro.calibration.profile import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -56,7 +57,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="the draft's weight format in SD and SSD (the profile for this format is used)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
-    p.add_argument("--workload", choices=["mixed", "code", "chat"], default="mixed",
+    p.add_argument("--workload", choices=WORKLOADS, default="mixed",
                    help="the calibration profile to predict from and to plan 'auto' with; 'code' matches these "
                         "HumanEval prompts (saguaro calibrate --workload code)")
     return p.parse_args(argv)

@@ -6,6 +6,7 @@ import json
 import sys
 import time
 
+from saguaro.calibration.profile import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 
@@ -135,7 +136,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="draft weight format; int8/int4 cut the draft's step cost and stay lossless")
     p.add_argument("--draft-vocab", type=int, help="the draft head keeps token ids below this (plus special tokens)")
-    p.add_argument("--calibration-workload", choices=["mixed", "code", "chat"], default="mixed",
+    p.add_argument("--calibration-workload", choices=WORKLOADS, default="mixed",
                    help="which calibration profile the 'auto' settings read (saguaro calibrate --workload)")
 
 

@@ -44,9 +44,8 @@ class Config:
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
 
     def __post_init__(self) -> None:
-        from saguaro.calibration.profile import WORKLOADS
-        if self.calibration_workload not in WORKLOADS:
-            raise ValueError(f"calibration_workload must be one of {WORKLOADS}, got {self.calibration_workload!r}")
+        from saguaro.calibration.profile import check_workload
+        check_workload(self.calibration_workload, "calibration_workload")
         if self.num_speculative_tokens == "auto":
             self.num_speculative_tokens = self._profile_k()
         if self.mode not in MODES:

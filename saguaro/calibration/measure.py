@@ -28,7 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, WORKLOADS, dtype_name
+from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, check_workload, dtype_name
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.engine.device import place
 from saguaro.engine.llm_engine import LLMEngine
@@ -49,8 +49,7 @@ def calibration_prompts(tokenizer, n: int, workload: str = "mixed") -> list[list
     """``n`` chat prompts, held out from the benchmarks (which start at the front of each set): the last
     HumanEval items ("code"), the last MT-Bench questions ("chat"), or both alternating ("mixed")."""
     from saguaro.bench import datasets
-    if workload not in WORKLOADS:
-        raise ValueError(f"calibration workload must be one of {WORKLOADS}, got {workload!r}")
+    check_workload(workload)
     n_code = {"mixed": (n + 1) // 2, "code": n, "chat": 0}[workload]
     code = [f"Complete this Python function:\n\n{p}" for p in datasets.humaneval()[::-1][:n_code]]
     chat = datasets.mtbench()[::-1][:n - n_code]

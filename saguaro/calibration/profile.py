@@ -67,12 +67,16 @@ def dtype_name(dtype) -> str:
 WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a profile was calibrated on
 
 
+def check_workload(workload: str, name: str = "calibration workload") -> None:
+    if workload not in WORKLOADS:
+        raise ValueError(f"{name} must be one of {WORKLOADS}, got {workload!r}")
+
+
 def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
                  workload: str = "mixed") -> Path:
     """Keyed by target, draft (and its format tag) and dtype; ``fast`` (timed on the bf16 fast path,
     Config.compile) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
-    if workload not in WORKLOADS:
-        raise ValueError(f"calibration workload must be one of {WORKLOADS}, got {workload!r}")
+    check_workload(workload)
     suffix = ("__fast" if fast else "") + ("" if workload == "mixed" else f"~{workload}")
     fmt = f"@{_slug(draft_format)}" if draft_format else ""
     return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
