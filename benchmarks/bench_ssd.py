@@ -37,9 +37,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "fastest of them, and the first also runs with two threads")
     p.add_argument("--fan-outs", default="uniform;last3",
                    help="SSD fan-outs, ';' separated: 'uniform' (1 per depth), 'lastN' ([1,..,1,N]), 'auto', "
-                        "or K+1 comma separated counts (default 'uniform;last3')")
+                        "or comma separated counts F_0..F_K (their K may differ from --k; default 'uniform;last3')")
     p.add_argument("--fan-out-sweep", type=int_list, default=[],
                    help="also run F=[1,..,1,F_K] for each F_K given (comma separated)")
+    p.add_argument("--branch-steps", type=int_list, default=[0],
+                   help="SSD build steps that decode every branch, comma separated, one SSD run each (0: all K; "
+                        "fewer tapers the tree: the likeliest --deep-branches go on to K tokens; default 0)")
+    p.add_argument("--deep-branches", type=int, default=1, help="branches extended past --branch-steps (default 1)")
     p.add_argument("--fallback", default="jit", type=fallbacks,
                    help="SSD cache-miss fallback(s), comma separated: jit, ngram, random, auto (default jit)")
     p.add_argument("--skip-two-threads", action="store_true", help="skip AR and SD with two threads")
@@ -102,15 +106,20 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_two_threads:
         configs += [(names["ar2"], dict(two, mode="ar")),
                     (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
-    ssd = []
+    ssd, ssd_k = [], {}
     for fallback in args.fallback:
         for f in fan_outs(args):
-            tag = f", {fallback}" if len(args.fallback) > 1 else ""
-            name = f"SSD K={k} F={fan_out_label(f)}{tag} (2 cores)"
-            ssd.append(name)
-            configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k, fan_out=f,
-                                       fallback=fallback, draft_cores=[1], **fmt_)))
-    return {"configs": configs, "names": names, "ssd": ssd, "sd_one": sd_one}
+            k_f = len(f) - 1 if isinstance(f, list) else k
+            for steps in [s for s in args.branch_steps if s < k_f]:
+                tag = f", {fallback}" if len(args.fallback) > 1 else ""
+                tag += f", tapered {steps}+{args.deep_branches}" if steps else ""
+                name = f"SSD K={k_f} F={fan_out_label(f)}{tag} (2 cores)"
+                ssd.append(name)
+                ssd_k[name] = k_f
+                configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
+                                           fallback=fallback, draft_cores=[1], branch_steps=steps or None,
+                                           deep_branches=args.deep_branches, **fmt_)))
+    return {"configs": configs, "names": names, "ssd": ssd, "ssd_k": ssd_k, "sd_one": sd_one}
 
 
 def fastest_sd_bases(plan_, summaries) -> dict[str, dict[str, Any]]:
@@ -136,7 +145,7 @@ def build_stats(records: list[Record], k: int) -> dict[str, Any]:
 def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[str, Any], str]:
     names, k = plan_["names"], args.k
     bases = fastest_sd_bases(plan_, summaries)
-    ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t], k)
+    ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t], plan_["ssd_k"][name])
                          for t in args.temperatures} for name in plan_["ssd"]}
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "

@@ -10,10 +10,12 @@ from saguaro.calibration.profile import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 
-# demo defaults: SD at its best K (5 of 3, 5, 7) and SSD at a fixed fan-out, both with the int4 draft
-# (results/bench_ssd_int4.md; the fan-out does not depend on a calibration profile being there)
+# demo defaults: SD at its best K (5 of 3, 5, 7) and SSD at a fixed fan-out with a tapered tree (every branch
+# 2 steps, the likeliest up to K), both with the int4 draft (results/bench_ssd_tapered.md; the fan-out does
+# not depend on a calibration profile being there)
 DEMO_SD_K = 5
-DEMO_FAN_OUT = [1, 1, 1, 2]
+DEMO_FAN_OUT = [1, 1, 1, 1, 2]
+DEMO_BRANCH_STEPS = 2
 DEMO_DRAFT_WEIGHTS = "int4"
 
 
@@ -34,6 +36,9 @@ def _engine_options(args: argparse.Namespace) -> dict:
         opts["fallback"] = args.fallback
     if args.saguaro_c:
         opts["saguaro_c"] = "auto" if args.saguaro_c == "auto" else float(args.saguaro_c)
+    if args.branch_steps:
+        opts["branch_steps"] = "auto" if args.branch_steps == "auto" else int(args.branch_steps)
+    opts["deep_branches"] = args.deep_branches
     return opts
 
 
@@ -130,6 +135,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--fallback", choices=["jit", "ngram", "random", "auto"])
     p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")
+    p.add_argument("--branch-steps",
+                   help="SSD: build steps that decode every branch (default K); past them only the likeliest "
+                        "--deep-branches go on, up to K tokens (a tapered tree); or 'auto'")
+    p.add_argument("--deep-branches", type=int, default=1, help="SSD: branches extended past --branch-steps")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="compile the decode path (faster bf16 on CPU)")
@@ -168,6 +177,9 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ssd-fan-out", type=_int_list, default=DEMO_FAN_OUT,
                    help="SSD fan-out F_0..F_K; K is its length minus one (default "
                         f"{','.join(map(str, DEMO_FAN_OUT))})")
+    d.add_argument("--ssd-branch-steps", type=int, default=DEMO_BRANCH_STEPS,
+                   help=f"SSD build steps that decode every branch; then only the likeliest goes on to K "
+                        f"(default {DEMO_BRANCH_STEPS}; 0: every branch K steps)")
     d.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
     d.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     d.add_argument("--no-compile", dest="compile", action="store_false")

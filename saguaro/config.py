@@ -26,6 +26,8 @@ class Config:
     fan_out: list[int] | str | None = None  # SSD: F_0..F_K, or "auto" from a calibration profile
     fallback: str = "jit"  # SSD cache-miss fallback: "jit" (primary drafts), "ngram", "random", or "auto"
     saguaro_c: float | str = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1], or "auto"
+    branch_steps: int | str | None = None  # SSD: steps decoding every branch (None: K; fewer: tapered), or "auto"
+    deep_branches: int = 1  # SSD: the likeliest branches that go on past branch_steps, up to K tokens
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" or "cuda:N" for the target
     draft_device: str | None = None  # SSD worker device; default "cpu" or the next GPU
@@ -76,6 +78,11 @@ class Config:
                 raise ValueError(f"fan_out entries must be >= 0, got {self.fan_out}")
         elif self.fan_out not in (None, "auto"):
             raise ValueError(f"fan_out must be a list of K+1 ints, 'auto' or None, got {self.fan_out!r}")
+        if self.branch_steps not in (None, "auto") and not (isinstance(self.branch_steps, int)
+                                                            and 1 <= self.branch_steps <= self.num_speculative_tokens):
+            raise ValueError(f"branch_steps must lie in [1, K = {self.num_speculative_tokens}], got {self.branch_steps}")
+        if self.deep_branches < 1:
+            raise ValueError(f"deep_branches must be >= 1, got {self.deep_branches}")
         self.draft_format  # validates draft_weights / draft_vocab
         check_device(self.device)
         if self.draft_device is not None:
@@ -93,7 +100,7 @@ class Config:
         from saguaro.calibration.policy import recommended_k, resolve_profile
         profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile,
                                   draft_format=self.draft_format.tag, workload=self.calibration_workload)
-        return recommended_k(profile, self.fallback, mode=self.mode)
+        return recommended_k(profile, self.fallback, mode=self.mode, taper=self.branch_steps == "auto")
 
     @property
     def torch_dtype(self) -> torch.dtype:

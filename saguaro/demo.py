@@ -44,11 +44,11 @@ def run_demo(args: argparse.Namespace) -> int:
         results = {"AR (1 core)": _run(ar, prompts, args.max_tokens)}
     with LLM(target=TARGET, draft=DRAFT, mode="sd", num_speculative_tokens=args.k, **common, **draft_fmt) as sd:
         results[f"SD K={args.k} (1 core)"] = _run(sd, prompts, args.max_tokens)
-    # SSD's tree must be built while one verification runs: glue plus K branch steps, each a draft
-    # pass over all branches, have to fit in one K+1-row target pass (benchmarks/bench_ssd.py).
+    # SSD's tree is built while one verification runs: the glue, then a few steps over all branches, then
+    # narrow steps that take the likeliest branch on to K tokens (benchmarks/bench_ssd.py --branch-steps).
     ssd_k, fan_out = len(args.ssd_fan_out) - 1, args.ssd_fan_out
     with LLM(target=TARGET, draft=DRAFT, mode="ssd", num_speculative_tokens=ssd_k, fan_out=fan_out, **common,
-             **draft_fmt) as ssd:
+             branch_steps=args.ssd_branch_steps or None, **draft_fmt) as ssd:
         results[f"SSD K={ssd_k} (2 cores)"] = _run(ssd, prompts, args.max_tokens)
     ar_speed = results["AR (1 core)"]["tok_s"]
     sd_speed = results[f"SD K={args.k} (1 core)"]["tok_s"]

@@ -35,6 +35,7 @@ def run(pair, fan_out, params, n=50_000):
     try:
         tv, threshold = measure(llm, pair[0], params, POSITIONS, n)
         trace = llm.engine.decoder.trace
+        assert llm.engine.decoder.failure is None  # every round went through the speculator
     finally:
         llm.close()
     hits = [h for t in trace for h in t.hits]
@@ -50,6 +51,22 @@ def test_ssd_distribution(pair, fan_out, params, hit_range):
     tv, threshold, hit_rate = run(pair, fan_out, params)
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
     assert hit_range[0] <= hit_rate <= hit_range[1], f"hit rate {hit_rate:.3f} outside {hit_range}"
+
+
+def test_tapered_tree_distribution(pair):
+    """K = 2 with a tapered tree: every branch gets one step, only the likeliest a second, so cached
+    speculations of one and two tokens (and misses) mix; tokens 4 and 5 come from round 2 or later."""
+    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=2, fan_out=[1, 2, 2],
+              branch_steps=1, deep_branches=1, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
+    try:
+        tv, threshold = measure(llm, pair[0], SamplingParams(temperature=1.0), [4, 5], 50_000)
+        trace = llm.engine.decoder.trace
+        assert llm.engine.decoder.failure is None
+    finally:
+        llm.close()
+    assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
+    hits = [h for t in trace for h in t.hits]
+    assert 0.1 < sum(hits) / len(hits) < 0.95
 
 
 def test_all_hits_after_the_first_round(pair):

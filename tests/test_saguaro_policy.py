@@ -7,9 +7,9 @@ import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.calibration import default_profile, save_profile
-from saguaro.calibration.policy import (best_choice, critical_batch, depth_weights_for, evaluate,
-                                        expected_round_tokens, fan_out_for_budget, make_plan, recommended_k,
-                                        rows_time)
+from saguaro.calibration.policy import (_steps, best_choice, critical_batch, deep_share, depth_weights_for,
+                                        evaluate, expected_round_tokens, fan_out_for_budget, make_plan,
+                                        recommended_k, rows_time, tree_shapes)
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
@@ -69,6 +69,40 @@ def test_budget_choice_is_the_best_prediction():
     for budget in (1, 4, 16, 64):
         assert evaluate(profile, entry, 4, 1, budget, "jit", VOCAB).speedup <= best.speedup + 1e-12
     assert best.steps >= 1 and sum(best.primary) <= best.budget
+
+
+def _cpu_like_timing(profile: dict) -> dict:
+    """Timings shaped like the Qwen pair on one core: a 1-row draft step is a tenth of a verification, a
+    5-row step a fifth, so a full K = 5 tree cannot finish during one verification."""
+    profile["timing"].update(target_rows={"1": 0.100, "6": 0.115}, draft_rows={"1": 0.011, "5": 0.024, "16": 0.07})
+    profile["timing"].pop("contention", None)
+    return profile
+
+
+def test_tapered_build_time_and_deep_share():
+    timing = _cpu_like_timing(default_profile("a", "b", "bf16", 5))["timing"]
+    full = _steps(timing, 5, 1, 5)
+    assert full.steps == full.deep_steps < 5  # the full tree is cut short
+    tapered = _steps(timing, 5, 1, 5, branch_steps=2)
+    assert tapered.steps == 2 and full.steps < tapered.deep_steps <= 5
+    source = {"acceptance": 0.8, "hit_curves": [[0, 0.5, 0.7, 0.8]] * 3}
+    share = deep_share(source, [1, 1, 2], 2, 1)
+    w = depth_weights_for(source, 2)  # (depth, rank) scores: w0 .5, w1 .5, w2 .5, w2 .2
+    assert share == pytest.approx(0.5 * w[2] / (0.5 * w[0] + 0.5 * w[1] + 0.7 * w[2]))
+    assert deep_share(source, [1, 1, 2], 2, 4) == pytest.approx(1.0)
+
+
+def test_taper_is_chosen_when_it_predicts_faster():
+    profile = _cpu_like_timing(default_profile("a", "b", "bf16", 5))
+    entry = profile["temperatures"]["0.0"]
+    plain = best_choice(profile, entry, 5, 1, "jit", VOCAB)
+    tapered = best_choice(profile, entry, 5, 1, "jit", VOCAB, tree_shapes(5, True))
+    assert tapered.tok_s >= plain.tok_s
+    assert tapered.branch_steps is not None and tapered.deep_steps > tapered.steps and 0 < tapered.deep_share <= 1
+    plan = make_plan(profile, 5, 1.0, "jit", 2, VOCAB, taper=True)
+    assert plan.branch_steps[0] == tapered.branch_steps and len(plan.branch_steps) == len(plan.temperatures)
+    assert plan.branch_widths(7, 0.0) == [7] * tapered.branch_steps + [1] * (5 - tapered.branch_steps)
+    assert make_plan(profile, 5, 1.0, "jit", 2, VOCAB).branch_steps == [None] * len(plan.temperatures)
 
 
 def test_critical_batch_size_is_thm18_on_the_measured_inputs():

@@ -25,14 +25,18 @@ def ssd(pair, **kw):
     return LLM(target=pair[0], draft=pair[1], **options)
 
 
-@pytest.mark.parametrize("fan_out, fallback", [([2, 2, 2, 4], "jit"), ([0, 0, 0, 0], "jit"), ([1, 1, 1, 2], "ngram"),
-                                               ([1, 1, 1, 1], "random")])
-def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback):
-    with ssd(pair, fan_out=fan_out, fallback=fallback) as llm:
+@pytest.mark.parametrize("fan_out, fallback, taper", [
+    ([2, 2, 2, 4], "jit", {}), ([0, 0, 0, 0], "jit", {}), ([1, 1, 1, 2], "ngram", {}), ([1, 1, 1, 1], "random", {}),
+    ([2, 2, 2, 4], "jit", dict(branch_steps=1, deep_branches=2)),  # tapered tree: hits of 1 and 3 tokens
+])
+def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper):
+    with ssd(pair, fan_out=fan_out, fallback=fallback, **taper) as llm:
         single = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24))[0]
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
         metrics = llm.spec_metrics(outs)
         trace = llm.engine.decoder.trace
+        failure = llm.engine.decoder.failure
+    assert failure is None  # the worker served every round (its fault path would also equal AR)
     assert single.token_ids == ar_outputs[1]
     assert [o.token_ids for o in outs] == ar_outputs
     if sum(fan_out) == 0:
@@ -57,6 +61,7 @@ def test_request_joining_mid_flight(pair, ar_outputs):
     assert late.output_ids == ar_outputs[3]
 
 
+@pytest.mark.worker_failure
 def test_worker_kill_mid_generation(pair, ar_outputs):
     llm = ssd(pair, fan_out=[1, 1, 1, 2])
     engine = llm.engine
@@ -79,6 +84,9 @@ def test_worker_kill_mid_generation(pair, ar_outputs):
     (dict(fan_out=[1, 1, 1, 10_000]), "vocabulary"),
     (dict(draft_device="cuda:7"), "cuda|CUDA"),
     (dict(num_speculative_tokens=0), "K"),
+    (dict(branch_steps=4), "branch_steps"),  # K = 3
+    (dict(branch_steps=0), "branch_steps"),
+    (dict(branch_steps=2, deep_branches=0), "deep_branches"),
 ])
 def test_bad_ssd_config(pair, bad, message):
     with pytest.raises(ValueError, match=message):

@@ -12,6 +12,7 @@ from saguaro import SamplingParams
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.kv.kv_cache import KVCache
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
+from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.speculator import AsyncSpeculator
 from tests.tiny import perturbed, tiny_model
 
@@ -55,10 +56,11 @@ def _glue_lengths(spec: AsyncSpeculator) -> list[int]:
     return seen
 
 
-@pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature):
-    k = 3
-    spec = AsyncSpeculator(ModelRunner(draft.model, 128, BLOCK), k, [1, 1, 1, 2], "jit")
+@pytest.mark.parametrize("temperature, branch_steps", [(0.0, None), (1.0, None), (0.0, 1), (1.0, 2)])
+def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature, branch_steps):
+    k = 3  # a tapered tree (branch_steps < K) hits branches of different lengths
+    spec = AsyncSpeculator(ModelRunner(draft.model, 128, BLOCK), k,
+                           SpecPlan.fixed([1, 1, 1, 2], branch_steps=branch_steps, deep_branches=2))
     glues = _glue_lengths(spec)
     params = SamplingParams(temperature=temperature, max_tokens=64)
     rows = spec.respond(RoundRequest([], [Admission(0, [3, 7, 1, 9, 4], params, seed=1)], [], [0])).rows

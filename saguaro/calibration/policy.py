@@ -22,6 +22,12 @@ Per temperature and batch size b, for each candidate per-sequence branch budget 
   the same for length K (jit) or the backup's measured tokens per round, T_p = hit-round time / t_v,
   T_b = miss drafting time / t_v.
 
+**Tapered trees** (``branch_steps`` S < K): the build decodes all B branches for S steps, then only the
+likeliest ``deep`` ones, one narrow pass per step, while the verification lasts. A hit on one of those
+carries the longer speculation; their share of the hit probability is the top-``deep`` of
+P(d) (p_hit^d(r + 1) - p_hit^d(r)) over the cached (depth, rank) outcomes (``deep_share``), and E_hit mixes
+the two lengths. S = None (no taper) and every S < K are compared, like the budgets.
+
 B is the budget with the best predicted speedup. The paper's B ("what the draft can finish during one
 verification", ``paper_budget``) assumes K steps fit in a verification; on one CPU core they often do not
 (the Qwen pair fits none), so the trade-off between more branches and shorter cached speculations is
@@ -122,6 +128,19 @@ def fan_out_for_budget(source: dict, length: int, k: int, budget: int, vocab: in
     return f[:length] + [0] * (k - length) + [f[length]], method
 
 
+def deep_share(source: dict, fan_out: list[int], length: int, deep: int) -> float:
+    """The share of the cache's hit probability carried by its ``deep`` likeliest (depth, rank) outcomes."""
+    k = len(fan_out) - 1
+    curves = depth_curves(source, k)
+    w = depth_weights_for(source, length)
+    scores = []
+    for i, d in enumerate(list(range(length)) + [k]):
+        f = min(fan_out[d], len(curves[d]) - 1)
+        scores += list(w[i] * np.diff(curves[d][:f + 1]))
+    total = float(sum(scores))
+    return float(sum(sorted(scores, reverse=True)[:deep])) / total if total > 0 else 0.0
+
+
 def hit_rate(source: dict, fan_out: list[int], length: int, weights: np.ndarray | None = None) -> float:
     """p_hit = sum_d P(d) p_hit^d(F_d) for speculations of ``length`` tokens (Appendix A, proof of Thm 13)."""
     k = len(fan_out) - 1
@@ -138,7 +157,7 @@ class Choice:
     batch: int
     fallback: str  # "jit" or "fast"
     budget: int
-    steps: int  # L, tokens in a cached speculation
+    steps: int  # L, tokens in a cached speculation (its every branch)
     primary: list[int]
     backup: list[int]
     method: str
@@ -153,10 +172,23 @@ class Choice:
     speedup: float  # Cor. 17, tokens per verification time
     tok_s: float  # predicted per-sequence tokens per second
     speedup_vs_ar: float
+    branch_steps: int | None = None  # S of a tapered tree (None: every branch gets the full build)
+    deep_steps: int = 0  # tokens in the deep branches' cached speculations (tapered tree)
+    deep_share: float = 0.0  # share of hits that land on a deep branch
 
 
-def _steps(timing: dict, k: int, batch: int, rows: int) -> tuple[int, float, float]:
-    """(L, hit-round time / t_v, t_v) when each branch step decodes ``rows`` rows per sequence.
+@dataclass
+class BuildTime:
+    steps: int  # L: build steps that decode every branch
+    deep_steps: int  # L plus the narrow steps after them (tapered tree; = L without one)
+    t_hit: float  # hit-round time / t_v
+    t_v: float
+
+
+def _steps(timing: dict, k: int, batch: int, rows: int, branch_steps: int | None = None,
+           deep: int = 1) -> BuildTime:
+    """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
+    ``branch_steps`` of them, then ``deep`` rows: a tapered tree).
 
     t_v is the verification as it runs beside the building draft: slowed by the memory-bus contention the
     profile measured (``contention.slowdowns``; 1 without a probe), and so are the draft's passes."""
@@ -164,18 +196,29 @@ def _steps(timing: dict, k: int, batch: int, rows: int) -> tuple[int, float, flo
     t_v = rows_time(timing["target_rows"], batch * (k + 1)) * slow_target
     t_glue = rows_time(timing["draft_rows"], batch * (k + 1)) * slow_draft
     t_step = rows_time(timing["draft_rows"], batch * max(rows, 1)) * slow_draft
-    steps = k if t_step <= 0 else min(k, max(1, math.ceil((t_v - t_glue) / t_step)))
-    return steps, (t_glue + steps * t_step) / t_v, t_v
+    full = k if branch_steps is None else branch_steps
+    steps = full if t_step <= 0 else min(full, max(1, math.ceil((t_v - t_glue) / t_step)))
+    build = t_glue + steps * t_step
+    extra = 0
+    if steps == full < k:
+        t_deep = rows_time(timing["draft_rows"], batch * deep) * slowdowns(timing, batch * deep)[1]
+        extra = k - full if t_deep <= 0 else min(k - full, max(0, math.ceil((t_v - build) / t_deep)))
+        build += extra * t_deep
+    return BuildTime(steps, steps + extra, build / t_v, t_v)
 
 
-def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, steps: int, t_hit: float, t_v: float,
-            f_p: list[int], f_b: list[int], fallback: str, method: str = "given") -> Choice:
+def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: BuildTime,
+            f_p: list[int], f_b: list[int], fallback: str, method: str = "given", branch_steps: int | None = None,
+            deep: int = 1) -> Choice:
     """Thm 2 / Cor. 17 prediction for given fan-outs (see module doc); ``fallback`` is "jit" or "fast"."""
     timing = profile["timing"]
     primary, backup = entry["primary"], entry["backup"]
+    steps, t_hit, t_v = build.steps, build.t_hit, build.t_v
     p_p = hit_rate(primary, f_p, steps)
     p_b = hit_rate(backup, f_b, k, _backup_weights(backup, k))
-    e_hit = expected_round_tokens(primary, steps)
+    share = deep_share(primary, f_p, steps, deep) if build.deep_steps > steps else 0.0
+    e_hit = (1 - share) * expected_round_tokens(primary, steps) + share * expected_round_tokens(primary,
+                                                                                                build.deep_steps)
     if fallback == "jit":
         e_miss = expected_round_tokens(primary, k)
         t_miss = (rows_time(timing["draft_rows"], 2 * batch) + (k - 1) * rows_time(timing["draft_rows"], batch)) / t_v
@@ -187,30 +230,40 @@ def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, steps: 
     speedup = float(ssd_speedup_batch(p_hit, e_hit, e_miss, t_hit, t_miss, batch))
     tok_s = speedup / t_v
     return Choice(batch, fallback, budget, steps, list(f_p), list(f_b), method, p_p, p_b, p_hit, e_hit, e_miss,
-                  t_hit, t_miss, t_v, speedup, tok_s, tok_s * rows_time(timing["target_rows"], batch))
+                  t_hit, t_miss, t_v, speedup, tok_s, tok_s * rows_time(timing["target_rows"], batch),
+                  branch_steps, build.deep_steps, share)
 
 
-def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallback: str, vocab: int) -> Choice:
+def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallback: str, vocab: int,
+             branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "fast" fallback (see module doc)."""
-    steps, t_hit, t_v = _steps(profile["timing"], k, batch, budget)
-    f_p, method = fan_out_for_budget(entry["primary"], steps, k, budget, vocab)
+    build = _steps(profile["timing"], k, batch, budget, branch_steps, deep)
+    f_p, method = fan_out_for_budget(entry["primary"], build.steps, k, budget, vocab)
     f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab, _backup_weights(entry["backup"], k))
-    return predict(profile, entry, k, batch, budget, steps, t_hit, t_v, f_p, f_b, fallback, method)
+    return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, method, branch_steps, deep)
 
 
 def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: list[int], f_b: list[int],
-                  fallback: str, c: float = 1.0) -> Choice:
+                  fallback: str, c: float = 1.0, branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Prediction for explicit fan-out lists at the nearest calibrated temperature (for measured-vs-theory)."""
     key = min(profile["temperatures"], key=lambda t: abs(float(t) - temperature))
     entry = _entry_with_c(profile["temperatures"][key], c)
     budget = max(sum(f_p), sum(f_b))
-    steps, t_hit, t_v = _steps(profile["timing"], k, batch, sum(f_p))
-    return predict(profile, entry, k, batch, budget, steps, t_hit, t_v, f_p, f_b, fallback)
+    build = _steps(profile["timing"], k, batch, sum(f_p), branch_steps, deep)
+    return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, "given", branch_steps, deep)
 
 
-def best_choice(profile: dict, entry: dict, k: int, batch: int, fallback: str, vocab: int) -> Choice:
-    """The budget B with the best predicted speedup."""
-    return max((evaluate(profile, entry, k, batch, b, fallback, vocab) for b in BUDGETS), key=lambda c: c.tok_s)  # t_v differs per budget (contention)
+def tree_shapes(k: int, taper: bool) -> list[int | None]:
+    """branch_steps S to compare: the full tree (None), and with ``taper`` every S < K (one deep branch)."""
+    return [None] + (list(range(1, k)) if taper else [])
+
+
+def best_choice(profile: dict, entry: dict, k: int, batch: int, fallback: str, vocab: int,
+                shapes: list[int | None] = (None,)) -> Choice:
+    """The budget B and tree shape (``branch_steps`` among ``shapes``) with the best predicted speed (tokens
+    per second: t_v differs per budget, through contention)."""
+    return max((evaluate(profile, entry, k, batch, b, fallback, vocab, s) for b in BUDGETS for s in shapes),
+               key=lambda c: c.tok_s)
 
 
 def _entry_with_c(entry: dict, c: float) -> dict:
@@ -255,14 +308,15 @@ def sd_tokens_per_s(profile: dict, entry: dict, k: int) -> float:
 
 
 def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9),
-                  mode: str = "ssd") -> int:
-    """K with the best predicted speed at b = 1 (SSD: Cor. 17 per K; SD: E / (1 + T_SD)), summed over the
-    calibrated temperatures."""
+                  mode: str = "ssd", taper: bool = False) -> int:
+    """K with the best predicted speed at b = 1 (SSD: Cor. 17 per K, with tapered trees if ``taper``;
+    SD: E / (1 + T_SD)), summed over the calibrated temperatures."""
     kind = "jit" if fallback in ("jit", "auto") else "fast"
     entries = list(profile["temperatures"].values())
     if mode == "sd":
         return max(ks, key=lambda k: sum(sd_tokens_per_s(profile, e, k) for e in entries))
-    return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab).tok_s for e in entries))
+    return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab, tree_shapes(k, taper)).tok_s
+                                     for e in entries))
 
 
 def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "",
@@ -300,8 +354,10 @@ def paper_budget(timing: dict, k: int, batch: int = 1) -> int:
     return max(fits, default=0)
 
 
-def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_batch: int, vocab: int) -> SpecPlan:
-    """The engine's plan for ``fan_out="auto"``: per temperature C, per batch size F^p and F^b, and b*."""
+def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_batch: int, vocab: int,
+              taper: bool = False) -> SpecPlan:
+    """The engine's plan for ``fan_out="auto"``: per temperature C, per batch size F^p and F^b, and b*; with
+    ``taper`` also the tree's branch_steps per temperature (chosen at b = 1, kept for every batch size)."""
     temps = sorted(profile["temperatures"], key=float)
     cs = [choose_c(profile, t, k, "jit" if fallback in ("jit", "auto") else "fast", vocab) if c_setting == "auto"
           else float(c_setting) for t in temps]  # greedy rows ignore C
@@ -309,25 +365,29 @@ def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_
     primary, backup, notes = [], [], {"default_profile": bool(profile.get("default")), "b_star": b_star,
                                       "thm18_inputs": thm18, "temperatures": {},
                                       "paper_budget": paper_budget(profile["timing"], k)}
+    tapers = []
     for t, c in zip(temps, cs):
         entry = _entry_with_c(profile["temperatures"][t], c)
+        first = {"jit": "jit", "auto": "jit" if 1 < b_star else "fast"}.get(fallback, "fast")
+        tapers.append(best_choice(profile, entry, k, 1, first, vocab, tree_shapes(k, taper)).branch_steps)
         p_table, b_table = [], []
         for b in range(1, max_batch + 1):
             kind = {"jit": "jit", "auto": "jit" if b < b_star else "fast"}.get(fallback, "fast")
-            choice = best_choice(profile, entry, k, b, kind, vocab)
+            choice = best_choice(profile, entry, k, b, kind, vocab, [tapers[-1]])
             p_table.append(choice.primary)
             b_table.append(choice.backup)
             if b == 1:
                 notes["temperatures"][t] = {"c": c, **asdict(choice)}
         primary.append(p_table)
         backup.append(b_table)
-    return SpecPlan(k, [float(t) for t in temps], primary, backup, cs, fallback, b_star, notes)
+    return SpecPlan(k, [float(t) for t in temps], primary, backup, cs, fallback, b_star, notes, tapers)
 
 
 def describe(plan: SpecPlan) -> str:
     parts = []
     for t, n in plan.notes.get("temperatures", {}).items():
-        parts.append(f"T={t}: F^p={n['primary']} F^b={n['backup']} (B={n['budget']}, L={n['steps']}, {n['method']}, "
+        tree = f", tapered to {n['deep_steps']} after {n['branch_steps']}" if n.get("branch_steps") else ""
+        parts.append(f"T={t}: F^p={n['primary']} F^b={n['backup']} (B={n['budget']}, L={n['steps']}{tree}, {n['method']}, "
                      f"p_hit,p={n['p_hit_p']:.2f}, p_hit,b={n['p_hit_b']:.2f}, C={n['c']:.2f}, "
                      f"predicted {n['speedup_vs_ar']:.2f}x AR)")
     if plan.fallback == "auto":

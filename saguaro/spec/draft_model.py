@@ -9,7 +9,7 @@ accepted prefix, so no rejected token's k/v survives and no block leaks.
 ``reweight`` (optional) transforms the distribution step j is drawn from, and the proposal
 records the transformed one: the SSD worker passes Saguaro sampling (Def. 14,
 ``saguaro.ssd.saguaro_sampling``) so just-in-time drafts follow the same law as cached ones.
-``keep_ranked`` > 0 also records each step's most likely ids (``Proposal.ranked``).
+``keep_ranked`` > 0 also records each step's most likely ids and their probabilities (``Proposal.ranked``).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.sampler import sample
-from saguaro.spec.types import Proposal, Proposer, ranked_ids
+from saguaro.spec.types import Proposal, Proposer, Ranked, rank_positions
 
 
 @dataclass
@@ -45,7 +45,7 @@ class DraftModelProposer(Proposer):
         k_max = max(num_tokens, default=0)
         vocab = self.runner.config.vocab_size
         tokens: list[list[int]] = [[] for _ in seqs]
-        ranked: list[list[list[int]]] = [[] for _ in seqs]
+        ranked: list[list[Ranked]] = [[] for _ in seqs]
         probs = torch.zeros(len(seqs), max(k_max, 1), vocab)
         active = [b for b, k in enumerate(num_tokens) if k > 0]
         for step in range(k_max):
@@ -64,7 +64,7 @@ class DraftModelProposer(Proposer):
                 step_probs = self.reweight(step_probs, step, rows)
             greedy = torch.tensor([s.params.greedy for s in rows])
             drawn = sample(step_probs, [s.generator for s in rows], greedy).tolist()
-            top = ranked_ids(logits, self.keep_ranked) if self.keep_ranked else None
+            top = rank_positions(logits, self.keep_ranked) if self.keep_ranked else None
             for i, b in enumerate(active):
                 tokens[b].append(drawn[i])
                 probs[b, step] = step_probs[i]

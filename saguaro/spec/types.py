@@ -23,16 +23,31 @@ class Proposal:
     point_mass: torch.Tensor  # [B] bool
     # ranked[b][i]: the draft's most likely ids at the position of token i (only when the proposer was
     # asked to keep them: the SSD speculator reuses them as the next round's outcome guesses)
-    ranked: list[list[list[int]]] | None = None
+    ranked: list[list[Ranked]] | None = None
 
     @staticmethod
     def deterministic(tokens: list[list[int]]) -> "Proposal":
         return Proposal(tokens, None, torch.ones(len(tokens), dtype=torch.bool))
 
 
-def ranked_ids(logits: torch.Tensor, width: int) -> list[list[int]]:
-    """Per row of ``logits`` [N, V], the ``width`` most likely token ids, most likely first."""
-    return torch.topk(logits.float(), min(width, logits.shape[-1]), dim=-1).indices.tolist()
+@dataclass
+class Ranked:
+    """The draft's most likely token ids at one position, most likely first, with their softmax
+    probabilities (at temperature 1: a confidence, used only to order outcome guesses)."""
+    ids: list[int]
+    probs: list[float]
+
+    def prob(self, token: int) -> float:
+        """The probability of ``token``, 0 when it is not among the ranked ids."""
+        return self.probs[self.ids.index(token)] if token in self.ids else 0.0
+
+
+def rank_positions(logits: torch.Tensor, width: int) -> list[Ranked]:
+    """Per row of ``logits`` [N, V], the ``width`` most likely token ids and their probabilities."""
+    logits = logits.float()
+    top = torch.topk(logits, min(width, logits.shape[-1]), dim=-1)
+    probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+    return [Ranked(ids, p) for ids, p in zip(top.indices.tolist(), probs.tolist())]
 
 
 class Proposer(ABC):

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 import torch
 
+from saguaro.spec.types import Ranked
+
 
 @dataclass
 class CachedSpeculation:
@@ -12,7 +14,7 @@ class CachedSpeculation:
     probs: torch.Tensor | None  # [len(tokens), V] distributions they were drawn from; None for greedy rows
     # ranked[j]: the draft's most likely ids at the position tokens[j] was drawn for (the next build's
     # outcome guesses at depth j, so that build need not re-run these positions)
-    ranked: list[list[int]] | None = None
+    ranked: list[Ranked] | None = None
     # scratch KV slots of the bonus token and tokens[:-1] (what the next build's glue would recompute)
     kv_slots: list[int] | None = None
 

@@ -9,6 +9,9 @@ Every round the speculator asks it, per sequence:
   backup (``"b"``: n-gram / random), at the current batch size. Separate lists per source are the paper's
   F^p_k and F^b_k (Thm 12 / Thm 13); per batch size because the branch budget B is shared by the batch.
 * ``c(temperature)`` -- the Saguaro sampling constant (Def. 14) for that temperature.
+* ``branch_widths(n, temperature)`` -- how many of a sequence's n branches (likeliest first) each build step
+  decodes: all of them for the first ``branch_steps`` steps, then only the ``deep_branches`` likeliest, up to
+  K (a tapered tree; ``branch_steps`` None decodes every branch K steps).
 * ``fallback_for(batch)`` -- "jit" below the critical batch size b* and "ngram" at or above it when the
   fallback is "auto" (Thm 18); the configured fallback otherwise.
 
@@ -30,6 +33,8 @@ class SpecPlan:
     fallback: str = "jit"  # "jit" | "ngram" | "random" | "auto"
     b_star: float = math.inf  # "auto": jit for batch < b_star, n-gram otherwise
     notes: dict = field(default_factory=dict)  # how the plan was chosen (for logs and reports)
+    branch_steps: list[int | None] | None = None  # per temperature: build steps that decode every branch (None: K)
+    deep_branches: int = 1  # branches that go on past branch_steps, up to K tokens
 
     def __post_init__(self) -> None:
         if self.fallback not in ("jit", "ngram", "random", "auto"):
@@ -40,13 +45,30 @@ class SpecPlan:
         for table in self.primary + self.backup:
             if not table or any(len(f) != self.k + 1 or min(f) < 0 for f in table):
                 raise ValueError(f"every fan-out list needs K+1 = {self.k + 1} non-negative entries")
+        if self.branch_steps is not None and len(self.branch_steps) != n:
+            raise ValueError("a plan needs one branch_steps per temperature")
+        if any(s is not None and not 1 <= s <= self.k for s in self.branch_steps or []):
+            raise ValueError(f"branch_steps must lie in [1, K = {self.k}], got {self.branch_steps}")
+        if self.deep_branches < 1:
+            raise ValueError(f"deep_branches must be >= 1, got {self.deep_branches}")
         if any(not 0.0 <= c <= 1.0 for c in self.c):
             raise ValueError(f"Saguaro C must lie in [0, 1], got {self.c}")
 
     @classmethod
-    def fixed(cls, fan_out: list[int], c: float = 1.0, fallback: str = "jit", b_star: float = math.inf) -> "SpecPlan":
+    def fixed(cls, fan_out: list[int], c: float = 1.0, fallback: str = "jit", b_star: float = math.inf,
+              branch_steps: int | None = None, deep_branches: int = 1) -> "SpecPlan":
         """One fan-out list for every temperature, source and batch size (the explicit ``fan_out=[...]``)."""
-        return cls(len(fan_out) - 1, [0.0], [[list(fan_out)]], [[list(fan_out)]], [float(c)], fallback, b_star)
+        return cls(len(fan_out) - 1, [0.0], [[list(fan_out)]], [[list(fan_out)]], [float(c)], fallback, b_star,
+                   branch_steps=[branch_steps], deep_branches=deep_branches)
+
+    def branch_widths(self, n: int, temperature: float = 0.0) -> list[int]:
+        """Branches decoded at each of the K build steps, for a sequence with ``n`` (likeliest first)."""
+        steps = self.branch_steps[self._index(temperature)] if self.branch_steps else None
+        if n == 0:
+            return []
+        if steps is None:
+            return [n] * self.k
+        return [n] * steps + [min(n, self.deep_branches)] * (self.k - steps)
 
     def _index(self, temperature: float) -> int:
         return min(range(len(self.temperatures)), key=lambda i: abs(self.temperatures[i] - temperature))

@@ -10,9 +10,11 @@ follows the batch size, Thm 18).
 
 ``build(interrupted)``: while the target verifies what was just sent, glue that
 speculation into the draft cache, predict the likely outcomes (top-F_k bonus guesses per
-depth k) and decode all branches together, one tree-masked draft pass per step. Each
-finished step makes every branch one token longer; if the next request arrives early the
-build stops and branches keep the tokens they have.
+depth k, likeliest first) and decode the branches together, one tree-masked draft pass per
+step. Each finished step makes its branches one token longer: every branch for the plan's
+``branch_steps`` steps, then only the likeliest ``deep_branches`` (a tapered tree: a few
+narrow steps buy the likeliest outcomes a longer speculation). If the next request arrives
+early the build stops and branches keep the tokens they have.
 
 The glue is usually one row. A speculation drafted by the primary comes with the draft's
 ranked ids at each of its positions (from the tree step or the just-in-time step that drew
@@ -45,7 +47,7 @@ from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.sampler import sample
 from saguaro.spec.draft_model import DraftModelProposer, DraftState
 from saguaro.spec.ngram_proposer import NgramProposer
-from saguaro.spec.types import ranked_ids
+from saguaro.spec.types import Ranked, rank_positions
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import SpecPlan
@@ -93,7 +95,7 @@ class AsyncSpeculator:
         self.seqs: dict[int, Sequence] = {}
         self.sent: dict[int, list[int]] = {}  # speculation under verification, per sequence
         self.source: dict[int, str] = {}  # who drafted it: "p" (primary draft) or "b" (fast backup)
-        self.ranked: dict[int, list[list[int]]] = {}  # the draft's ranked ids at each position of it (primary only)
+        self.ranked: dict[int, list[Ranked]] = {}  # the draft's ranked ids at each position of it (primary only)
         self.scratch: dict[int, list[int]] = {}  # per sequence, the last build's branch blocks (until respond)
         self.prefilled: dict[int, list[int]] = {}  # tokens already in the draft cache of sequences not yet admitted
         self.cache = SpeculationCache()
@@ -289,64 +291,65 @@ class AsyncSpeculator:
             depth_logits = rows[-(len(spec) + 1 - j0):]  # depths j0..n
             if self.recorder is not None:
                 self.recorder.remember(seq.seq_id, depth_logits, spec)
-            ranked = (self.ranked.get(seq.seq_id) or [])[:j0] + ranked_ids(depth_logits, self.width)
+            ranked = (self.ranked.get(seq.seq_id) or [])[:j0] + rank_positions(depth_logits, self.width)
             outcomes = predict_outcomes(ranked, spec, self.fan_out_for(seq))
             if self.recorder is not None and not self.recorder.build_branches:
                 outcomes = []
             state = self.jit.states[seq.seq_id]
             layouts.append(BranchLayout(self.runner.slots(state.block_table, 0, state.num_cached), len(seq),
-                                        [k for k, _ in outcomes], [t for _, t in outcomes]))
+                                        [k for k, _ in outcomes], [t for _, t in outcomes],
+                                        self.plan.branch_widths(len(outcomes), _temperature(seq))))
         return layouts
 
     def _decode_branches(self, seqs, layouts, scratch, interrupted) -> BuildStats:
-        """Decode every branch of every sequence together, one tree-masked pass per step."""
+        """Decode the branches of every sequence together, one tree-masked pass per step; step j decodes
+        each sequence's ``width(j)`` likeliest branches."""
         live = [i for i, lay in enumerate(layouts) if lay.num_branches]
-        for i in live:
-            n = layouts[i].num_branches
-            self.runner.blocks.reserve(scratch[i], n * self.k)
-            layouts[i].scratch_slots = self.runner.slots(scratch[i], 0, n * self.k)
-        row_seqs = [seqs[i] for i in live for _ in range(layouts[i].num_branches)]
-        if not row_seqs:
+        if not live:
             return BuildStats()
-        greedy = torch.tensor([s.params.greedy for s in row_seqs])
-        generators = [s.generator for s in row_seqs]
-        inputs = [t for i in live for t in layouts[i].roots]
-        drafted: list[list[int]] = []  # per step, the token of every row
-        step_probs: list[torch.Tensor] = []  # per step, [rows, V]
-        step_ranked: list[list[list[int]]] = []  # per step, every row's ranked ids
+        for i in live:
+            size = layouts[i].scratch_size(self.k)
+            self.runner.blocks.reserve(scratch[i], size)
+            layouts[i].scratch_slots = self.runner.slots(scratch[i], 0, size)
+        # per live sequence and branch: the drafted tokens, their distributions and the draft's ranked ids
+        tokens = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        probs = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        ranked = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        steps = 0
         for step in range(self.k):
             if step > 0 and interrupted():
                 break
+            rows = [(i, q) for i in live for q in range(layouts[i].width(step))]
+            row_seqs = [seqs[i] for i, _ in rows]
+            inputs = [tokens[i][q][-1] if step else layouts[i].roots[q] for i, q in rows]
             contexts, masks, positions = [], [], []
             for i in live:
                 context, pos, mask = layouts[i].step_inputs(step)
                 contexts.append(context)
                 masks.append(mask)
                 positions += pos
-            meta = build_metadata(contexts, [layouts[i].num_branches for i in live], masks)
+            meta = build_metadata(contexts, [layouts[i].width(step) for i in live], masks)
             logits = self.runner.run(inputs, positions, meta, [ForwardItem(inputs, 0, [], "all")])[0]
-            probs = processed_probs(logits, row_seqs)
+            step_probs = processed_probs(logits, row_seqs)
             if self.saguaro is not None:
-                probs = self.saguaro.apply(probs, step, row_seqs)  # Def. 14 for index ``step``
-            inputs = sample(probs, generators, greedy).tolist()
-            drafted.append(inputs)
-            step_probs.append(probs)
-            step_ranked.append(ranked_ids(logits, self.width))
-        steps = len(drafted)
-        stacked = torch.stack(step_probs, dim=1) if steps and not bool(greedy.all()) else None  # [rows, steps, V]
-        row = 0
+                step_probs = self.saguaro.apply(step_probs, step, row_seqs)  # Def. 14 for index ``step``
+            greedy = torch.tensor([s.params.greedy for s in row_seqs])
+            drawn = sample(step_probs, [s.generator for s in row_seqs], greedy).tolist()
+            top = rank_positions(logits, self.width)
+            for r, (i, q) in enumerate(rows):
+                tokens[i][q].append(drawn[r])
+                ranked[i][q].append(top[r])
+                if not row_seqs[r].params.greedy:
+                    probs[i][q].append(step_probs[r])
+            steps += 1
         for i in live:
             seq, lay = seqs[i], layouts[i]
-            n = lay.num_branches
-            for q in range(n):
-                tokens = [drafted[j][row] for j in range(steps)]
-                probs = None if seq.params.greedy or stacked is None else stacked[row]
-                ranked = [step_ranked[j][row] for j in range(steps)]
-                kv_slots = [lay.scratch_slots[j * n + q] for j in range(steps)]  # root, then tokens[:-1]
+            for q in range(lay.num_branches):
+                kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(lay.branch_steps(q, steps))]
+                q_probs = torch.stack(probs[i][q]) if probs[i][q] else None
                 self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q],
-                               CachedSpeculation(tokens, probs, ranked, kv_slots))
-                row += 1
-        return BuildStats(steps=steps, branches=len(row_seqs))
+                               CachedSpeculation(tokens[i][q], q_probs, ranked[i][q], kv_slots))  # kv: root, tokens[:-1]
+        return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
 
     def close(self) -> None:
         for seq_id in list(self.seqs):

@@ -1,15 +1,21 @@
-"""Attention layout for decoding every cache branch of a sequence in one pass.
+"""Attention layout for decoding every cache branch of a sequence in one pass per step.
 
 For one sequence with verified prefix length ``L`` and a speculation d_1..d_K already
 "glued" into the draft cache (positions L..L+K-1), a branch is an outcome (k, t): it forks
 after d_k, its root token t sits at position L+k, and step j of the branch sits at L+k+j.
-Branch tokens live in scratch slots laid out step-major: ``scratch[j * n + q]`` holds step j
-of branch q. At step j every branch reads the prefix up to its fork (positions
-< L+k) and its own steps 0..j; this is the paper's custom tree mask (Appendix D).
+
+Branches are ordered most likely first, and step j decodes only the first ``widths[j]`` of
+them (a non-increasing list: a tapered tree, so the likeliest branches get longer cached
+speculations for the price of a few narrow steps). Branch tokens live in scratch slots laid
+out step-major: step j of branch q (q < widths[j]) is ``scratch[offsets[j] + q]`` with
+``offsets[j] = widths[0] + ... + widths[j-1]``. At step j every decoded branch reads the prefix
+up to its fork (positions < L+k) and its own steps 0..j; this is the paper's custom tree
+mask (Appendix D).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -18,24 +24,46 @@ import torch
 class BranchLayout:
     prefix_slots: list[int]  # slots of positions 0..L+K-1 (verified tokens, then the glued speculation)
     verified_len: int  # L
-    fork_depths: list[int]  # k for each branch q
+    fork_depths: list[int]  # k for each branch q, most likely branch first
     roots: list[int]  # the guessed bonus token t of each branch q
-    scratch_slots: list[int] = field(default_factory=list)  # len >= steps * n_branches, step-major
+    widths: list[int] = field(default_factory=list)  # branches decoded at each step; [] = all, every step
+    scratch_slots: list[int] = field(default_factory=list)  # len >= scratch_size(steps), step-major
+
+    def __post_init__(self) -> None:
+        if any(w < 1 for w in self.widths) or any(a < b for a, b in zip(self.widths, self.widths[1:])):
+            raise ValueError(f"branch widths must be positive and non-increasing, got {self.widths}")
 
     @property
     def num_branches(self) -> int:
         return len(self.fork_depths)
 
+    def width(self, step: int) -> int:
+        """How many branches step ``step`` decodes (the first ones)."""
+        return min(self.num_branches, self.widths[step] if step < len(self.widths) else self.num_branches)
+
+    def offset(self, step: int) -> int:
+        """Scratch index of step ``step``'s first slot (the slots of the steps before it come first)."""
+        return sum(self.width(j) for j in range(step))
+
+    def scratch_size(self, steps: int) -> int:
+        return self.offset(steps)
+
+    def branch_steps(self, q: int, steps: int) -> int:
+        """How many of the first ``steps`` steps decode branch ``q`` (a prefix of them: widths never grow)."""
+        return sum(1 for j in range(steps) if q < self.width(j))
+
     def step_inputs(self, step: int) -> tuple[list[int], list[int], torch.Tensor]:
-        """Context slots, positions and [n, ctx] mask for decoding step ``step`` of every branch."""
-        n = self.num_branches
+        """Context slots, positions and [width, ctx] mask for decoding step ``step`` of its branches."""
+        n = self.width(step)
+        widths = [self.width(j) for j in range(step + 1)]
+        starts = [0, *accumulate(widths)]
         prefix = len(self.prefix_slots)
-        context = self.prefix_slots + self.scratch_slots[:(step + 1) * n]
-        depths = torch.tensor(self.fork_depths)
-        mask = torch.zeros(n, prefix + (step + 1) * n, dtype=torch.bool)
+        context = self.prefix_slots + self.scratch_slots[:starts[-1]]
+        depths = torch.tensor(self.fork_depths[:n])
+        mask = torch.zeros(n, prefix + starts[-1], dtype=torch.bool)
         mask[:, :prefix] = torch.arange(prefix)[None, :] < (self.verified_len + depths)[:, None]
-        own = torch.eye(n, dtype=torch.bool)
-        for j in range(step + 1):
-            mask[:, prefix + j * n: prefix + (j + 1) * n] = own
+        rows = torch.arange(n)
+        for j in range(step + 1):  # branch q's own token of step j (every earlier step decoded all n of them)
+            mask[rows, prefix + starts[j] + rows] = True
         positions = (self.verified_len + depths + step).tolist()
         return context, positions, mask
