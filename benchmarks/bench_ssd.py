@@ -37,13 +37,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "fastest of them, and the first also runs with two threads")
     p.add_argument("--fan-outs", default="uniform;last3",
                    help="SSD fan-outs, ';' separated: 'uniform' (1 per depth), 'lastN' ([1,..,1,N]), 'auto', "
-                        "or comma separated counts F_0..F_K (their K may differ from --k; default 'uniform;last3')")
+                        "or comma separated counts F_0..F_K (their K may differ from --k); a suffix '@S' tapers "
+                        "the tree: every branch S steps, then the likeliest --deep-branches on to K "
+                        "(default 'uniform;last3')")
     p.add_argument("--fan-out-sweep", type=int_list, default=[],
                    help="also run F=[1,..,1,F_K] for each F_K given (comma separated)")
-    p.add_argument("--branch-steps", type=int_list, default=[0],
-                   help="SSD build steps that decode every branch, comma separated, one SSD run each (0: all K; "
-                        "fewer tapers the tree: the likeliest --deep-branches go on to K tokens; default 0)")
-    p.add_argument("--deep-branches", type=int, default=1, help="branches extended past --branch-steps (default 1)")
+    p.add_argument("--deep-branches", type=int, default=1,
+                   help="branches a tapered tree ('F@S' in --fan-outs) extends past its S steps (default 1)")
     p.add_argument("--fallback", default="jit", type=fallbacks,
                    help="SSD cache-miss fallback(s), comma separated: jit, ngram, random, auto (default jit)")
     p.add_argument("--skip-two-threads", action="store_true", help="skip AR and SD with two threads")
@@ -64,18 +64,21 @@ def fallbacks(text: str) -> list[str]:
     return names
 
 
-def fan_outs(args: argparse.Namespace) -> list[list[int] | str]:
+def fan_outs(args: argparse.Namespace) -> list[tuple[list[int] | str, int | None]]:
+    """(fan-out, branch_steps) of every SSD run; a spec ending in '@S' tapers its tree after S steps."""
     k, out = args.k, []
     for spec in [s.strip() for s in args.fan_outs.replace(" ", ";").split(";") if s.strip()]:
+        spec, _, steps = spec.partition("@")
         if spec == "uniform":
-            out.append([1] * (k + 1))
+            f = [1] * (k + 1)
         elif spec.startswith("last"):
-            out.append([1] * k + [int(spec[4:])])
+            f = [1] * k + [int(spec[4:])]
         elif spec == "auto":
-            out.append("auto")
+            f = "auto"
         else:
-            out.append(int_list(spec))
-    out += [[1] * k + [f] for f in args.fan_out_sweep]
+            f = int_list(spec)
+        out.append((f, int(steps) if steps else None))
+    out += [([1] * k + [f], None) for f in args.fan_out_sweep]
     unique = []
     for f in out:
         if f not in unique:
@@ -108,17 +111,16 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
                     (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
     ssd, ssd_k = [], {}
     for fallback in args.fallback:
-        for f in fan_outs(args):
+        for f, steps in fan_outs(args):
             k_f = len(f) - 1 if isinstance(f, list) else k
-            for steps in [s for s in args.branch_steps if s < k_f]:
-                tag = f", {fallback}" if len(args.fallback) > 1 else ""
-                tag += f", tapered {steps}+{args.deep_branches}" if steps else ""
-                name = f"SSD K={k_f} F={fan_out_label(f)}{tag} (2 cores)"
-                ssd.append(name)
-                ssd_k[name] = k_f
-                configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
-                                           fallback=fallback, draft_cores=[1], branch_steps=steps or None,
-                                           deep_branches=args.deep_branches, **fmt_)))
+            tag = f", {fallback}" if len(args.fallback) > 1 else ""
+            tag += f", tapered {steps}+{args.deep_branches}" if steps else ""
+            name = f"SSD K={k_f} F={fan_out_label(f)}{tag} (2 cores)"
+            ssd.append(name)
+            ssd_k[name] = k_f
+            configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
+                                       fallback=fallback, draft_cores=[1], branch_steps=steps,
+                                       deep_branches=args.deep_branches, **fmt_)))
     return {"configs": configs, "names": names, "ssd": ssd, "ssd_k": ssd_k, "sd_one": sd_one}
 
 
@@ -145,8 +147,9 @@ def build_stats(records: list[Record], k: int) -> dict[str, Any]:
 def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[str, Any], str]:
     names, k = plan_["names"], args.k
     bases = fastest_sd_bases(plan_, summaries)
-    ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t], plan_["ssd_k"][name])
-                         for t in args.temperatures} for name in plan_["ssd"]}
+    ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t],
+                                                  plan_["ssd_k"][name]) for t in args.temperatures}
+                  for name in plan_["ssd"]}
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
              f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
@@ -266,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_probe:
         from saguaro.calibration.contention import measure
         from saguaro.spec.draft_format import DraftFormat
-        widths = sorted({1} | {sum(f) for f in fan_outs(args) if isinstance(f, list)})
+        widths = sorted({1} | {sum(f) for f, _ in fan_outs(args) if isinstance(f, list)})
         contention = measure(TARGET, DRAFT, args.k + 1, widths, fast=args.compile, context=args.probe_context,
                              reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab),
                              log=log)

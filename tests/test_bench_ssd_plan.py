@@ -33,3 +33,13 @@ def test_ratios_are_against_the_fastest_sd_per_temperature():
     bases = fastest_sd_bases(p, summaries)
     assert bases["T=0"]["sd1"] is summaries["SD K=7 (1 core)"]
     assert bases["T=1"]["sd1"] is summaries["SD K=3 (1 core)"]  # the reference at SSD's K competes too
+
+
+def test_fan_outs_of_their_own_k_and_tapered_trees():
+    p = plan(parse_args(["--k", "4", "--sd-k", "5", "--fan-outs", "1,1,1,2;1,1,1,1,2@2", "--deep-branches", "2",
+                         "--skip-two-threads"]))
+    opts = dict(p["configs"])
+    plain, tapered = "SSD K=3 F=[1,1,1,2] (2 cores)", "SSD K=4 F=[1,1,1,1,2], tapered 2+2 (2 cores)"
+    assert p["ssd"] == [plain, tapered] and p["ssd_k"] == {plain: 3, tapered: 4}
+    assert opts[plain]["num_speculative_tokens"] == 3 and opts[plain]["branch_steps"] is None
+    assert opts[tapered]["branch_steps"] == 2 and opts[tapered]["deep_branches"] == 2

@@ -2,13 +2,14 @@
 
 Per temperature and batch size b, for each candidate per-sequence branch budget B:
 
-* **Timing** (profile, seconds): a verification of the batch takes t_v = target(b (K+1) rows) times the
-  memory-bus slowdown the profile measured beside a draft making passes of b B rows (1 without a probe);
-  the build glues the speculation (draft(b (K+1) rows)) and then runs branch steps of b B rows each, its
-  passes slowed likewise. A miss's just-in-time drafting runs while the target waits, at full speed. The speculator
-  always runs one step and starts another only while the verification is still running, so a cached
-  speculation has L = min(K, max(1, ceil((t_v - t_glue) / t_step))) tokens, and a hit round lasts
-  max(t_v, t_glue + L t_step).
+* **Timing** (profile, seconds): the build glues the speculation (a draft pass over b (K+1) rows) and then
+  runs branch steps of b B rows each; a verification of the batch takes target(b (K+1) rows) alone. Side
+  by side, each draft pass is slowed by the memory bus as the profile's probe measured for its width, and
+  the verification advances at 1 / (the target's slowdown beside that pass), at full speed once the draft
+  stops (``_steps``; no slowdown without a probe). A miss's just-in-time drafting runs while the target
+  waits, at full speed. The speculator always runs one step and starts another only while the
+  verification is still running, so a cached speculation has L <= K tokens, and a hit round lasts
+  max(t_v, build).
 * **Fan-out** for a speculation of length L (depths 0..L-1 and the all-accepted depth, which the engine
   stores at index K): Thm 12's geometric series (``theory.integer_geometric_fanout``) when the measured
   miss curve follows a power law (R^2 >= ``POWER_LAW_R2``), else Thm 13's optimum on the empirical per-depth
@@ -188,23 +189,33 @@ class BuildTime:
 def _steps(timing: dict, k: int, batch: int, rows: int, branch_steps: int | None = None,
            deep: int = 1) -> BuildTime:
     """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
-    ``branch_steps`` of them, then ``deep`` rows: a tapered tree).
+    ``branch_steps`` of them, then ``deep`` rows: a tapered tree), and how long the verification takes.
 
-    t_v is the verification as it runs beside the building draft: slowed by the memory-bus contention the
-    profile measured (``contention.slowdowns``; 1 without a probe), and so are the draft's passes."""
-    slow_target, slow_draft = slowdowns(timing, batch * max(rows, 1))
-    t_v = rows_time(timing["target_rows"], batch * (k + 1)) * slow_target
-    t_glue = rows_time(timing["draft_rows"], batch * (k + 1)) * slow_draft
-    t_step = rows_time(timing["draft_rows"], batch * max(rows, 1)) * slow_draft
+    The two run side by side: the draft makes its passes (the glue, then the steps), each slowed by the
+    memory bus as the profile measured for its width (``contention.slowdowns``; none without a probe), and
+    meanwhile the verification advances at 1 / (the target's slowdown beside a pass of that width); once
+    the draft stops, at full speed. The first step always runs, a later one only starts while the
+    verification is still running."""
+    t_alone = rows_time(timing["target_rows"], batch * (k + 1))
     full = k if branch_steps is None else branch_steps
-    steps = full if t_step <= 0 else min(full, max(1, math.ceil((t_v - t_glue) / t_step)))
-    build = t_glue + steps * t_step
-    extra = 0
-    if steps == full < k:
-        t_deep = rows_time(timing["draft_rows"], batch * deep) * slowdowns(timing, batch * deep)[1]
-        extra = k - full if t_deep <= 0 else min(k - full, max(0, math.ceil((t_v - build) / t_deep)))
-        build += extra * t_deep
-    return BuildTime(steps, steps + extra, build / t_v, t_v)
+    widths = [batch * (k + 1)] + [batch * max(rows, 1)] * full + [batch * deep] * (k - full)
+    clock = work = 0.0  # wall time of the draft, verification work done (in uncontended seconds)
+    t_v = None
+    passes = 0
+    for i, width in enumerate(widths):
+        if i >= 2 and t_v is not None:
+            break
+        slow_target, slow_draft = slowdowns(timing, width)
+        dur = rows_time(timing["draft_rows"], width) * slow_draft
+        if t_v is None and work + dur / slow_target >= t_alone:
+            t_v = clock + (t_alone - work) * slow_target
+        work += dur / slow_target
+        clock += dur
+        passes += 1
+    if t_v is None:
+        t_v = clock + (t_alone - work)
+    done = passes - 1
+    return BuildTime(min(done, full), done, clock / t_v, t_v)
 
 
 def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: BuildTime,

@@ -285,13 +285,14 @@ class AsyncSpeculator:
             items.append(ForwardItem(tokens, start, state.block_table, "all"))
             state.num_cached = start + len(tokens)
         logits = self.runner.forward(items)
+        depth_logits = [rows[-(len(self.sent[seq.seq_id]) + 1 - j0):] for seq, rows, j0 in zip(seqs, logits, known)]
+        fresh = iter(rank_positions(torch.cat(depth_logits), self.width))  # depths j0..n of each, in one call
         layouts = []
-        for seq, rows, j0 in zip(seqs, logits, known):
+        for seq, rows, j0 in zip(seqs, depth_logits, known):
             spec = self.sent[seq.seq_id]
-            depth_logits = rows[-(len(spec) + 1 - j0):]  # depths j0..n
             if self.recorder is not None:
-                self.recorder.remember(seq.seq_id, depth_logits, spec)
-            ranked = (self.ranked.get(seq.seq_id) or [])[:j0] + rank_positions(depth_logits, self.width)
+                self.recorder.remember(seq.seq_id, rows, spec)
+            ranked = (self.ranked.get(seq.seq_id) or [])[:j0] + [next(fresh) for _ in range(len(rows))]
             outcomes = predict_outcomes(ranked, spec, self.fan_out_for(seq))
             if self.recorder is not None and not self.recorder.build_branches:
                 outcomes = []
@@ -311,11 +312,13 @@ class AsyncSpeculator:
             size = layouts[i].scratch_size(self.k)
             self.runner.blocks.reserve(scratch[i], size)
             layouts[i].scratch_slots = self.runner.slots(scratch[i], 0, size)
-        # per live sequence and branch: the drafted tokens, their distributions and the draft's ranked ids
+        # per live sequence and branch: the drafted tokens, the draft's ranked ids, and the rows (over all
+        # steps' passes) whose distributions the tokens were drawn from
         tokens = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
-        probs = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
         ranked = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
-        steps = 0
+        rows_of = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        all_probs: list[torch.Tensor] = []
+        done = 0  # rows in the passes so far
         for step in range(self.k):
             if step > 0 and interrupted():
                 break
@@ -339,17 +342,34 @@ class AsyncSpeculator:
             for r, (i, q) in enumerate(rows):
                 tokens[i][q].append(drawn[r])
                 ranked[i][q].append(top[r])
-                if not row_seqs[r].params.greedy:
-                    probs[i][q].append(step_probs[r])
-            steps += 1
+                rows_of[i][q].append(done + r)
+            all_probs.append(step_probs)
+            done += len(rows)
+        probs = self._branch_probs(seqs, rows_of, all_probs)
         for i in live:
             seq, lay = seqs[i], layouts[i]
             for q in range(lay.num_branches):
-                kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(lay.branch_steps(q, steps))]
-                q_probs = torch.stack(probs[i][q]) if probs[i][q] else None
-                self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q],
-                               CachedSpeculation(tokens[i][q], q_probs, ranked[i][q], kv_slots))  # kv: root, tokens[:-1]
-        return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
+                kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(tokens[i][q]))]
+                self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q],  # kv: the root, then tokens[:-1]
+                               CachedSpeculation(tokens[i][q], probs.get((i, q)), ranked[i][q], kv_slots))
+        return BuildStats(steps=len(all_probs), branches=sum(layouts[i].num_branches for i in live))
+
+    @staticmethod
+    def _branch_probs(seqs, rows_of, all_probs) -> dict[tuple[int, int], torch.Tensor]:
+        """[len(tokens), V] distributions of every sampled (non-greedy) branch: one gather per branch length."""
+        by_length: dict[int, list[tuple[int, int]]] = {}
+        for i, branches in rows_of.items():
+            if not seqs[i].params.greedy:
+                for q, rows in enumerate(branches):
+                    by_length.setdefault(len(rows), []).append((i, q))
+        if not by_length:
+            return {}
+        flat = torch.cat(all_probs)
+        out = {}
+        for members in by_length.values():
+            gathered = flat[torch.tensor([rows_of[i][q] for i, q in members])]  # [branches, length, V]
+            out.update(zip(members, gathered))
+        return out
 
     def close(self) -> None:
         for seq_id in list(self.seqs):
