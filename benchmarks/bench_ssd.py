@@ -50,6 +50,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--skip-probe", action="store_true", help="skip the controlled contention probe")
     p.add_argument("--probe-reps", type=int, default=8, help="timed passes per probe phase (default 8)")
     p.add_argument("--probe-context", type=int, default=256, help="KV context of the probe's passes (default 256)")
+    p.add_argument("--timeline-config", type=int, default=0,
+                   help="which SSD configuration to draw, in --fan-outs order (default 0: the first)")
     p.add_argument("--timeline-request", type=int, default=0,
                    help="which request of the first SSD configuration to draw (default 0: the first prompt)")
     p.add_argument("--timeline-rounds", type=int, default=40, help="rounds shown in the timeline (default 40)")
@@ -245,12 +247,12 @@ def draw_timeline(args, plan_, records) -> str | None:
     from benchmarks.timeline import CAPTION, plot_timeline
     if not plan_["ssd"]:
         return None
-    name = plan_["ssd"][0]
+    name = plan_["ssd"][min(args.timeline_config, len(plan_["ssd"]) - 1)]
     recs = records[name]
     rec = recs[min(args.timeline_request, len(recs) - 1)]
     path = plot_timeline(rec.rounds, args.out / "ssd_timeline.png",
                          f"{name}: {rec.dataset}[{rec.prompt_index}], T={rec.temperature:g}, {rec.new_tokens} tokens, "
-                         f"{rec.tok_s:.2f} tok/s", args.k, args.timeline_rounds)
+                         f"{rec.tok_s:.2f} tok/s", plan_["ssd_k"][name], args.timeline_rounds)
     log(f"wrote {path}")
     return f"![SSD round timeline]({path.name})\n\n{CAPTION}"
 

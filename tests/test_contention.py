@@ -6,7 +6,8 @@ import torch
 
 from saguaro.calibration import default_profile
 from saguaro.calibration.contention import measure, slowdowns
-from saguaro.calibration.policy import evaluate, rows_time
+from saguaro.calibration.policy import evaluate
+from saguaro.calibration.timeline import rows_time
 from tests.tiny import perturbed, tiny_model
 
 VOCAB = 151936

@@ -7,9 +7,10 @@ import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.calibration import default_profile, save_profile
-from saguaro.calibration.policy import (_steps, best_choice, critical_batch, deep_share, depth_weights_for,
+from saguaro.calibration.policy import (best_choice, critical_batch, deep_share, depth_weights_for,
                                         evaluate, expected_round_tokens, fan_out_for_budget, make_plan,
-                                        recommended_k, rows_time, tree_shapes)
+                                        recommended_k, tree_shapes)
+from saguaro.calibration.timeline import build_time, rows_time
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
@@ -81,9 +82,9 @@ def _cpu_like_timing(profile: dict) -> dict:
 
 def test_tapered_build_time_and_deep_share():
     timing = _cpu_like_timing(default_profile("a", "b", "bf16", 5))["timing"]
-    full = _steps(timing, 5, 1, 5)
+    full = build_time(timing, 5, 1, 5)
     assert full.steps == full.deep_steps < 5  # the full tree is cut short
-    tapered = _steps(timing, 5, 1, 5, branch_steps=2)
+    tapered = build_time(timing, 5, 1, 5, branch_steps=2)
     assert tapered.steps == 2 and full.steps < tapered.deep_steps <= 5
     source = {"acceptance": 0.8, "hit_curves": [[0, 0.5, 0.7, 0.8]] * 3}
     share = deep_share(source, [1, 1, 2], 2, 1)

@@ -122,7 +122,7 @@ def slowdowns(timing: dict, draft_rows: float) -> tuple[float, float]:
     if not probe or not probe.get("busy"):
         return 1.0, 1.0
     import numpy as np
-    from saguaro.calibration.policy import rows_time
+    from saguaro.calibration.timeline import rows_time
     pts = sorted(probe["busy"], key=lambda b: b["draft_rows"])
     xs = [b["draft_rows"] for b in pts]
     target = float(max(1.0, np.interp(draft_rows, xs, [b["slowdown"] for b in pts])))  # clamps at the ends

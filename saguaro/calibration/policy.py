@@ -6,8 +6,8 @@ Per temperature and batch size b, for each candidate per-sequence branch budget 
   runs branch steps of b B rows each; a verification of the batch takes target(b (K+1) rows) alone. Side
   by side, each draft pass is slowed by the memory bus as the profile's probe measured for its width, and
   the verification advances at 1 / (the target's slowdown beside that pass), at full speed once the draft
-  stops (``_steps``; no slowdown without a probe). A miss's just-in-time drafting runs while the target
-  waits, at full speed. The speculator always runs one step and starts another only while the
+  stops (``timeline.build_time``; no slowdown without a probe). A miss's just-in-time drafting runs while
+  the target waits, at full speed. The speculator always runs one step and starts another only while the
   verification is still running, so a cached speculation has L <= K tokens, and a hit round lasts
   max(t_v, build).
 * **Fan-out** for a speculation of length L (depths 0..L-1 and the all-accepted depth, which the engine
@@ -44,26 +44,14 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from saguaro.calibration.contention import slowdowns
 from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, default_profile, load_profile
+from saguaro.calibration.timeline import BuildTime, build_time, rows_time
 from saguaro.ssd.plan import SpecPlan
 from saguaro.theory import (accepted_length_pmf, choose_fallback, critical_batch_size, expected_tokens,
                             integer_geometric_fanout, optimal_fanout, ssd_speedup_batch, unconditional_hit_rate)
 
 log = logging.getLogger("saguaro.calibration")
 BUDGETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64)
-
-
-def rows_time(table: dict, n: float) -> float:
-    """Seconds for a forward over ``n`` rows: piecewise-linear in the measured points, linear beyond them."""
-    pts = sorted((int(k), float(v)) for k, v in table.items())
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    if n <= xs[0] or len(xs) == 1:
-        return ys[0]
-    if n >= xs[-1]:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return ys[-1] + max(slope, 0.0) * (n - xs[-1])
-    return float(np.interp(n, xs, ys))
 
 
 def depth_curves(source: dict, k: int) -> list[np.ndarray]:
@@ -178,46 +166,6 @@ class Choice:
     deep_share: float = 0.0  # share of hits that land on a deep branch
 
 
-@dataclass
-class BuildTime:
-    steps: int  # L: build steps that decode every branch
-    deep_steps: int  # L plus the narrow steps after them (tapered tree; = L without one)
-    t_hit: float  # hit-round time / t_v
-    t_v: float
-
-
-def _steps(timing: dict, k: int, batch: int, rows: int, branch_steps: int | None = None,
-           deep: int = 1) -> BuildTime:
-    """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
-    ``branch_steps`` of them, then ``deep`` rows: a tapered tree), and how long the verification takes.
-
-    The two run side by side: the draft makes its passes (the glue, then the steps), each slowed by the
-    memory bus as the profile measured for its width (``contention.slowdowns``; none without a probe), and
-    meanwhile the verification advances at 1 / (the target's slowdown beside a pass of that width); once
-    the draft stops, at full speed. The first step always runs, a later one only starts while the
-    verification is still running."""
-    t_alone = rows_time(timing["target_rows"], batch * (k + 1))
-    full = k if branch_steps is None else branch_steps
-    widths = [batch * (k + 1)] + [batch * max(rows, 1)] * full + [batch * deep] * (k - full)
-    clock = work = 0.0  # wall time of the draft, verification work done (in uncontended seconds)
-    t_v = None
-    passes = 0
-    for i, width in enumerate(widths):
-        if i >= 2 and t_v is not None:
-            break
-        slow_target, slow_draft = slowdowns(timing, width)
-        dur = rows_time(timing["draft_rows"], width) * slow_draft
-        if t_v is None and work + dur / slow_target >= t_alone:
-            t_v = clock + (t_alone - work) * slow_target
-        work += dur / slow_target
-        clock += dur
-        passes += 1
-    if t_v is None:
-        t_v = clock + (t_alone - work)
-    done = passes - 1
-    return BuildTime(min(done, full), done, clock / t_v, t_v)
-
-
 def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: BuildTime,
             f_p: list[int], f_b: list[int], fallback: str, method: str = "given", branch_steps: int | None = None,
             deep: int = 1) -> Choice:
@@ -248,7 +196,7 @@ def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: 
 def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallback: str, vocab: int,
              branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "fast" fallback (see module doc)."""
-    build = _steps(profile["timing"], k, batch, budget, branch_steps, deep)
+    build = build_time(profile["timing"], k, batch, budget, branch_steps, deep)
     f_p, method = fan_out_for_budget(entry["primary"], build.steps, k, budget, vocab)
     f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab, _backup_weights(entry["backup"], k))
     return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, method, branch_steps, deep)
@@ -260,7 +208,7 @@ def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: li
     key = min(profile["temperatures"], key=lambda t: abs(float(t) - temperature))
     entry = _entry_with_c(profile["temperatures"][key], c)
     budget = max(sum(f_p), sum(f_b))
-    build = _steps(profile["timing"], k, batch, sum(f_p), branch_steps, deep)
+    build = build_time(profile["timing"], k, batch, sum(f_p), branch_steps, deep)
     return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, "given", branch_steps, deep)
 
 
@@ -358,7 +306,7 @@ def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, 
 
 def paper_budget(timing: dict, k: int, batch: int = 1) -> int:
     """The paper's B: the most branches per sequence whose K steps (after the glue) fit in one verification;
-    0 when not even one branch does (then cached speculations are shorter than K, see ``_steps``)."""
+    0 when not even one branch does (then cached speculations are shorter than K, see ``timeline.build_time``)."""
     t_v = rows_time(timing["target_rows"], batch * (k + 1))
     t_glue = rows_time(timing["draft_rows"], batch * (k + 1))
     fits = [b for b in range(1, F_MAX + 1) if t_glue + k * rows_time(timing["draft_rows"], batch * b) <= t_v]

@@ -48,10 +48,6 @@ class BranchLayout:
     def scratch_size(self, steps: int) -> int:
         return self.offset(steps)
 
-    def branch_steps(self, q: int, steps: int) -> int:
-        """How many of the first ``steps`` steps decode branch ``q`` (a prefix of them: widths never grow)."""
-        return sum(1 for j in range(steps) if q < self.width(j))
-
     def step_inputs(self, step: int) -> tuple[list[int], list[int], torch.Tensor]:
         """Context slots, positions and [width, ctx] mask for decoding step ``step`` of its branches."""
         n = self.width(step)

@@ -1,0 +1,67 @@
+"""How long a round's build and verification take side by side, from a profile's measured costs.
+
+``rows_time`` reads a measured cost table (seconds per forward over n rows). ``build_time`` lays the
+draft's build and the target's verification on one timeline, with the memory-bus contention the
+profile's probe measured (``contention.slowdowns``); the policy (``policy.py``) turns its result into
+hit-round times and cached speculation lengths.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from saguaro.calibration.contention import slowdowns
+
+
+def rows_time(table: dict, n: float) -> float:
+    """Seconds for a forward over ``n`` rows: piecewise-linear in the measured points, linear beyond them."""
+    pts = sorted((int(k), float(v)) for k, v in table.items())
+    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
+    if n <= xs[0] or len(xs) == 1:
+        return ys[0]
+    if n >= xs[-1]:
+        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+        return ys[-1] + max(slope, 0.0) * (n - xs[-1])
+    return float(np.interp(n, xs, ys))
+
+
+@dataclass
+class BuildTime:
+    steps: int  # L: build steps that decode every branch
+    deep_steps: int  # L plus the narrow steps after them (tapered tree; = L without one)
+    t_hit: float  # hit-round time / t_v
+    t_v: float
+
+
+def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | None = None,
+           deep: int = 1) -> BuildTime:
+    """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
+    ``branch_steps`` of them, then ``deep`` rows: a tapered tree), and how long the verification takes.
+
+    The two run side by side: the draft makes its passes (the glue, then the steps), each slowed by the
+    memory bus as the profile measured for its width (``contention.slowdowns``; none without a probe), and
+    meanwhile the verification advances at 1 / (the target's slowdown beside a pass of that width); once
+    the draft stops, at full speed. The first step always runs, a later one only starts while the
+    verification is still running."""
+    t_alone = rows_time(timing["target_rows"], batch * (k + 1))
+    full = k if branch_steps is None else branch_steps
+    widths = [batch * (k + 1)] + [batch * max(rows, 1)] * full + [batch * deep] * (k - full)
+    clock = work = 0.0  # wall time of the draft, verification work done (in uncontended seconds)
+    t_v = None
+    passes = 0
+    for i, width in enumerate(widths):
+        if i >= 2 and t_v is not None:
+            break
+        slow_target, slow_draft = slowdowns(timing, width)
+        dur = rows_time(timing["draft_rows"], width) * slow_draft
+        if t_v is None and work + dur / slow_target >= t_alone:
+            t_v = clock + (t_alone - work) * slow_target
+        work += dur / slow_target
+        clock += dur
+        passes += 1
+    if t_v is None:
+        t_v = clock + (t_alone - work)
+    done = passes - 1
+    return BuildTime(min(done, full), done, clock / t_v, t_v)
