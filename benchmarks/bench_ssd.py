@@ -19,6 +19,7 @@ timeline of one request is drawn to results/ssd_timeline.png.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from typing import Any
 
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="branches a tapered tree ('F@S' in --fan-outs) extends past its S steps (default 1)")
     p.add_argument("--fallback", default="jit", type=fallbacks,
                    help="SSD cache-miss fallback(s), comma separated: jit, ngram, random, auto (default jit)")
+    p.add_argument("--saguaro-c", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=["1"],
+                   help="Saguaro sampling C for SSD, comma separated (each SSD run once per value; 'auto' reads the "
+                        "profile; default 1)")
     p.add_argument("--skip-two-threads", action="store_true", help="skip AR and SD with two threads")
     p.add_argument("--skip-probe", action="store_true", help="skip the controlled contention probe")
     p.add_argument("--probe-reps", type=int, default=8, help="timed passes per probe phase (default 8)")
@@ -112,17 +116,18 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         configs += [(names["ar2"], dict(two, mode="ar")),
                     (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
     ssd, ssd_k = [], {}
-    for fallback in args.fallback:
-        for f, steps in fan_outs(args):
-            k_f = len(f) - 1 if isinstance(f, list) else k
-            tag = f", {fallback}" if len(args.fallback) > 1 else ""
-            tag += f", tapered {steps}+{args.deep_branches}" if steps else ""
-            name = f"SSD K={k_f} F={fan_out_label(f)}{tag} (2 cores)"
-            ssd.append(name)
-            ssd_k[name] = k_f
-            configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
-                                       fallback=fallback, draft_cores=[1], branch_steps=steps,
-                                       deep_branches=args.deep_branches, **fmt_)))
+    for fallback, c, (f, steps) in itertools.product(args.fallback, args.saguaro_c, fan_outs(args)):
+        k_f = len(f) - 1 if isinstance(f, list) else k
+        tag = f", {fallback}" if len(args.fallback) > 1 else ""
+        tag += f", tapered {steps}+{args.deep_branches}" if steps else ""
+        tag += f", C={c}" if len(args.saguaro_c) > 1 or c != "1" else ""
+        name = f"SSD K={k_f} F={fan_out_label(f)}{tag} (2 cores)"
+        ssd.append(name)
+        ssd_k[name] = k_f
+        configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
+                                   fallback=fallback, draft_cores=[1], branch_steps=steps,
+                                   deep_branches=args.deep_branches, saguaro_c=c if c == "auto" else float(c),
+                                   **fmt_)))
     return {"configs": configs, "names": names, "ssd": ssd, "ssd_k": ssd_k, "sd_one": sd_one}
 
 

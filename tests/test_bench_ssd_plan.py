@@ -43,3 +43,11 @@ def test_fan_outs_of_their_own_k_and_tapered_trees():
     assert p["ssd"] == [plain, tapered] and p["ssd_k"] == {plain: 3, tapered: 4}
     assert opts[plain]["num_speculative_tokens"] == 3 and opts[plain]["branch_steps"] is None
     assert opts[tapered]["branch_steps"] == 2 and opts[tapered]["deep_branches"] == 2
+
+
+def test_each_saguaro_c_is_its_own_ssd_run():
+    p = plan(parse_args(["--k", "4", "--sd-k", "5", "--fan-outs", "1,1,1,1,2@2", "--saguaro-c", "1,0.5",
+                         "--skip-two-threads"]))
+    opts = dict(p["configs"])
+    assert [opts[n]["saguaro_c"] for n in p["ssd"]] == [1.0, 0.5]
+    assert p["ssd"][1] == "SSD K=4 F=[1,1,1,1,2], tapered 2+1, C=0.5 (2 cores)"
