@@ -78,9 +78,9 @@ class Config:
                 raise ValueError(f"fan_out entries must be >= 0, got {self.fan_out}")
         elif self.fan_out not in (None, "auto"):
             raise ValueError(f"fan_out must be a list of K+1 ints, 'auto' or None, got {self.fan_out!r}")
-        if self.branch_steps not in (None, "auto") and not (isinstance(self.branch_steps, int)
-                                                            and 1 <= self.branch_steps <= self.num_speculative_tokens):
-            raise ValueError(f"branch_steps must lie in [1, K = {self.num_speculative_tokens}], got {self.branch_steps}")
+        k, steps = self.num_speculative_tokens, self.branch_steps
+        if steps not in (None, "auto") and not (isinstance(steps, int) and 1 <= steps <= k):
+            raise ValueError(f"branch_steps must lie in [1, K = {k}], got {steps}")
         if self.deep_branches < 1:
             raise ValueError(f"deep_branches must be >= 1, got {self.deep_branches}")
         self.draft_format  # validates draft_weights / draft_vocab
@@ -100,7 +100,8 @@ class Config:
         from saguaro.calibration.policy import recommended_k, resolve_profile
         profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile,
                                   draft_format=self.draft_format.tag, workload=self.calibration_workload)
-        return recommended_k(profile, self.fallback, mode=self.mode, taper=self.branch_steps == "auto")
+        return recommended_k(profile, self.fallback, mode=self.mode, taper=self.branch_steps == "auto",
+                             deep=self.deep_branches)
 
     @property
     def torch_dtype(self) -> torch.dtype:

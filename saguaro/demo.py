@@ -45,7 +45,7 @@ def run_demo(args: argparse.Namespace) -> int:
     with LLM(target=TARGET, draft=DRAFT, mode="sd", num_speculative_tokens=args.k, **common, **draft_fmt) as sd:
         results[f"SD K={args.k} (1 core)"] = _run(sd, prompts, args.max_tokens)
     # SSD's tree is built while one verification runs: the glue, then a few steps over all branches, then
-    # narrow steps that take the likeliest branch on to K tokens (benchmarks/bench_ssd.py --branch-steps).
+    # narrow steps that take the likeliest branch on to K tokens (benchmarks/bench_ssd.py --fan-outs 'F@S').
     ssd_k, fan_out = len(args.ssd_fan_out) - 1, args.ssd_fan_out
     with LLM(target=TARGET, draft=DRAFT, mode="ssd", num_speculative_tokens=ssd_k, fan_out=fan_out, **common,
              branch_steps=args.ssd_branch_steps or None, **draft_fmt) as ssd:

@@ -29,11 +29,11 @@ def pair():
     return target, perturbed(target, noise=0.03)
 
 
-def run(pair, fan_out, params, n=50_000):
-    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=fan_out,
-              block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
+def run(pair, fan_out, params, n=50_000, positions=POSITIONS, **options):
+    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=len(fan_out) - 1, fan_out=fan_out,
+              block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16, **options)
     try:
-        tv, threshold = measure(llm, pair[0], params, POSITIONS, n)
+        tv, threshold = measure(llm, pair[0], params, positions, n)
         trace = llm.engine.decoder.trace
         assert llm.engine.decoder.failure is None  # every round went through the speculator
     finally:
@@ -56,17 +56,10 @@ def test_ssd_distribution(pair, fan_out, params, hit_range):
 def test_tapered_tree_distribution(pair):
     """K = 2 with a tapered tree: every branch gets one step, only the likeliest a second, so cached
     speculations of one and two tokens (and misses) mix; tokens 4 and 5 come from round 2 or later."""
-    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=2, fan_out=[1, 2, 2],
-              branch_steps=1, deep_branches=1, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
-    try:
-        tv, threshold = measure(llm, pair[0], SamplingParams(temperature=1.0), [4, 5], 50_000)
-        trace = llm.engine.decoder.trace
-        assert llm.engine.decoder.failure is None
-    finally:
-        llm.close()
+    tv, threshold, hit_rate = run(pair, [1, 2, 2], SamplingParams(temperature=1.0), positions=[4, 5],
+                                  branch_steps=1, deep_branches=1)
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
-    hits = [h for t in trace for h in t.hits]
-    assert 0.1 < sum(hits) / len(hits) < 0.95
+    assert 0.1 < hit_rate < 0.95
 
 
 def test_all_hits_after_the_first_round(pair):

@@ -104,6 +104,10 @@ def test_taper_is_chosen_when_it_predicts_faster():
     assert plan.branch_steps[0] == tapered.branch_steps and len(plan.branch_steps) == len(plan.temperatures)
     assert plan.branch_widths(7, 0.0) == [7] * tapered.branch_steps + [1] * (5 - tapered.branch_steps)
     assert make_plan(profile, 5, 1.0, "jit", 2, VOCAB).branch_steps == [None] * len(plan.temperatures)
+    wide = make_plan(profile, 5, 1.0, "jit", 1, VOCAB, taper=True, deep=2)  # the deep count reaches the plan
+    assert wide.deep_branches == 2
+    source, f = entry["primary"], tapered.primary
+    assert deep_share(source, f, tapered.steps, 2) >= deep_share(source, f, tapered.steps, 1)
 
 
 def test_critical_batch_size_is_thm18_on_the_measured_inputs():

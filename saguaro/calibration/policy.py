@@ -213,15 +213,15 @@ def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: li
 
 
 def tree_shapes(k: int, taper: bool) -> list[int | None]:
-    """branch_steps S to compare: the full tree (None), and with ``taper`` every S < K (one deep branch)."""
+    """branch_steps S to compare: the full tree (None), and with ``taper`` every S < K."""
     return [None] + (list(range(1, k)) if taper else [])
 
 
 def best_choice(profile: dict, entry: dict, k: int, batch: int, fallback: str, vocab: int,
-                shapes: list[int | None] = (None,)) -> Choice:
-    """The budget B and tree shape (``branch_steps`` among ``shapes``) with the best predicted speed (tokens
-    per second: t_v differs per budget, through contention)."""
-    return max((evaluate(profile, entry, k, batch, b, fallback, vocab, s) for b in BUDGETS for s in shapes),
+                shapes: list[int | None] = (None,), deep: int = 1) -> Choice:
+    """The budget B and tree shape (``branch_steps`` among ``shapes``, ``deep`` branches past them) with the
+    best predicted speed (tokens per second: t_v differs per budget, through contention)."""
+    return max((evaluate(profile, entry, k, batch, b, fallback, vocab, s, deep) for b in BUDGETS for s in shapes),
                key=lambda c: c.tok_s)
 
 
@@ -267,14 +267,14 @@ def sd_tokens_per_s(profile: dict, entry: dict, k: int) -> float:
 
 
 def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9),
-                  mode: str = "ssd", taper: bool = False) -> int:
+                  mode: str = "ssd", taper: bool = False, deep: int = 1) -> int:
     """K with the best predicted speed at b = 1 (SSD: Cor. 17 per K, with tapered trees if ``taper``;
     SD: E / (1 + T_SD)), summed over the calibrated temperatures."""
     kind = "jit" if fallback in ("jit", "auto") else "fast"
     entries = list(profile["temperatures"].values())
     if mode == "sd":
         return max(ks, key=lambda k: sum(sd_tokens_per_s(profile, e, k) for e in entries))
-    return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab, tree_shapes(k, taper)).tok_s
+    return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab, tree_shapes(k, taper), deep).tok_s
                                      for e in entries))
 
 
@@ -314,9 +314,10 @@ def paper_budget(timing: dict, k: int, batch: int = 1) -> int:
 
 
 def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_batch: int, vocab: int,
-              taper: bool = False) -> SpecPlan:
+              taper: bool = False, deep: int = 1) -> SpecPlan:
     """The engine's plan for ``fan_out="auto"``: per temperature C, per batch size F^p and F^b, and b*; with
-    ``taper`` also the tree's branch_steps per temperature (chosen at b = 1, kept for every batch size)."""
+    ``taper`` also the tree's branch_steps per temperature for ``deep`` deep branches (chosen at b = 1, kept
+    for every batch size)."""
     temps = sorted(profile["temperatures"], key=float)
     cs = [choose_c(profile, t, k, "jit" if fallback in ("jit", "auto") else "fast", vocab) if c_setting == "auto"
           else float(c_setting) for t in temps]  # greedy rows ignore C
@@ -327,26 +328,27 @@ def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_
     tapers = []
     for t, c in zip(temps, cs):
         entry = _entry_with_c(profile["temperatures"][t], c)
-        first = {"jit": "jit", "auto": "jit" if 1 < b_star else "fast"}.get(fallback, "fast")
-        tapers.append(best_choice(profile, entry, k, 1, first, vocab, tree_shapes(k, taper)).branch_steps)
-        p_table, b_table = [], []
+        p_table, b_table, shapes = [], [], tree_shapes(k, taper)
         for b in range(1, max_batch + 1):
             kind = {"jit": "jit", "auto": "jit" if b < b_star else "fast"}.get(fallback, "fast")
-            choice = best_choice(profile, entry, k, b, kind, vocab, [tapers[-1]])
+            choice = best_choice(profile, entry, k, b, kind, vocab, shapes, deep)
             p_table.append(choice.primary)
             b_table.append(choice.backup)
             if b == 1:
+                shapes = [choice.branch_steps]
+                tapers.append(choice.branch_steps)
                 notes["temperatures"][t] = {"c": c, **asdict(choice)}
         primary.append(p_table)
         backup.append(b_table)
-    return SpecPlan(k, [float(t) for t in temps], primary, backup, cs, fallback, b_star, notes, tapers)
+    return SpecPlan(k, [float(t) for t in temps], primary, backup, cs, fallback, b_star, notes, tapers, deep)
 
 
 def describe(plan: SpecPlan) -> str:
     parts = []
     for t, n in plan.notes.get("temperatures", {}).items():
         tree = f", tapered to {n['deep_steps']} after {n['branch_steps']}" if n.get("branch_steps") else ""
-        parts.append(f"T={t}: F^p={n['primary']} F^b={n['backup']} (B={n['budget']}, L={n['steps']}{tree}, {n['method']}, "
+        parts.append(f"T={t}: F^p={n['primary']} F^b={n['backup']} (B={n['budget']}, L={n['steps']}{tree}, "
+                     f"{n['method']}, "
                      f"p_hit,p={n['p_hit_p']:.2f}, p_hit,b={n['p_hit_b']:.2f}, C={n['c']:.2f}, "
                      f"predicted {n['speedup_vs_ar']:.2f}x AR)")
     if plan.fallback == "auto":

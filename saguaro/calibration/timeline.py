@@ -36,7 +36,7 @@ class BuildTime:
 
 
 def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | None = None,
-           deep: int = 1) -> BuildTime:
+               deep: int = 1) -> BuildTime:
     """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
     ``branch_steps`` of them, then ``deep`` rows: a tapered tree), and how long the verification takes.
 

@@ -179,10 +179,10 @@ def build_plan(cfg: Config, vocab: int) -> SpecPlan:
     """Fan-outs, Saguaro C and fallback for the speculator.
 
     Explicit settings (a ``fan_out`` list or None for uniform 1s, a numeric ``saguaro_c``, a named
-    ``fallback``, a ``branch_steps`` count or None) give a fixed plan. Any "auto" loads the calibration profile for (target, draft, dtype) --
-    or the documented defaults, with a warning -- and lets ``saguaro.calibration.policy.make_plan`` choose
-    (Thm 12 / Thm 13 fan-outs per temperature, batch size and source; C; Thm 18's b*); explicit settings
-    still override their part of it.
+    ``fallback``, a ``branch_steps`` count or None) give a fixed plan. Any "auto" loads the calibration
+    profile for (target, draft, dtype) -- or the documented defaults, with a warning -- and lets
+    ``saguaro.calibration.policy.make_plan`` choose (Thm 12 / Thm 13 fan-outs per temperature, batch size and
+    source; C; Thm 18's b*; the tree's taper); explicit settings still override their part of it.
     """
     k = cfg.num_speculative_tokens
     fixed = cfg.fan_out if isinstance(cfg.fan_out, list) else uniform_fan_out(k)
@@ -193,13 +193,13 @@ def build_plan(cfg: Config, vocab: int) -> SpecPlan:
     from saguaro.calibration.policy import describe, make_plan, resolve_profile
     profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.compile, draft_format=cfg.draft_format.tag,
                               workload=cfg.calibration_workload)
-    plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab, cfg.branch_steps == "auto")
+    plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab, cfg.branch_steps == "auto",
+                     cfg.deep_branches)
     if cfg.fan_out != "auto":
         plan.primary = [[list(fixed)] for _ in plan.temperatures]
         plan.backup = [[list(fixed)] for _ in plan.temperatures]
     if cfg.branch_steps != "auto":
         plan.branch_steps = [cfg.branch_steps] * len(plan.temperatures)
-    plan.deep_branches = 1 if cfg.branch_steps == "auto" else cfg.deep_branches
     log.info("SSD plan (%s): %s", "defaults" if profile.get("default") else "calibrated", describe(plan))
     return plan
 

@@ -15,7 +15,6 @@ mask (Appendix D).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from itertools import accumulate
 
 import torch
 
@@ -51,15 +50,14 @@ class BranchLayout:
     def step_inputs(self, step: int) -> tuple[list[int], list[int], torch.Tensor]:
         """Context slots, positions and [width, ctx] mask for decoding step ``step`` of its branches."""
         n = self.width(step)
-        widths = [self.width(j) for j in range(step + 1)]
-        starts = [0, *accumulate(widths)]
+        end = self.offset(step + 1)
         prefix = len(self.prefix_slots)
-        context = self.prefix_slots + self.scratch_slots[:starts[-1]]
+        context = self.prefix_slots + self.scratch_slots[:end]
         depths = torch.tensor(self.fork_depths[:n])
-        mask = torch.zeros(n, prefix + starts[-1], dtype=torch.bool)
+        mask = torch.zeros(n, prefix + end, dtype=torch.bool)
         mask[:, :prefix] = torch.arange(prefix)[None, :] < (self.verified_len + depths)[:, None]
         rows = torch.arange(n)
         for j in range(step + 1):  # branch q's own token of step j (every earlier step decoded all n of them)
-            mask[rows, prefix + starts[j] + rows] = True
+            mask[rows, prefix + self.offset(j) + rows] = True
         positions = (self.verified_len + depths + step).tolist()
         return context, positions, mask
