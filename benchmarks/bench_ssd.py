@@ -24,7 +24,7 @@ import sys
 from typing import Any
 
 from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, draft_options, engine_options,
-                               environment, fmt, group_records, int_list, log, mean, prepare_prompts, ratio,
+                               environment, fmt, group_records, int_list, log, parse_fan_out, mean, prepare_prompts, ratio,
                                run_engine, same_tokens, settings, table, temp_key, write_results)
 
 
@@ -72,18 +72,8 @@ def fallbacks(text: str) -> list[str]:
 
 def fan_outs(args: argparse.Namespace) -> list[tuple[list[int] | str, int | None]]:
     """(fan-out, branch_steps) of every SSD run; a spec ending in '@S' tapers its tree after S steps."""
-    k, out = args.k, []
-    for spec in [s.strip() for s in args.fan_outs.replace(" ", ";").split(";") if s.strip()]:
-        spec, _, steps = spec.partition("@")
-        if spec == "uniform":
-            f = [1] * (k + 1)
-        elif spec.startswith("last"):
-            f = [1] * k + [int(spec[4:])]
-        elif spec == "auto":
-            f = "auto"
-        else:
-            f = int_list(spec)
-        out.append((f, int(steps) if steps else None))
+    k = args.k
+    out = [parse_fan_out(spec, k) for spec in args.fan_outs.replace(" ", ";").split(";") if spec.strip()]
     out += [([1] * k + [f], None) for f in args.fan_out_sweep]
     unique = []
     for f in out:

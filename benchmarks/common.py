@@ -62,6 +62,22 @@ def float_list(text: str) -> list[float]:
     return [float(x) for x in text.split(",") if x.strip()]
 
 
+def parse_fan_out(spec: str, k: int) -> tuple[list[int] | str, int | str | None]:
+    """One SSD fan-out spec -> (fan_out, branch_steps): "auto", "uniform" (1 per depth), "lastN" (1 per
+    depth, N for the all-accepted outcome) or counts "F_0,...,F_K"; a suffix "@S" (or "@auto") tapers the
+    tree after S build steps."""
+    spec, _, steps = spec.strip().partition("@")
+    if spec == "uniform":
+        f: list[int] | str = [1] * (k + 1)
+    elif spec.startswith("last"):
+        f = [1] * k + [int(spec[4:])]
+    elif spec == "auto":
+        f = "auto"
+    else:
+        f = int_list(spec)
+    return f, (steps if steps == "auto" else int(steps)) if steps else None
+
+
 def str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 

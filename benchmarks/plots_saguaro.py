@@ -12,12 +12,14 @@ Figures (``--only`` names):
              budget) at temperatures 0, 0.5, 1: hit rate and tok/s (paper fig. 4).
   csweep     Saguaro sampling C sweep at temperature 1: acceptance, hit rate and tok/s (paper fig. 6 left).
   batch      batch sizes 1..16: SSD with jit fallback, SSD with the n-gram backup, SD and AR (paper fig. 7).
-  predicted  predicted speedup over AR (Thm 2 / Cor. 17 from the calibrated quantities,
-             saguaro.calibration.policy.predict_fixed) vs measured, for every SSD run above.
+  predicted  predicted speedup over AR and over SD (Thm 2 / Cor. 17 from the calibrated quantities,
+             saguaro.calibration.policy.predict_fixed) vs measured in paired, repeated runs
+             (benchmarks/predicted.py: --repeats, --predict-groups, --predict-configs).
 
 Prompts: HumanEval items from the start of the set (the calibration uses the end). Decode speed is the
-median per-request decode tok/s; throughput is all generated tokens over wall time. One run per point:
-timings on a shared machine are noisy.
+median per-request decode tok/s (after a warm-up request); throughput is all generated tokens over wall
+time. One run per point in the first four figures: timings on a shared machine are noisy. The predicted
+figure pairs and repeats its runs instead.
 """
 from __future__ import annotations
 
@@ -51,6 +53,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--c-values", default="1,0.75,0.5,0.25")
     p.add_argument("--batch-sizes", default="1,2,4,8,16")
     p.add_argument("--uniform-f", type=int, default=2, help="geometric figure: uniform F per depth (budget F (K+1))")
+    p.add_argument("--repeats", type=int, default=3, help="predicted figure: paired repeats per point")
+    p.add_argument("--predict-groups", default="0:1;1:1",
+                   help="predicted figure: 'T:batch;...' groups, each running AR, SD and every --predict-configs")
+    p.add_argument("--predict-configs", default="auto@auto;last2@2;last2",
+                   help="predicted figure: SSD fan-outs as in bench_ssd --fan-outs ('auto', 'lastN', counts; '@S' "
+                        "or '@auto' tapers the tree)")
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma separated subset of {', '.join(FIGURES)}")
     p.add_argument("--out", default="results")
     p.add_argument("--compile", action="store_true")
@@ -80,6 +88,7 @@ def run(args, mode: str, prompts: list[list[int]], temperature: float = 0.0, bat
                       calibration_workload=args.workload)
     llm = LLM(target=args.target, draft=draft, mode=mode, **common, **opts)
     try:
+        llm.generate([prompts[0]], SamplingParams(max_tokens=4))  # warm-up: compiled graphs, worker caches
         work = [prompts[i % len(prompts)] for i in range(max(batch, len(prompts)))]
         params = [SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=i) for i in range(len(work))]
         start = time.perf_counter()
@@ -102,6 +111,8 @@ def run(args, mode: str, prompts: list[list[int]], temperature: float = 0.0, bat
         row["plan_primary"] = plan.fan_out(temperature, "p", batch)
         row["plan_backup"] = plan.fan_out(temperature, "b", batch)
         row["plan_c"] = plan.c_for(temperature)
+        row["plan_branch_steps"] = plan.steps_for(temperature)
+        row["plan_deep"] = plan.deep_branches
     print(f"  {mode:3s} T={temperature} b={batch} {opts}: {row['tok_s']:.2f} tok/s, p_hit {row.get('p_hit')}, "
           f"acceptance {row.get('acceptance')}", flush=True)
     return row
@@ -147,12 +158,11 @@ def fig_fanout(profile: dict, out: Path, plt) -> dict:
 def fig_geometric(args, prompts, profile, out: Path, plt) -> list[dict]:
     """Per temperature: uniform F at every depth, the Thm 12 / 13 shape with the same budget, and "auto"
     (the policy's own budget)."""
-    from saguaro.calibration.policy import _entry_with_c, evaluate
+    from saguaro.calibration.policy import entry_at, evaluate
     rows = []
     budget = args.uniform_f * (args.k + 1)
     for t in _floats(args.temperatures):
-        key = min(profile["temperatures"], key=lambda x: abs(float(x) - t))
-        shaped = evaluate(profile, _entry_with_c(profile["temperatures"][key], 1.0), args.k, 1, budget, "jit",
+        shaped = evaluate(profile, entry_at(profile, t), args.k, 1, budget, "jit",
                           1 << 20).primary
         rows.append(dict(run(args, "ssd", prompts, t, fan_out=[args.uniform_f] * (args.k + 1)), shape="uniform"))
         rows.append(dict(run(args, "ssd", prompts, t, fan_out=shaped), shape="geometric/thm13, same budget"))
@@ -222,41 +232,14 @@ def fig_batch(args, prompts, out: Path, plt) -> list[dict]:
     return rows
 
 
-def fig_predicted(args, results: dict, profile: dict, out: Path, plt) -> list[dict]:
-    from saguaro.calibration.policy import predict_fixed
-    runs = [r for key in ("geometric", "csweep", "batch") for r in results.get(key, [])]
-    ar = {(r["batch"], r["temperature"]): r["tok_s"] for r in runs if r["mode"] == "ar"}
-    points = []
-    for r in runs:
-        if r["mode"] != "ssd" or "plan_primary" not in r:
-            continue
-        base = ar.get((r["batch"], r["temperature"])) or ar.get((r["batch"], 0.0)) or ar.get((1, 0.0))
-        if not base:
-            continue
-        kind = "jit" if r.get("fallback", "jit") == "jit" else "fast"
-        pred = predict_fixed(profile, r["temperature"], args.k, r["batch"], r["plan_primary"], r["plan_backup"],
-                             kind, r.get("plan_c", 1.0))
-        points.append({"run": {k: v for k, v in r.items() if not k.startswith("plan")},
-                       "predicted": pred.speedup_vs_ar, "measured": r["tok_s"] / base,
-                       "predicted_p_hit": pred.p_hit, "measured_p_hit": r.get("p_hit")})
-    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
-    if points:
-        top = max(max(p["predicted"], p["measured"]) for p in points) * 1.1
-        axes[0].scatter([p["predicted"] for p in points], [p["measured"] for p in points])
-        axes[0].plot([0, top], [0, top], "k--", lw=1)
-        axes[1].scatter([p["predicted_p_hit"] for p in points], [p["measured_p_hit"] or 0 for p in points])
-        axes[1].plot([0, 1], [0, 1], "k--", lw=1)
-    axes[0].set_xlabel("predicted speedup over AR (Thm 2 / Cor. 17)")
-    axes[0].set_ylabel("measured speedup over AR")
-    axes[1].set_xlabel("predicted cache hit rate")
-    axes[1].set_ylabel("measured cache hit rate")
-    for ax in axes:
-        ax.grid(alpha=0.3)
-    fig.suptitle("theory from calibrated quantities vs measurement")
-    fig.tight_layout()
-    fig.savefig(out / "saguaro_predicted_vs_measured.png", dpi=120)
-    plt.close(fig)
-    return points
+def fig_predicted(args, prompts, profile: dict, out: Path, plt) -> dict:
+    """Paired, repeated runs (benchmarks/predicted.py): AR, SD and SSD back to back per repeat."""
+    from benchmarks import predicted
+    rows = predicted.measure(run, args, prompts)
+    pts = predicted.points(args, rows, profile)
+    predicted.figure(pts, out, plt)
+    print(predicted.table(pts))
+    return {"points": pts, "runs": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -289,10 +272,10 @@ def main(argv: list[str] | None = None) -> int:
         results["geometric"] = fig_geometric(args, prompts, profile, out, plt)
     if "csweep" in only:
         results["csweep"] = fig_csweep(args, prompts, out, plt)
-    if "batch" in only or "predicted" in only:
+    if "batch" in only:
         results["batch"] = fig_batch(args, prompts, out, plt)
     if "predicted" in only:
-        results["predicted"] = fig_predicted(args, results, profile, out, plt)
+        results["predicted"] = fig_predicted(args, prompts, profile, out, plt)
     path = out / "saguaro_plots.json"
     path.write_text(json.dumps(results, indent=1, default=str))
     print(f"wrote {path} and PNGs under {out}/")

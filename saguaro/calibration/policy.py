@@ -205,11 +205,16 @@ def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallba
 def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: list[int], f_b: list[int],
                   fallback: str, c: float = 1.0, branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Prediction for explicit fan-out lists at the nearest calibrated temperature (for measured-vs-theory)."""
-    key = min(profile["temperatures"], key=lambda t: abs(float(t) - temperature))
-    entry = _entry_with_c(profile["temperatures"][key], c)
+    entry = entry_at(profile, temperature, c)
     budget = max(sum(f_p), sum(f_b))
     build = build_time(profile["timing"], k, batch, sum(f_p), branch_steps, deep)
     return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, "given", branch_steps, deep)
+
+
+def entry_at(profile: dict, temperature: float, c: float = 1.0) -> dict:
+    """The profile's entry for the calibrated temperature nearest ``temperature``, at the C nearest ``c``."""
+    key = min(profile["temperatures"], key=lambda t: abs(float(t) - temperature))
+    return _entry_with_c(profile["temperatures"][key], c)
 
 
 def tree_shapes(k: int, taper: bool) -> list[int | None]:
@@ -264,6 +269,11 @@ def sd_tokens_per_s(profile: dict, entry: dict, k: int) -> float:
     timing = profile["timing"]
     t = rows_time(timing["target_rows"], k + 1) + k * rows_time(timing["draft_rows"], 1)
     return expected_round_tokens(entry["primary"], k) / t
+
+
+def sd_speedup_vs_ar(profile: dict, temperature: float, k: int) -> float:
+    """Predicted SD speedup over AR at b = 1: ``sd_tokens_per_s`` times one target step."""
+    return sd_tokens_per_s(profile, entry_at(profile, temperature), k) * rows_time(profile["timing"]["target_rows"], 1)
 
 
 def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9),

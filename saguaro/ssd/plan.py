@@ -63,12 +63,16 @@ class SpecPlan:
 
     def branch_widths(self, n: int, temperature: float = 0.0) -> list[int]:
         """Branches decoded at each of the K build steps, for a sequence with ``n`` (likeliest first)."""
-        steps = self.branch_steps[self._index(temperature)] if self.branch_steps else None
+        steps = self.steps_for(temperature)
         if n == 0:
             return []
         if steps is None:
             return [n] * self.k
         return [n] * steps + [min(n, self.deep_branches)] * (self.k - steps)
+
+    def steps_for(self, temperature: float) -> int | None:
+        """The tapered tree's S at ``temperature`` (None: every branch is built for K steps)."""
+        return self.branch_steps[self._index(temperature)] if self.branch_steps else None
 
     def _index(self, temperature: float) -> int:
         return min(range(len(self.temperatures)), key=lambda i: abs(self.temperatures[i] - temperature))
