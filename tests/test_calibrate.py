@@ -72,6 +72,9 @@ def test_calibrate_tiny_pair_and_store(pair, tmp_path, monkeypatch):
             assert 0 <= s["acceptance"] <= 1 and s["rounds"] > 0 and s["ranked_rounds"] > 0
             assert len(s["hit_curves"]) == 4 and sum(s["outcome_pmf"]) == pytest.approx(1.0)
             assert all(np.all(np.diff(c) >= 0) for c in s["hit_curves"])
+        rows = profile["temperatures"][t]["primary"]["follow_ups"]  # the round after each primary round
+        assert len(rows) > 10 and all(0 <= d <= 3 and r >= 0 and 1 <= jit <= 4 and 1 <= ng <= 4
+                                      for d, r, jit, ng in rows)
     sweep = profile["temperatures"]["1.0"]["c_sweep"]
     assert len(sweep) == 1 and sweep[0]["c"] == 0.3 and len(sweep[0]["fan_out"]) == 4
     assert profile["temperatures"]["0.0"]["c_sweep"] == []  # greedy rows ignore C

@@ -7,8 +7,8 @@ import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.calibration import default_profile, save_profile
-from saguaro.calibration.policy import (best_choice, critical_batch, deep_share, depth_weights_for,
-                                        evaluate, expected_round_tokens, fan_out_for_budget, make_plan,
+from saguaro.calibration.hits import deep_share, depth_weights_for, expected_round_tokens, hit_rate, verified_mix
+from saguaro.calibration.policy import (best_choice, critical_batch, evaluate, fan_out_for_budget, make_plan,
                                         recommended_k, tree_shapes)
 from saguaro.calibration.timeline import build_time, rows_time
 from saguaro.engine.model_runner import ModelRunner
@@ -217,3 +217,20 @@ def test_engine_auto_fallback_switches_at_b_star(pair, tmp_path, monkeypatch, ca
     assert {t.fallback for t in decoder.trace} == {"jit", "ngram"}
     assert decoder.fallback_switches[0] == (3, "ngram")
     assert any("fallback jit -> ngram" in r.message for r in caplog.records)
+
+
+def test_verified_mix_follows_the_lengths_of_the_verified_speculations():
+    """p_hit over the chain of verified lengths: a full tree that finishes is always K long; a tree cut
+    short at L alternates with the K-token speculations of misses; a tapered tree whose every hit is deep
+    verifies only K-token speculations, however short its shallow branches."""
+    curve = [0.0] + [1 - 0.4 * F ** -0.7 for F in range(1, 65)]  # p_hit^d(F), the same at every depth
+    src = {"acceptance": 0.8, "hit_curves": [curve] * 5}  # capped geometric outcome law
+    f = [1, 1, 1, 1, 2]
+    h2, h4 = hit_rate(src, f, 2), hit_rate(src, f, 4)
+    assert h2 > h4  # a short speculation's all-accepted outcome is likelier
+    assert verified_mix(src, f, 4, 4, 4, 1) == pytest.approx((h4, 0.0))
+    pi2 = h4 / (1 - h2 + h4)  # stationary share of 2-token speculations (hits -> 2, misses -> 4)
+    assert verified_mix(src, f, 2, 2, 4, 1)[0] == pytest.approx(pi2 * h2 + (1 - pi2) * h4)
+    assert verified_mix(src, f, 2, 4, 4, 99) == pytest.approx((h4, 1.0))  # every branch deep
+    p, share = verified_mix(src, f, 2, 4, 4, 1)
+    assert h4 < p < h2 and share == pytest.approx(deep_share(src, f, 4, 1), abs=0.2)

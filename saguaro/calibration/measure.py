@@ -28,6 +28,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from saguaro.calibration.miss_rounds import follow_ups
 from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, check_workload, dtype_name
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.engine.device import place
@@ -149,7 +150,8 @@ def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingPar
         engine.close()
     metrics = summarize([s.spec for s in seqs], True)
     return recorder.records, {"acceptance": metrics.acceptance_rate, "tokens_per_round": metrics.tokens_per_round,
-                              "acceptance_by_position": metrics.acceptance_by_position, "rounds": metrics.rounds}
+                              "acceptance_by_position": metrics.acceptance_by_position, "rounds": metrics.rounds,
+                              "sequences": {s.seq_id: list(s.tokens) for s in seqs}}
 
 
 def _r2(F: np.ndarray, miss: np.ndarray, r: float) -> float:
@@ -220,7 +222,10 @@ def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens,
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
               for i in range(len(prompts))]
     records, metrics = run_ranked(target, draft, prompts, params, k, plan, batch, fast=fast, draft_format=draft_format)
-    return summarize_source([r for r in records if r.source == ("p" if source == "primary" else "b")], k, metrics)
+    summary = summarize_source([r for r in records if r.source == ("p" if source == "primary" else "b")], k, metrics)
+    if source == "primary":  # what each fallback would deliver after each round (miss_rounds)
+        summary["follow_ups"] = follow_ups(records, metrics["sequences"], k)
+    return summary
 
 
 def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0, 1.0), c_values=(),

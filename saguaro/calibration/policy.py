@@ -19,9 +19,11 @@ Per temperature and batch size b, for each candidate per-sequence branch budget 
   outcome law (the capped geometric law of acceptance a when none was measured); with the fast backup,
   p_hit,b likewise and the stationary p_hit = p_hit,b / (1 + p_hit,b - p_hit,p) (Thm 2); with the jit
   fallback every speculation is the primary's, so p_hit = p_hit,p.
-* **Speedup**: Cor. 17 (``theory.ssd_speedup_batch``) with E_hit = sum_k P(k) (k + 1) for length L, E_miss
-  the same for length K (jit) or the backup's measured tokens per round, T_p = hit-round time / t_v,
-  T_b = miss drafting time / t_v.
+* **Speedup**: Cor. 17 (``theory.ssd_speedup_batch``) with E_hit = sum_k P(k) (k + 1) for length L;
+  E_miss the tokens of the round after a miss, measured per fallback over the calibration rounds that F^p
+  would have missed (``miss_rounds``: misses fall where every speculator struggles), else the same sum
+  for length K (jit) or the backup's tokens per round; T_p = hit-round time / t_v, T_b = miss drafting
+  time / t_v.
 
 **Tapered trees** (``branch_steps`` S < K): the build decodes all B branches for S steps, then only the
 likeliest ``deep`` ones, one narrow pass per step, while the verification lasts. A hit on one of those
@@ -44,6 +46,9 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from saguaro.calibration.hits import (backup_weights, deep_share, depth_curves, depth_weights_for,
+                                      expected_round_tokens, hit_rate, verified_mix)
+from saguaro.calibration.miss_rounds import miss_tokens
 from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, default_profile, load_profile
 from saguaro.calibration.timeline import BuildTime, build_time, rows_time
 from saguaro.ssd.plan import SpecPlan
@@ -52,45 +57,6 @@ from saguaro.theory import (accepted_length_pmf, choose_fallback, critical_batch
 
 log = logging.getLogger("saguaro.calibration")
 BUDGETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64)
-
-
-def depth_curves(source: dict, k: int) -> list[np.ndarray]:
-    """Hit curves for depths 0..k (index k = all accepted) from a profile calibrated at any K."""
-    stored = [np.asarray(c, dtype=float) for c in source["hit_curves"]]
-    kc = len(stored) - 1
-    return [stored[min(d, kc - 1)] for d in range(k)] + [stored[kc]]
-
-
-def depth_weights_for(source: dict, length: int) -> np.ndarray:
-    """P(outcome at depth d), d = 0..length (d = length: all accepted), for speculations of ``length`` tokens.
-
-    From the measured outcome distribution when the profile has one (acceptance is far from geometric in
-    practice: it is bimodal, many rounds accept nothing or everything), truncated to ``length`` (accepting the
-    first L tokens does not depend on later ones) and extended geometrically with a past the calibrated K;
-    otherwise the capped geometric law of Thm 2 / Appendix A.
-    """
-    a = float(source["acceptance"])
-    pmf = np.asarray(source.get("outcome_pmf") or [], dtype=float)
-    if pmf.size < 2 or pmf.sum() <= 0:
-        return accepted_length_pmf(a, length)
-    pmf = pmf / pmf.sum()
-    kc = pmf.size - 1
-    if length <= kc:
-        return np.r_[pmf[:length], pmf[length:].sum()]
-    tail = pmf[kc]
-    return np.r_[pmf[:kc], [tail * a ** (j - kc) * (1 - a) for j in range(kc, length)], tail * a ** (length - kc)]
-
-
-def expected_round_tokens(source: dict, length: int) -> float:
-    """E: accepted drafts plus the bonus token per round, sum_d P(d) (d + 1)."""
-    w = depth_weights_for(source, length)
-    return float(np.dot(w, np.arange(1, length + 2)))
-
-
-def _backup_weights(source: dict, k: int) -> np.ndarray:
-    """Depth law after a backup speculation (its proposals vary in length): the measured ``depth_pmf``."""
-    w = np.asarray(source.get("depth_pmf") or [], dtype=float)
-    return w / w.sum() if w.size == k + 1 and w.sum() > 0 else depth_weights_for(source, k)
 
 
 def fan_out_for_budget(source: dict, length: int, k: int, budget: int, vocab: int,
@@ -115,29 +81,6 @@ def fan_out_for_budget(source: dict, length: int, k: int, budget: int, vocab: in
         method = "thm13-empirical"
     f = [int(x) for x in f]
     return f[:length] + [0] * (k - length) + [f[length]], method
-
-
-def deep_share(source: dict, fan_out: list[int], length: int, deep: int) -> float:
-    """The share of the cache's hit probability carried by its ``deep`` likeliest (depth, rank) outcomes."""
-    k = len(fan_out) - 1
-    curves = depth_curves(source, k)
-    w = depth_weights_for(source, length)
-    scores = []
-    for i, d in enumerate(list(range(length)) + [k]):
-        f = min(fan_out[d], len(curves[d]) - 1)
-        scores += list(w[i] * np.diff(curves[d][:f + 1]))
-    total = float(sum(scores))
-    return float(sum(sorted(scores, reverse=True)[:deep])) / total if total > 0 else 0.0
-
-
-def hit_rate(source: dict, fan_out: list[int], length: int, weights: np.ndarray | None = None) -> float:
-    """p_hit = sum_d P(d) p_hit^d(F_d) for speculations of ``length`` tokens (Appendix A, proof of Thm 13)."""
-    k = len(fan_out) - 1
-    curves = depth_curves(source, k)
-    depths = list(range(length)) + [k]
-    w = depth_weights_for(source, length) if weights is None else np.r_[weights[:length], weights[length:].sum()]
-    hits = [curves[d][min(fan_out[d], len(curves[d]) - 1)] for d in depths]
-    return float(min(1.0, max(0.0, np.dot(w, hits))))
 
 
 @dataclass
@@ -173,17 +116,17 @@ def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: 
     timing = profile["timing"]
     primary, backup = entry["primary"], entry["backup"]
     steps, t_hit, t_v = build.steps, build.t_hit, build.t_v
-    p_p = hit_rate(primary, f_p, steps)
-    p_b = hit_rate(backup, f_b, k, _backup_weights(backup, k))
-    share = deep_share(primary, f_p, steps, deep) if build.deep_steps > steps else 0.0
+    p_p, share = verified_mix(primary, f_p, steps, max(build.deep_steps, steps), k, deep)
+    p_b = hit_rate(backup, f_b, k, backup_weights(backup, k))
     e_hit = (1 - share) * expected_round_tokens(primary, steps) + share * expected_round_tokens(primary,
                                                                                                 build.deep_steps)
     if fallback == "jit":
-        e_miss = expected_round_tokens(primary, k)
+        e_miss = miss_tokens(primary, f_p, "jit") or expected_round_tokens(primary, k)
         t_miss = (rows_time(timing["draft_rows"], 2 * batch) + (k - 1) * rows_time(timing["draft_rows"], batch)) / t_v
         p_hit = p_p
     else:
-        e_miss = float(backup.get("tokens_per_round") or expected_tokens(float(backup["acceptance"]), k))
+        e_miss = miss_tokens(primary, f_p, "ngram") or float(backup.get("tokens_per_round")
+                                                               or expected_tokens(float(backup["acceptance"]), k))
         t_miss = batch * float(timing.get("ngram_s", 0.0)) / t_v
         p_hit = float(unconditional_hit_rate(p_p, p_b)) if abs(p_p - p_b) < 1 else p_p
     speedup = float(ssd_speedup_batch(p_hit, e_hit, e_miss, t_hit, t_miss, batch))
@@ -197,9 +140,14 @@ def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallba
              branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "fast" fallback (see module doc)."""
     build = build_time(profile["timing"], k, batch, budget, branch_steps, deep)
-    f_p, method = fan_out_for_budget(entry["primary"], build.steps, k, budget, vocab)
-    f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab, _backup_weights(entry["backup"], k))
-    return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, method, branch_steps, deep)
+    f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab, backup_weights(entry["backup"], k))
+    # the fan-out spreads the budget over one speculation length's outcomes; the verified speculations mix
+    # the cached length, a tapered tree's deep length and a miss's K (hits.verified_mix): try each
+    lengths = sorted({n for n in (build.steps, build.deep_steps, k) if n >= 1})
+    candidates = {(tuple(f), m) for f, m in (fan_out_for_budget(entry["primary"], n, k, budget, vocab)
+                                             for n in lengths)}
+    return max((predict(profile, entry, k, batch, budget, build, list(f_p), f_b, fallback, method, branch_steps,
+                        deep) for f_p, method in candidates), key=lambda c: c.tok_s)
 
 
 def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: list[int], f_b: list[int],

@@ -26,6 +26,8 @@ class RankRecord:
     rank: int  # rank of the bonus token at depth k (0 = top); -1 when the logits were not available
     temperature: float
     hit: bool | None = None  # whether the speculation cache actually held the outcome
+    seq_id: int = -1
+    length: int = 0  # tokens in the sequence (prompt + output) after this round's accepted tokens and bonus
 
 
 @dataclass

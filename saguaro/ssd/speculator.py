@@ -159,7 +159,8 @@ class AsyncSpeculator:
                 hits[out.seq_id] = cached
                 self._adopt_kv(seq, state, cached)
             if self.recorder is not None:
-                self.recorder.records[-1].hit = cached is not None
+                record = self.recorder.records[-1]
+                record.hit, record.seq_id, record.length = cached is not None, out.seq_id, len(seq)
         self.cache.clear()
         self._free_scratch()
         order = [self.seqs[i] for i in req.order]
