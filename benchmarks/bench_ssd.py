@@ -163,7 +163,8 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
               "speculation; build = the speculator's cache build that overlapped that round's verification. "
               "full builds: builds that finished all K steps before the next request arrived. e2e tok/s: new "
               "tokens over the whole request, prefill included (SSD's draft prefills the prompt on its own core "
-              "while the target prefills; SD's draft prefills it on the target's core in the first round). "
+              "while the target prefills; SD's draft prefills it on the target's core in the prefill step, so "
+              "decode tok/s covers steady-state rounds in both). "
               "xSD 1c and e2e xSD 1c: against the fastest SD on one core in this run, per temperature."]
     for tk in summaries[names["ar1"]]:
         speed_rows, round_rows = [], []

@@ -66,3 +66,23 @@ def test_draft_with_other_vocabulary_is_refused(pair):
 def test_sd_needs_a_draft(pair):
     with pytest.raises(ValueError, match="draft"):
         LLM(target=pair[0], mode="sd")
+
+
+def test_draft_prefills_the_prompt_with_the_target(pair):
+    """The draft catches up on the prompt in the engine's prefill step (counted in the time to first
+    token, as in a serving engine), so the first round feeds it only the last prompt token and the first
+    sampled one."""
+    target, draft = pair
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4)
+    engine, proposer = llm.engine, llm.engine.decoder.proposer
+    seq = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8))
+    engine.step()  # the prefill
+    assert len(seq.output_ids) == 1 and proposer.states[seq.seq_id].num_cached == len(PROMPTS[1]) - 1
+    fed = []
+    forward = proposer.runner.forward
+    proposer.runner.forward = lambda items: fed.append([len(i.token_ids) for i in items]) or forward(items)
+    engine.step()  # the first round: K = 3 draft steps
+    assert fed[0] == [2] and fed[1:3] == [[1], [1]]
+    while engine.has_unfinished:
+        engine.step()
+    assert proposer.runner.blocks.num_free == proposer.runner.blocks.num_blocks

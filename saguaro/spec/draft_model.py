@@ -1,8 +1,9 @@
 """The draft model as a synchronous speculator (the paper's SD baseline).
 
-The draft keeps its own paged KV cache. Each ``propose`` first feeds the draft every
-token it has not yet seen (the whole prompt the first time, then the tokens the last
-round appended), then decodes K tokens one step at a time, sampling each from the
+The draft keeps its own paged KV cache. ``prefill`` feeds it the prompt while the target
+prefills (SD counts the draft's prompt prefill in the time to first token, as a serving engine
+does). Each ``propose`` first feeds the draft every token it has not yet seen (the tokens the
+last round appended, or the whole prompt without a prefill), then decodes K tokens one step at a time, sampling each from the
 sequence's processed draft distribution. ``commit`` rolls the draft cache back to the
 accepted prefix, so no rejected token's k/v survives and no block leaks.
 
@@ -72,6 +73,20 @@ class DraftModelProposer(Proposer):
                     ranked[b].append(top[i])
         return Proposal(tokens, probs, torch.zeros(len(seqs), dtype=torch.bool),
                         ranked if self.keep_ranked else None)
+
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """Feed every token but the last (``propose`` starts from the last one, which yields the first
+        draft's logits)."""
+        items = []
+        for seq in seqs:
+            state = self.states.setdefault(seq.seq_id, DraftState())
+            pending = seq.tokens[state.num_cached:len(seq) - 1]
+            if pending:
+                self.runner.blocks.reserve(state.block_table, state.num_cached + len(pending))
+                items.append(ForwardItem(pending, state.num_cached, state.block_table, "none"))
+                state.num_cached += len(pending)
+        if items:
+            self.runner.forward(items)
 
     def commit(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """Keep the k/v of the accepted drafts only (the last draft was never fed back)."""

@@ -72,6 +72,9 @@ class SDDecoder(Decoder):
             self.proposer.commit(seq, len(drafts), accepted)
         return result.output_tokens
 
+    def prefilling(self, seqs: list[Sequence]) -> None:
+        self.proposer.prefill(seqs)
+
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
 

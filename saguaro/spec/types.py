@@ -57,6 +57,10 @@ class Proposer(ABC):
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         """Draft ``num_tokens[b]`` tokens after all of ``seqs[b]``'s tokens."""
 
+    def prefill(self, seqs: list[Sequence]) -> None:
+        """The engine is prefilling these sequences in the target: catch up on their tokens now, so the
+        draft's prompt prefill counts in the prefill (time to first token) and not in the first round."""
+
     def commit(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """The verifier kept ``num_accepted`` drafts and appended a bonus token."""
 
