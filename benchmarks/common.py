@@ -13,6 +13,7 @@ import gc
 import json
 import os
 import platform
+import shlex
 import statistics
 import subprocess
 import sys
@@ -327,6 +328,13 @@ def environment() -> dict[str, Any]:
     }
 
 
+def command_line() -> str:
+    """How this script was started, to put next to its numbers."""
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    head = ["python", "-m", spec.name] if spec is not None and spec.name else ["python", sys.argv[0]]
+    return shlex.join(head + sys.argv[1:])
+
+
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     return {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
 
@@ -334,7 +342,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
 def write_results(out_dir: Path, name: str, payload: dict[str, Any], markdown: str) -> tuple[Path, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     json_path, md_path = out_dir / f"{name}.json", out_dir / f"{name}.md"
+    payload = {"command": command_line(), **payload}
     json_path.write_text(json.dumps(payload, indent=1, default=str) + "\n")
-    md_path.write_text(markdown.rstrip() + "\n")
+    md_path.write_text(markdown.rstrip() + f"\n\nCommand: `{payload['command']}`\n")
     return json_path, md_path
 
