@@ -74,7 +74,7 @@ def test_budget_choice_is_the_best_prediction():
 
 def _cpu_like_timing(profile: dict) -> dict:
     """Timings shaped like the Qwen pair on one core: a 1-row draft step is a tenth of a verification, a
-    5-row step a fifth, so a full K = 5 tree cannot finish during one verification."""
+    5-row step a fifth, so a full K = 5 tree of 6 branches cannot finish during one verification."""
     profile["timing"].update(target_rows={"1": 0.100, "6": 0.115}, draft_rows={"1": 0.011, "5": 0.024, "16": 0.07})
     profile["timing"].pop("contention", None)
     return profile
@@ -82,9 +82,9 @@ def _cpu_like_timing(profile: dict) -> dict:
 
 def test_tapered_build_time_and_deep_share():
     timing = _cpu_like_timing(default_profile("a", "b", "bf16", 5))["timing"]
-    full = build_time(timing, 5, 1, 5)
+    full = build_time(timing, 5, 1, 6)  # 6 branches: a 1-row glue, then 6-row steps
     assert full.steps == full.deep_steps < 5  # the full tree is cut short
-    tapered = build_time(timing, 5, 1, 5, branch_steps=2)
+    tapered = build_time(timing, 5, 1, 6, branch_steps=2)
     assert tapered.steps == 2 and full.steps < tapered.deep_steps <= 5
     source = {"acceptance": 0.8, "hit_curves": [[0, 0.5, 0.7, 0.8]] * 3}
     share = deep_share(source, [1, 1, 2], 2, 1)

@@ -47,7 +47,9 @@ def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | 
     verification is still running."""
     t_alone = rows_time(timing["target_rows"], batch * (k + 1))
     full = k if branch_steps is None else branch_steps
-    widths = [batch * (k + 1)] + [batch * max(rows, 1)] * full + [batch * deep] * (k - full)
+    # the glue: one row per sequence (a speculation from the draft arrives with its k/v and ranked ids;
+    # only its last token is fed), then the branch steps
+    widths = [batch] + [batch * max(rows, 1)] * full + [batch * deep] * (k - full)
     clock = work = 0.0  # wall time of the draft, verification work done (in uncontended seconds)
     t_v = None
     passes = 0

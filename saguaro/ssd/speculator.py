@@ -319,6 +319,8 @@ class AsyncSpeculator:
         ranked = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
         rows_of = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
         all_probs: list[torch.Tensor] = []
+        # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
+        greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro is None
         done = 0  # rows in the passes so far
         for step in range(self.k):
             if step > 0 and interrupted():
@@ -334,12 +336,15 @@ class AsyncSpeculator:
                 positions += pos
             meta = build_metadata(contexts, [layouts[i].width(step) for i in live], masks)
             logits = self.runner.run(inputs, positions, meta, [ForwardItem(inputs, 0, [], "all")])[0]
-            step_probs = processed_probs(logits, row_seqs)
-            if self.saguaro is not None:
-                step_probs = self.saguaro.apply(step_probs, step, row_seqs)  # Def. 14 for index ``step``
-            greedy = torch.tensor([s.params.greedy for s in row_seqs])
-            drawn = sample(step_probs, [s.generator for s in row_seqs], greedy).tolist()
             top = rank_positions(logits, self.width)
+            if greedy_only:
+                drawn, step_probs = logits.argmax(dim=-1).tolist(), logits.new_empty(len(rows), 0)
+            else:
+                step_probs = processed_probs(logits, row_seqs)
+                if self.saguaro is not None:
+                    step_probs = self.saguaro.apply(step_probs, step, row_seqs)  # Def. 14 for index ``step``
+                greedy = torch.tensor([s.params.greedy for s in row_seqs])
+                drawn = sample(step_probs, [s.generator for s in row_seqs], greedy).tolist()
             for r, (i, q) in enumerate(rows):
                 tokens[i][q].append(drawn[r])
                 ranked[i][q].append(top[r])
