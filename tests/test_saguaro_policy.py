@@ -234,3 +234,17 @@ def test_verified_mix_follows_the_lengths_of_the_verified_speculations():
     assert verified_mix(src, f, 2, 4, 4, 99) == pytest.approx((h4, 1.0))  # every branch deep
     p, share = verified_mix(src, f, 2, 4, 4, 1)
     assert h4 < p < h2 and share == pytest.approx(deep_share(src, f, 4, 1), abs=0.2)
+
+
+def test_step_overhead_lengthens_builds_but_not_verifications():
+    """A step's logits work (distributions, draw, ranked ids) runs on the draft's core without streaming
+    weights: the build takes longer and finishes fewer steps, the verification is no slower."""
+    timing = _cpu_like_timing(default_profile("a", "b", "bf16", 5))["timing"]
+    timing["contention"] = {"busy": [{"draft_rows": 1, "slowdown": 1.5, "draft_passes_per_s": 1 / 0.0165},
+                                     {"draft_rows": 16, "slowdown": 1.2, "draft_passes_per_s": 1 / 0.084}]}
+    plain = build_time(timing, 5, 1, 6, 2)
+    timing["step_overhead"] = {"greedy": {"1": 0.0, "16": 0.0}, "sampled": {"1": 0.012, "16": 0.012}}
+    assert build_time(timing, 5, 1, 6, 2) == plain
+    slow = build_time(timing, 5, 1, 6, 2, sampled=True)
+    assert slow.deep_steps < plain.deep_steps and slow.t_v < plain.t_v
+    assert slow.t_v >= timing["target_rows"]["6"]  # never faster than the verification alone

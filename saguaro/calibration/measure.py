@@ -98,6 +98,37 @@ def time_ngram(prompt: list[int], k: int, repeats: int = 20) -> float:
 
 
 CONTENTION_WIDTHS = (1, 4, 8, 16)  # draft pass widths probed beside a verification
+OVERHEAD_WIDTHS = (1, 4, 8, 16)  # branch-step widths whose per-step sampling work is timed
+
+
+def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> dict[str, dict[str, float]]:
+    """Seconds a build step spends on its logits besides the forward, per width: the draft's ranked ids and
+    the argmax ("greedy"), or the processed distributions and a seeded draw ("sampled"), as the speculator
+    does them (``AsyncSpeculator._decode_branches``)."""
+    from saguaro.sampling.batch import processed_probs
+    from saguaro.sampling.sampler import sample
+    from saguaro.spec.types import rank_positions
+    out: dict[str, dict[str, float]] = {"greedy": {}, "sampled": {}}
+    for n in widths:
+        logits = torch.randn(n, vocab)
+        seqs = [Sequence([1], SamplingParams(temperature=1.0, seed=i)) for i in range(n)]
+
+        def greedy() -> None:
+            rank_positions(logits, 8)
+            logits.argmax(dim=-1)
+
+        def sampled() -> None:
+            rank_positions(logits, 8)
+            sample(processed_probs(logits, seqs), [s.generator for s in seqs], torch.zeros(n, dtype=torch.bool))
+
+        for name, work in (("greedy", greedy), ("sampled", sampled)):
+            best = math.inf
+            for _ in range(repeats):
+                start = time.perf_counter()
+                work()
+                best = min(best, time.perf_counter() - start)
+            out[name][str(n)] = best
+    return out
 
 
 def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repeats: int = 5,
@@ -114,7 +145,7 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
     verify, step = target_rows[str(k + 1)], draft_rows["1"]
     timing = {"target_rows": target_rows, "draft_rows": draft_rows, "ngram_s": ngram, "verify_s": verify,
               "draft_step_s": step, "T_p": k * step / verify, "T_b": ngram / verify, "context": context,
-              "repeats": repeats, "raw": raw}
+              "repeats": repeats, "raw": raw, "step_overhead": time_step_overhead(draft.config.vocab_size)}
     if contention:
         from saguaro.calibration.contention import measure
         timing["contention"] = measure(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
@@ -258,7 +289,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
                             "threads": torch.get_num_threads(), "torch": torch.__version__},
                "timing": timing, "temperatures": {}}
     for t in temperatures:
-        entry = {}
+        entry = {"temperature": float(t)}
         for source in ("primary", "backup"):
             entry[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch, fast=fast,
                                         draft_format=draft_format)

@@ -139,7 +139,8 @@ def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: 
 def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallback: str, vocab: int,
              branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "fast" fallback (see module doc)."""
-    build = build_time(profile["timing"], k, batch, budget, branch_steps, deep)
+    build = build_time(profile["timing"], k, batch, budget, branch_steps, deep,
+                       sampled=float(entry.get("temperature", 0.0)) > 0)
     f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab, backup_weights(entry["backup"], k))
     # the fan-out spreads the budget over one speculation length's outcomes; the verified speculations mix
     # the cached length, a tapered tree's deep length and a miss's K (hits.verified_mix): try each
@@ -155,7 +156,7 @@ def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: li
     """Prediction for explicit fan-out lists at the nearest calibrated temperature (for measured-vs-theory)."""
     entry = entry_at(profile, temperature, c)
     budget = max(sum(f_p), sum(f_b))
-    build = build_time(profile["timing"], k, batch, sum(f_p), branch_steps, deep)
+    build = build_time(profile["timing"], k, batch, sum(f_p), branch_steps, deep, sampled=temperature > 0)
     return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, "given", branch_steps, deep)
 
 

@@ -35,15 +35,23 @@ class BuildTime:
     t_v: float
 
 
+def step_overhead(timing: dict, rows: int, sampled: bool) -> float:
+    """Seconds a build step spends on its logits besides the forward (ranked ids, and the distributions and
+    draw when ``sampled``); 0 for a profile that did not time it."""
+    table = (timing.get("step_overhead") or {}).get("sampled" if sampled else "greedy")
+    return rows_time(table, rows) if table else 0.0
+
+
 def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | None = None,
-               deep: int = 1) -> BuildTime:
+               deep: int = 1, sampled: bool = False) -> BuildTime:
     """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
     ``branch_steps`` of them, then ``deep`` rows: a tapered tree), and how long the verification takes.
 
     The two run side by side: the draft makes its passes (the glue, then the steps), each slowed by the
     memory bus as the profile measured for its width (``contention.slowdowns``; none without a probe), and
     meanwhile the verification advances at 1 / (the target's slowdown beside a pass of that width); once
-    the draft stops, at full speed. The first step always runs, a later one only starts while the
+    the draft stops, or while it works on a step's logits (``step_overhead``, no bus traffic to speak
+    of), at full speed. ``sampled``: the steps draw from distributions (temperature > 0). The first step always runs, a later one only starts while the
     verification is still running."""
     t_alone = rows_time(timing["target_rows"], batch * (k + 1))
     full = k if branch_steps is None else branch_steps
@@ -57,11 +65,15 @@ def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | 
         if i >= 2 and t_v is not None:
             break
         slow_target, slow_draft = slowdowns(timing, width)
-        dur = rows_time(timing["draft_rows"], width) * slow_draft
+        dur = rows_time(timing["draft_rows"], width) * slow_draft  # the forward, beside the verification
+        extra = step_overhead(timing, width, sampled) if i else 0.0  # the step's own logits work (CPU)
         if t_v is None and work + dur / slow_target >= t_alone:
             t_v = clock + (t_alone - work) * slow_target
         work += dur / slow_target
-        clock += dur
+        if t_v is None and work + extra >= t_alone:
+            t_v = clock + dur + (t_alone - work)
+        work += extra
+        clock += dur + extra
         passes += 1
     if t_v is None:
         t_v = clock + (t_alone - work)
