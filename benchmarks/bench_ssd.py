@@ -23,9 +23,10 @@ import itertools
 import sys
 from typing import Any
 
-from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, draft_options, engine_options,
-                               environment, fmt, group_records, int_list, log, parse_fan_out, mean, prepare_prompts, ratio,
-                               run_engine, same_tokens, settings, table, temp_key, write_results)
+from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, draft_options,
+                               engine_options, environment, fmt, group_records, int_list, log, mean, parse_fan_out,
+                               prepare_prompts, ratio, run_engine, same_tokens, settings, table, temp_key,
+                               write_results)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -265,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print("note: no calibration profile for this pair; figures use the documented defaults "
               "(run `saguaro calibrate` first)", file=sys.stderr)
     prompts = _prompts(load_tokenizer(args.target), args.prompts) if only - {"fanout"} else []
-    results: dict = {"settings": vars(args), "profile_default": bool(profile.get("default"))}
+    from benchmarks.common import command_line
+    results: dict = {"command": command_line(), "settings": vars(args), "profile_default": bool(profile.get("default"))}
     if "fanout" in only:
         results["fanout"] = fig_fanout(profile, out, plt)
     if "geometric" in only:

@@ -82,7 +82,8 @@ def points(args, rows: list[dict], profile: dict) -> list[dict]:
             pred = predict_fixed(profile, t, args.k, b, plan["plan_primary"], plan["plan_backup"], kind,
                                  plan.get("plan_c", 1.0), plan.get("plan_branch_steps"), plan.get("plan_deep", 1))
             hits = [r["run"]["p_hit"] for r in reps if r["run"].get("p_hit") is not None]
-            point.update(predicted=pred.speedup_vs_ar, predicted_vs_sd=pred.speedup_vs_ar / sd_pred if sd_pred else None,
+            point.update(predicted=pred.speedup_vs_ar,
+                         predicted_vs_sd=pred.speedup_vs_ar / sd_pred if sd_pred else None,
                          predicted_p_hit=pred.p_hit, measured_p_hit=statistics.median(hits) if hits else None,
                          plan={k: v for k, v in plan.items() if k.startswith("plan_")})
         if point["predicted"]:

@@ -2,12 +2,13 @@
 
 Per temperature and batch size b, for each candidate per-sequence branch budget B:
 
-* **Timing** (profile, seconds): the build glues the speculation (a draft pass over b (K+1) rows) and then
-  runs branch steps of b B rows each; a verification of the batch takes target(b (K+1) rows) alone. Side
-  by side, each draft pass is slowed by the memory bus as the profile's probe measured for its width, and
-  the verification advances at 1 / (the target's slowdown beside that pass), at full speed once the draft
-  stops (``timeline.build_time``; no slowdown without a probe). A miss's just-in-time drafting runs while
-  the target waits, at full speed. The speculator always runs one step and starts another only while the
+* **Timing** (profile, seconds): the build glues the speculation (a draft pass over b rows: only each
+  speculation's last token is fed) and then runs branch steps of b B rows each; a verification of the
+  batch takes target(b (K+1) rows) alone. Side by side, each draft pass is slowed by the memory bus as
+  the profile's probe measured for its width, and the verification advances at 1 / (the target's slowdown
+  beside that pass), at full speed once the draft stops or while it works on a step's logits
+  (``timeline.build_time``; no slowdown without a probe). A miss's just-in-time drafting runs while the
+  target waits, at full speed. The speculator always runs one step and starts another only while the
   verification is still running, so a cached speculation has L <= K tokens, and a hit round lasts
   max(t_v, build).
 * **Fan-out** for a speculation of length L (depths 0..L-1 and the all-accepted depth, which the engine
@@ -46,13 +47,13 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from saguaro.calibration.hits import (backup_weights, deep_share, depth_curves, depth_weights_for,
-                                      expected_round_tokens, hit_rate, verified_mix)
+from saguaro.calibration.hits import (backup_weights, depth_curves, depth_weights_for, expected_round_tokens,
+                                      hit_rate, verified_mix)
 from saguaro.calibration.miss_rounds import miss_tokens
-from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, default_profile, load_profile
+from saguaro.calibration.profile import F_MAX, default_profile, load_profile
 from saguaro.calibration.timeline import BuildTime, build_time, rows_time
 from saguaro.ssd.plan import SpecPlan
-from saguaro.theory import (accepted_length_pmf, choose_fallback, critical_batch_size, expected_tokens,
+from saguaro.theory import (choose_fallback, critical_batch_size, expected_tokens,
                             integer_geometric_fanout, optimal_fanout, ssd_speedup_batch, unconditional_hit_rate)
 
 log = logging.getLogger("saguaro.calibration")
@@ -116,7 +117,7 @@ def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: 
     timing = profile["timing"]
     primary, backup = entry["primary"], entry["backup"]
     steps, t_hit, t_v = build.steps, build.t_hit, build.t_v
-    p_p, share = verified_mix(primary, f_p, steps, max(build.deep_steps, steps), k, deep)
+    p_p, share = verified_mix(primary, f_p, steps, build.deep_steps, k, deep)
     p_b = hit_rate(backup, f_b, k, backup_weights(backup, k))
     e_hit = (1 - share) * expected_round_tokens(primary, steps) + share * expected_round_tokens(primary,
                                                                                                 build.deep_steps)
@@ -267,7 +268,7 @@ def paper_budget(timing: dict, k: int, batch: int = 1) -> int:
     """The paper's B: the most branches per sequence whose K steps (after the glue) fit in one verification;
     0 when not even one branch does (then cached speculations are shorter than K, see ``timeline.build_time``)."""
     t_v = rows_time(timing["target_rows"], batch * (k + 1))
-    t_glue = rows_time(timing["draft_rows"], batch * (k + 1))
+    t_glue = rows_time(timing["draft_rows"], batch)  # one row per sequence, as in timeline.build_time
     fits = [b for b in range(1, F_MAX + 1) if t_glue + k * rows_time(timing["draft_rows"], batch * b) <= t_v]
     return max(fits, default=0)
 

@@ -7,7 +7,6 @@ hit-round times and cached speculation lengths.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -51,8 +50,8 @@ def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | 
     memory bus as the profile measured for its width (``contention.slowdowns``; none without a probe), and
     meanwhile the verification advances at 1 / (the target's slowdown beside a pass of that width); once
     the draft stops, or while it works on a step's logits (``step_overhead``, no bus traffic to speak
-    of), at full speed. ``sampled``: the steps draw from distributions (temperature > 0). The first step always runs, a later one only starts while the
-    verification is still running."""
+    of), at full speed. ``sampled``: the steps draw from distributions (temperature > 0). The first step
+    always runs, a later one only starts while the verification is still running."""
     t_alone = rows_time(timing["target_rows"], batch * (k + 1))
     full = k if branch_steps is None else branch_steps
     # the glue: one row per sequence (a speculation from the draft arrives with its k/v and ranked ids;

@@ -3,8 +3,8 @@
 The draft keeps its own paged KV cache. ``prefill`` feeds it the prompt while the target
 prefills (SD counts the draft's prompt prefill in the time to first token, as a serving engine
 does). Each ``propose`` first feeds the draft every token it has not yet seen (the tokens the
-last round appended, or the whole prompt without a prefill), then decodes K tokens one step at a time, sampling each from the
-sequence's processed draft distribution. ``commit`` rolls the draft cache back to the
+last round appended, or the whole prompt without a prefill), then decodes K tokens one step at
+a time, sampling each from the sequence's processed draft distribution. ``commit`` rolls the draft cache back to the
 accepted prefix, so no rejected token's k/v survives and no block leaks.
 
 ``reweight`` (optional) transforms the distribution step j is drawn from, and the proposal
@@ -53,11 +53,9 @@ class DraftModelProposer(Proposer):
             active = [b for b in active if num_tokens[b] > step]
             items = []
             for b in active:
-                seq, state = seqs[b], self.states.setdefault(seqs[b].seq_id, DraftState())
-                pending = seq.tokens[state.num_cached:] if step == 0 else [tokens[b][-1]]
-                self.runner.blocks.reserve(state.block_table, state.num_cached + len(pending))
-                items.append(ForwardItem(pending, state.num_cached, state.block_table))
-                state.num_cached += len(pending)
+                seq = seqs[b]
+                items.append(self._feed(seq, seq.tokens[self._state(seq).num_cached:] if step == 0
+                                        else [tokens[b][-1]]))
             logits = torch.cat(self.runner.forward(items))
             rows = [seqs[b] for b in active]
             step_probs = processed_probs(logits, rows)
@@ -77,16 +75,21 @@ class DraftModelProposer(Proposer):
     def prefill(self, seqs: list[Sequence]) -> None:
         """Feed every token but the last (``propose`` starts from the last one, which yields the first
         draft's logits)."""
-        items = []
-        for seq in seqs:
-            state = self.states.setdefault(seq.seq_id, DraftState())
-            pending = seq.tokens[state.num_cached:len(seq) - 1]
-            if pending:
-                self.runner.blocks.reserve(state.block_table, state.num_cached + len(pending))
-                items.append(ForwardItem(pending, state.num_cached, state.block_table, "none"))
-                state.num_cached += len(pending)
+        items = [self._feed(seq, seq.tokens[self._state(seq).num_cached:len(seq) - 1], "none") for seq in seqs]
+        items = [item for item in items if item.token_ids]
         if items:
             self.runner.forward(items)
+
+    def _state(self, seq: Sequence) -> DraftState:
+        return self.states.setdefault(seq.seq_id, DraftState())
+
+    def _feed(self, seq: Sequence, pending: list[int], logits: str = "last") -> ForwardItem:
+        """The forward item writing ``pending`` after the draft's cached tokens (blocks reserved, counted)."""
+        state = self._state(seq)
+        self.runner.blocks.reserve(state.block_table, state.num_cached + len(pending))
+        item = ForwardItem(pending, state.num_cached, state.block_table, logits)
+        state.num_cached += len(pending)
+        return item
 
     def commit(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """Keep the k/v of the accepted drafts only (the last draft was never fed back)."""

@@ -321,7 +321,7 @@ class AsyncSpeculator:
         all_probs: list[torch.Tensor] = []
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
         greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro is None
-        done = 0  # rows in the passes so far
+        done = steps = 0  # rows in the passes so far, passes so far
         for step in range(self.k):
             if step > 0 and interrupted():
                 break
@@ -338,19 +338,20 @@ class AsyncSpeculator:
             logits = self.runner.run(inputs, positions, meta, [ForwardItem(inputs, 0, [], "all")])[0]
             top = rank_positions(logits, self.width)
             if greedy_only:
-                drawn, step_probs = logits.argmax(dim=-1).tolist(), logits.new_empty(len(rows), 0)
+                drawn = logits.argmax(dim=-1).tolist()
             else:
                 step_probs = processed_probs(logits, row_seqs)
                 if self.saguaro is not None:
                     step_probs = self.saguaro.apply(step_probs, step, row_seqs)  # Def. 14 for index ``step``
                 greedy = torch.tensor([s.params.greedy for s in row_seqs])
                 drawn = sample(step_probs, [s.generator for s in row_seqs], greedy).tolist()
+                all_probs.append(step_probs)
             for r, (i, q) in enumerate(rows):
                 tokens[i][q].append(drawn[r])
                 ranked[i][q].append(top[r])
                 rows_of[i][q].append(done + r)
-            all_probs.append(step_probs)
             done += len(rows)
+            steps += 1
         probs = self._branch_probs(seqs, rows_of, all_probs)
         for i in live:
             seq, lay = seqs[i], layouts[i]
@@ -358,7 +359,7 @@ class AsyncSpeculator:
                 kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(tokens[i][q]))]
                 self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q],  # kv: the root, then tokens[:-1]
                                CachedSpeculation(tokens[i][q], probs.get((i, q)), ranked[i][q], kv_slots))
-        return BuildStats(steps=len(all_probs), branches=sum(layouts[i].num_branches for i in live))
+        return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
 
     @staticmethod
     def _branch_probs(seqs, rows_of, all_probs) -> dict[tuple[int, int], torch.Tensor]:
