@@ -9,8 +9,11 @@ Reported: decode tok/s (median over prompts), ratios against AR and SD of this r
 tokens per round, p_hit (and after a hit / after a miss), and per round: verification time,
 the target's wait for the speculator, the speculator's cache-build time. The memory-bus
 contention between the cores is measured twice: verification per round in SSD against SD on
-one core (the other core idle) at the same K, and a controlled probe (saguaro.calibration.contention). A round
-timeline of one request is drawn to results/ssd_timeline.png.
+one core (the other core idle) at the same K, and a controlled probe (saguaro.calibration.contention). A bus
+probe (saguaro.calibration.bus) then gives each SSD configuration its ceiling on this machine: the fastest
+any SSD at that K could run when every pass streams its weights over the one shared bus
+(saguaro.theory.bandwidth; benchmarks.ceiling). A round timeline of one request is drawn to
+results/ssd_timeline.png.
 
     python -m benchmarks.bench_ssd                         # defaults: 2+2 prompts, 64 tokens, greedy, K=4
     python -m benchmarks.bench_ssd --fan-out-sweep 1,2,3,4,6  # adds F=[1,..,1,F_K] for each F_K
@@ -52,7 +55,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="Saguaro sampling C for SSD, comma separated (each SSD run once per value; 'auto' reads the "
                         "profile; default 1)")
     p.add_argument("--skip-two-threads", action="store_true", help="skip AR and SD with two threads")
-    p.add_argument("--skip-probe", action="store_true", help="skip the controlled contention probe")
+    p.add_argument("--skip-probe", action="store_true",
+                   help="skip the controlled contention probe and the bus probe (and so the bus ceiling)")
+    p.add_argument("--bus-seconds", type=float, default=3.0,
+                   help="seconds per bus-probe window: each core alone, then both (3 windows each; default 3)")
     p.add_argument("--probe-reps", type=int, default=8, help="timed passes per probe phase (default 8)")
     p.add_argument("--probe-context", type=int, default=256, help="KV context of the probe's passes (default 256)")
     p.add_argument("--timeline-config", type=int, default=0,
@@ -142,7 +148,7 @@ def build_stats(records: list[Record], k: int) -> dict[str, Any]:
             "verify_overlapped_by_build_mean": mean(overlap)}
 
 
-def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[str, Any], str]:
+def report(args, labels, plan_, records, summaries, contention, bus=None) -> tuple[dict[str, Any], str]:
     names, k = plan_["names"], args.k
     bases = fastest_sd_bases(plan_, summaries)
     ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t],
@@ -200,21 +206,29 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
     rows = []
     for tk in sd_ref:
         sd_verify = sd_ref[tk][ALL].get("verify_ms_median")
-        rows.append([f"in run, {tk}: {names['sd_ref']} (other core idle)", fmt(sd_verify, ".0f"), "1.00"])
+        rows.append([f"in run, {tk}: {names['sd_ref']} (other core idle)", fmt(sd_verify, ".0f"), "1.00", "-"])
         for name in plan_["ssd"]:
             v = summaries[name][tk][ALL].get("verify_ms_median")
-            rows.append([f"in run, {tk}: {name} (draft building on core 1)", fmt(v, ".0f"), fmt(ratio(v, sd_verify))])
+            rows.append([f"in run, {tk}: {name} (draft building on core 1)", fmt(v, ".0f"), fmt(ratio(v, sd_verify)),
+                         "-"])
     if contention:
         rows.append([f"probe: {contention['rows']} rows, other core idle", fmt(contention["idle_ms_median"], ".0f"),
-                     "1.00"])
+                     "1.00", fmt(contention["target_pass_bytes"] / contention["idle_ms_median"] / 1e6, ".1f")])
         rows += [[f"probe: beside a busy draft, {b['draft_rows']}-row passes back to back",
-                  fmt(b["verify_ms_median"], ".0f"), fmt(b["slowdown"])] for b in contention["busy"]]
+                  fmt(b["verify_ms_median"], ".0f"), fmt(b["slowdown"]), fmt(b["bus_bytes_per_s"] / 1e9, ".1f")]
+                 for b in contention["busy"]]
     lines += ["", "## Memory-bus contention: target verification time per round", "",
               f"Same number of rows (K+1 = {k + 1}). In run: median verify time per round. In SSD the build may "
               "finish before verification does (see full builds), so the in-run figure is a blend of contended and "
               "uncontended time; the probe keeps the draft busy for the whole pass (as the engine runs both, made-up "
-              "tokens).", "",
-              table(["measurement", "verify ms", "slowdown"], rows)]
+              "tokens). bus GB/s: the bytes both moved per second (W_t per verification plus W_d per draft pass).", "",
+              table(["measurement", "verify ms", "slowdown", "bus GB/s"], rows)]
+    ceiling = []
+    if contention and bus:
+        from benchmarks.ceiling import ceiling_rows, ceiling_section
+        sd_best = {tk: base["sd1"][tk][ALL]["tok_s_median"] for tk, base in bases.items()}
+        ceiling = ceiling_rows(plan_, summaries, contention, bus, sd_best)
+        lines += ceiling_section(ceiling, contention, bus)
     equal = {name: same_tokens(recs, records[names["ar1"]]) for name, recs in records.items() if name != names["ar1"]}
     if any(b for _, b in equal.values()):
         lines += ["", "Greedy outputs equal to AR (1 core), token for token: " +
@@ -234,6 +248,8 @@ def report(args, labels, plan_, records, summaries, contention) -> tuple[dict[st
                                for key, b in bases[tk].items()} for tk in by_t} for name, by_t in summaries.items()},
         "ssd_builds": ssd_builds,
         "contention_probe": contention,
+        "bus_probe": bus,
+        "bus_ceiling": ceiling,
         "greedy_equal_to_ar": {name: {"equal": a, "compared": b} for name, (a, b) in equal.items()},
         "requests": [r.to_json(with_rounds=True) for recs in records.values() for r in recs],
     }
@@ -264,7 +280,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.max_tokens} new tokens each")
     records = {name: run_engine(name, options, prompts, args) for name, options in plan_["configs"]}
     summaries = {name: group_records(recs) for name, recs in records.items()}
-    contention = None
+    contention = bus = None
     if not args.skip_probe:
         from saguaro.calibration.contention import measure
         from saguaro.spec.draft_format import DraftFormat
@@ -272,7 +288,9 @@ def main(argv: list[str] | None = None) -> int:
         contention = measure(TARGET, DRAFT, args.k + 1, widths, fast=args.compile, context=args.probe_context,
                              reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab),
                              log=log)
-    payload, markdown = report(args, labels, plan_, records, summaries, contention)
+        from saguaro.calibration.bus import measure_bus
+        bus = measure_bus([0, 1], seconds=args.bus_seconds, log=log)
+    payload, markdown = report(args, labels, plan_, records, summaries, contention, bus)
     timeline = draw_timeline(args, plan_, records)
     if timeline:
         markdown += "\n\n## Round timeline of one request\n\n" + timeline

@@ -2,6 +2,8 @@
 
 No models run here; the benchmark itself is not a test (timings are noisy on shared machines).
 """
+import pytest
+
 from benchmarks.bench_ssd import fastest_sd_bases, parse_args, plan
 from benchmarks.common import ALL
 
@@ -51,3 +53,26 @@ def test_each_saguaro_c_is_its_own_ssd_run():
     opts = dict(p["configs"])
     assert [opts[n]["saguaro_c"] for n in p["ssd"]] == [1.0, 0.5]
     assert p["ssd"][1] == "SSD K=4 F=[1,1,1,1,2], tapered 2+1, C=0.5 (2 cores)"
+
+
+def test_bus_ceiling_per_ssd_configuration_from_sd_at_its_k():
+    """Each SSD configuration gets E_SD(K) / max(T_v, (W_t + (K+1) W_d) / B_2) from the SD run at its own K;
+    a K without an SD run gets no row."""
+    from benchmarks.ceiling import ceiling_rows, ceiling_section
+    p = plan(parse_args(["--k", "4", "--sd-k", "5", "--fan-outs", "1,1,1,1,2@2;1,1,2", "--skip-two-threads"]))
+    sd4 = {"T=0": {ALL: {"tok_s_median": 26.0, "tokens_per_round": 4.4, "verify_ms_median": 110.0}}}
+    sd5 = {"T=0": {ALL: {"tok_s_median": 28.0, "tokens_per_round": 4.8, "verify_ms_median": 120.0}}}
+    ssd = {"T=0": {ALL: {"tok_s_median": 30.0}}}
+    summaries = {"SD K=4 (1 core)": sd4, "SD K=5 (1 core)": sd5, p["ssd"][0]: ssd, p["ssd"][1]: ssd}
+    contention = {"target_pass_bytes": 3.0e9, "draft_pass_bytes": 0.25e9, "busy": [{"bus_bytes_per_s": 35e9}]}
+    bus = {"bus_alone": 30e9, "bus_total": 36e9}
+    rows = ceiling_rows(p, summaries, contention, bus, {"T=0": 28.0})
+    assert [r["config"] for r in rows] == [p["ssd"][0]]  # no SD run at K=2
+    r = rows[0]
+    floor = (3.0 + 5 * 0.25) / 36  # bus-limited: above T_v = 0.110 s
+    assert r["bus_limited"] and r["floor_ms"] == pytest.approx(1e3 * floor)
+    assert r["ceiling_tok_s"] == pytest.approx(4.4 / floor)
+    assert r["ceiling_x_sd"] == pytest.approx(4.4 / floor / 28.0)
+    assert r["measured_of_ceiling"] == pytest.approx(30.0 / (4.4 / floor))
+    assert r["bus_cap"] == pytest.approx(((3.0 + 4 * 0.25) / 30) / max(3.0 / 30, (3.0 + 5 * 0.25) / 36))
+    assert any("B_2/B_1 = 1.20" in line for line in ceiling_section(rows, contention, bus))

@@ -52,3 +52,51 @@ def test_probe_on_tiny_models_restores_pinning():
     assert os.sched_getaffinity(0) == affinity and torch.get_num_threads() == threads
     assert probe["idle_ms_median"] > 0 and [b["draft_rows"] for b in probe["busy"]] == [1, 3]
     assert all(b["slowdown"] > 0 and b["draft_passes_per_s"] > 0 and len(b["verify_ms"]) == 3 for b in probe["busy"])
+    assert probe["target_pass_bytes"] > 0 and probe["draft_pass_bytes"] > 0  # what one pass of each streams
+    assert all(b["bus_bytes_per_s"] > 0 for b in probe["busy"])
+
+
+# -- the bus itself (saguaro.calibration.bus) --------------------------------------------------------------
+
+def test_stream_rate_of_one_core():
+    from saguaro.calibration.bus import stream_rates
+    (rate,) = stream_rates([0], seconds=0.3, nbytes=64 << 20)
+    assert 1e8 < rate < 1e12  # bytes per second: above 0.1 GB/s, below any memory bus
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="the bus probe needs two cores")
+def test_bus_probe_alone_and_together():
+    from saguaro.calibration.bus import measure_bus
+    bus = measure_bus([0, 1], seconds=0.3, reps=1, nbytes=64 << 20)
+    assert set(bus["alone_bytes_per_s"]) == {"0", "1"} and len(bus["together_bytes_per_s"][0]) == 2
+    assert bus["bus_alone"] == max(v[0] for v in bus["alone_bytes_per_s"].values())
+    assert bus["bus_total"] == pytest.approx(sum(bus["together_bytes_per_s"][0]))
+
+
+def _matrix_weights(cfg) -> int:
+    """Weights of every matrix one pass streams: q/k/v, o, gate/up, down per layer, and the head."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    per_layer = h * d * (cfg.num_heads + 2 * cfg.num_kv_heads) + cfg.num_heads * d * h + 3 * h * cfg.intermediate_size
+    return cfg.num_layers * per_layer + cfg.vocab_size * h
+
+
+def test_pass_bytes_eager_counts_parameters_less_the_embedding_table():
+    from saguaro.calibration.bus import pass_bytes
+    from saguaro.engine.model_runner import ModelRunner
+    loaded = tiny_model(seed=1, vocab=64, layers=2)
+    runner = ModelRunner(loaded.model, 8, 16)
+    params = sum(p.numel() for p in loaded.model.parameters())
+    assert pass_bytes(runner) == 4 * (params - 64 * loaded.config.hidden_size)  # fp32, untied head
+
+
+def test_pass_bytes_fast_path_is_the_packed_arena():
+    from saguaro.calibration.bus import pass_bytes
+    from saguaro.models import kernels
+    from saguaro.spec.draft_format import DraftFormat
+    if not kernels.available():
+        pytest.skip("the fast kernels need AVX512-BF16")
+    loaded = tiny_model(seed=1, vocab=64, layers=2)  # every matrix a whole number of 64-output tiles
+    loaded.model.to(torch.bfloat16)
+    weights = _matrix_weights(loaded.config)
+    assert pass_bytes(DraftFormat().runner(loaded, 8, 16, "cpu", fast=True)) == 2 * weights
+    assert pass_bytes(DraftFormat("int4").runner(loaded, 8, 16, "cpu", fast=True)) == weights * 5 // 8  # 5 bits

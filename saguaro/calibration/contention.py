@@ -11,7 +11,9 @@ logits, one thread on the target core):
   - while a second process, pinned to the other core, runs draft forward passes back to back, of each
     width in ``widths`` (1 row streams the draft's weights fastest: the worst case for the bus; wider
     passes, the shape of a branch step, do more compute per byte).
-It also counts the draft's passes per second meanwhile, so the draft's own slowdown is known too.
+It also counts the draft's passes per second meanwhile, so the draft's own slowdown is known too, and,
+with the bytes each pass streams (``bus.pass_bytes``), the total the bus carried: the target's bytes per
+verification over its time plus the draft's bytes per pass times its pass rate.
 Both sides run as the engine runs them (fast path, the draft in its format) with made-up token ids.
 Other tenants of a shared machine load the bus too; the load average is recorded next to it.
 """
@@ -25,18 +27,20 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from saguaro.calibration.bus import pass_bytes
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.engine.device import load_or_place, pin_process
 from saguaro.spec.draft_format import DraftFormat
 
 
-def _busy_draft(ready: Any, stop: Any, passes: Any, draft: Any, dtype: torch.dtype, fmt: DraftFormat,
+def _busy_draft(ready: Any, stop: Any, passes: Any, nbytes: Any, draft: Any, dtype: torch.dtype, fmt: DraftFormat,
                 fast: bool, cores: list[int], rows: int, context: int) -> None:
     """The busy process: draft forward passes of ``rows`` tokens, back to back, until told to stop."""
     pin_process(cores, 1)
     loaded = load_or_place(draft, "cpu", fmt.dtype(dtype), progress=False)
     timer = RowTimer(runner_factory(loaded, fast, fmt), context, rows)
     timer.once(rows)
+    nbytes.value = pass_bytes(timer.runner)
     ready.set()
     while not stop.is_set():
         timer.once(rows)
@@ -69,14 +73,15 @@ def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, re
     def verify_times() -> list[float]:
         return [1e3 * verify.once(rows) for _ in range(reps)]
 
+    target_bytes, draft_bytes = pass_bytes(verify.runner), 0
     verify_times()  # warm-up
     idle_before = verify_times()
     log(f"contention probe: target {rows} rows alone: {statistics.median(idle_before):.0f} ms")
     busy = []
     ctx = mp.get_context("spawn")
     for width in widths:
-        ready, stop, passes = ctx.Event(), ctx.Event(), ctx.Value("q", 0)
-        proc = ctx.Process(target=_busy_draft, args=(ready, stop, passes, draft, dtype, draft_format, fast,
+        ready, stop, passes, nbytes = ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0)
+        proc = ctx.Process(target=_busy_draft, args=(ready, stop, passes, nbytes, draft, dtype, draft_format, fast,
                                                      draft_cores, width, context),
                            daemon=True, name="saguaro-busy-draft")
         proc.start()
@@ -94,8 +99,10 @@ def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, re
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout=5)
+        draft_bytes = nbytes.value
         busy.append({"draft_rows": width, "verify_ms": times, "verify_ms_median": statistics.median(times),
-                     "draft_passes_per_s": rate})
+                     "draft_passes_per_s": rate, "bus_bytes_per_s": target_bytes / (statistics.median(times) / 1e3)
+                     + draft_bytes * rate})
         log(f"contention probe: target {rows} rows beside a busy {width}-row draft: "
             f"{statistics.median(times):.0f} ms ({rate:.1f} draft passes/s)")
     idle_after = verify_times()
@@ -106,6 +113,7 @@ def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, re
         "description": "target verification pass (1 thread) alone vs beside a busy draft process on the other core",
         "rows": rows, "context": context, "reps": reps, "fast": bool(fast), "draft_format": draft_format.tag,
         "target_cores": target_cores, "draft_cores": draft_cores,
+        "target_pass_bytes": target_bytes, "draft_pass_bytes": draft_bytes,
         "idle_ms_before": idle_before, "idle_ms_after": idle_after, "idle_ms_median": idle,
         "busy": busy,
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,

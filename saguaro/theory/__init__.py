@@ -1,11 +1,13 @@
 """Closed-form theory of SSD / Saguaro (paper Secs. 3-4, Appendix A) and a Monte Carlo check of it.
 
-Modules: ``speedup`` (Thm 2, Cors. 3, 4, 17, stationary hit rate), ``fallback`` (Thm 18, critical batch
+Modules: ``speedup`` (Thm 2, Cors. 3, 4, 17, stationary hit rate), ``bandwidth`` (the ceiling on SSD when
+the two devices share one memory bus), ``fallback`` (Thm 18, critical batch
 size b*), ``fanout`` (Thm 12 geometric fan-out, rounding, power-law fit), ``fanout_general`` (Thm 13 with
 empirical hit curves), ``saguaro_sampling`` (Def. 14, Thm 15, Appendix A construction), ``simulate``
 (Monte Carlo of SD / SSD rounds). Pure Python + NumPy.
 """
 
+from .bandwidth import bus_cap, ssd_round_floor, ssd_tok_s_ceiling
 from .fallback import choose_fallback, critical_batch_size, fallback_speedups
 from .fanout import (
     fanout_objective,
@@ -45,6 +47,7 @@ __all__ = [
     "APPENDIX_CONSTRUCTION",
     "SimResult",
     "acceptance_rate",
+    "bus_cap",
     "accepted_length_pmf",
     "choose_fallback",
     "critical_batch_size",
@@ -74,10 +77,12 @@ __all__ = [
     "simulate_sd",
     "simulate_ssd",
     "ssd_over_sd_bounds",
+    "ssd_round_floor",
     "ssd_same_speculator_speedup",
     "ssd_speedup",
     "ssd_speedup_batch",
     "ssd_speedup_batch_limit",
+    "ssd_tok_s_ceiling",
     "top_f_mask",
     "unconditional_hit_rate",
 ]
