@@ -226,7 +226,8 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
     ceiling = []
     if contention and bus:
         from benchmarks.ceiling import ceiling_rows, ceiling_section
-        sd_best = {tk: base["sd1"][tk][ALL]["tok_s_median"] for tk, base in bases.items()}
+        sd_best = {tk: {g: max(summaries[n][tk][g]["tok_s_median"] for n in plan_["sd_one"]) for g in base["sd1"][tk]}
+                   for tk, base in bases.items()}
         ceiling = ceiling_rows(plan_, summaries, contention, bus, sd_best)
         lines += ceiling_section(ceiling, contention, bus)
     equal = {name: same_tokens(recs, records[names["ar1"]]) for name, recs in records.items() if name != names["ar1"]}

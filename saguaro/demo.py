@@ -5,8 +5,6 @@ run with int4 weights and a 65,536-token head: the same cheap draft for SD and S
 lossless).
 AR and SD run on one core (the draft collocated with the target, as in the paper's SD
 baseline); SSD adds the draft's own core. Same prompts, greedy, one run; ratios from this run.
-Last, a bus probe shows how far SSD can get ahead of SD on this machine at all: both cores share
-one memory bus, and every pass streams its weights (saguaro.theory.bandwidth).
 """
 from __future__ import annotations
 
@@ -16,8 +14,6 @@ import time
 
 from saguaro import LLM, SamplingParams
 from saguaro.bench import datasets
-from saguaro.calibration import bus
-from saguaro.theory.bandwidth import bus_cap
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 
@@ -48,7 +44,6 @@ def run_demo(args: argparse.Namespace) -> int:
         results = {"AR (1 core)": _run(ar, prompts, args.max_tokens)}
     with LLM(target=TARGET, draft=DRAFT, mode="sd", num_speculative_tokens=args.k, **common, **draft_fmt) as sd:
         results[f"SD K={args.k} (1 core)"] = _run(sd, prompts, args.max_tokens)
-        pass_bytes = (bus.pass_bytes(sd.engine.target), bus.pass_bytes(sd.engine.decoder.proposer.runner))
     # SSD's tree is built while one verification runs: the glue, then a few steps over all branches, then
     # narrow steps that take the likeliest branch on to K tokens (benchmarks/bench_ssd.py --fan-outs 'F@S').
     ssd_k, fan_out = len(args.ssd_fan_out) - 1, args.ssd_fan_out
@@ -67,16 +62,5 @@ def run_demo(args: argparse.Namespace) -> int:
     print("\nGreedy outputs identical to AR: " + ", ".join(f"{n}: {'yes' if v else 'no'}" for n, v in same.items()))
     print("(bf16: a verification pass over K+1 rows may round an argmax tie differently from a 1-row pass;"
           " exactness is tested in fp32.)")
-    _bus_cap(*pass_bytes, sorted({ssd_k, args.k}))
     print("\nSSD output for the first prompt:\n" + results[f"SSD K={ssd_k} (2 cores)"]["text"])
     return 0
-
-
-def _bus_cap(target_bytes: int, draft_bytes: int, ks: list[int]) -> None:
-    """Print the bus cap on SSD/SD at each K, from a short bus probe (one window per phase)."""
-    probe = bus.measure_bus([0, 1], seconds=2.0, reps=1)
-    b1, b2 = probe["bus_alone"], probe["bus_total"]
-    caps = ", ".join(f"K={k}: {bus_cap(target_bytes, draft_bytes, k, b1, b2):.2f}x" for k in ks)
-    print(f"\nThe bus: one core streams {b1 / 1e9:.1f} GB/s alone, both cores {b2 / 1e9:.1f} GB/s together; a "
-          f"verification streams {target_bytes / 1e9:.2f} GB, a draft pass {draft_bytes / 1e9:.2f} GB. So SSD can "
-          f"be at most this much faster than SD at the same K on this machine, whatever its hit rate: {caps}.")

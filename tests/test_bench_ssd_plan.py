@@ -66,8 +66,8 @@ def test_bus_ceiling_per_ssd_configuration_from_sd_at_its_k():
     summaries = {"SD K=4 (1 core)": sd4, "SD K=5 (1 core)": sd5, p["ssd"][0]: ssd, p["ssd"][1]: ssd}
     contention = {"target_pass_bytes": 3.0e9, "draft_pass_bytes": 0.25e9, "busy": [{"bus_bytes_per_s": 35e9}]}
     bus = {"bus_alone": 30e9, "bus_total": 36e9}
-    rows = ceiling_rows(p, summaries, contention, bus, {"T=0": 28.0})
-    assert [r["config"] for r in rows] == [p["ssd"][0]]  # no SD run at K=2
+    rows = ceiling_rows(p, summaries, contention, bus, {"T=0": {ALL: 28.0}})
+    assert [(r["config"], r["group"]) for r in rows] == [(p["ssd"][0], ALL)]  # no SD run at K=2
     r = rows[0]
     floor = (3.0 + 5 * 0.25) / 36  # bus-limited: above T_v = 0.110 s
     assert r["bus_limited"] and r["floor_ms"] == pytest.approx(1e3 * floor)
