@@ -78,6 +78,6 @@ def test_every_branch_equals_sequential_drafting(draft, branch_steps, deep):
         context = prompt + sent[:kk] + [t]
         expected = greedy_tokens(draft, [context], len(cached.tokens))[0]
         assert cached.tokens == expected, (kk, t)
-        assert len(cached.kv_slots) == len(cached.tokens) and len(cached.ranked) == len(cached.tokens)
+        assert len(cached.kv_slots) == len(cached.tokens) and len(cached.ranked()) == len(cached.tokens)
     spec.close()
     assert spec.runner.blocks.num_free == spec.runner.blocks.num_blocks

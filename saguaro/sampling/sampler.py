@@ -54,16 +54,18 @@ def row_uniforms(
     own = torch.zeros(n, dtype=torch.bool)
     if generators is not None:
         own = torch.tensor([g is not None for g in generators], dtype=torch.bool)
-    shared_mask = (torch.arange(width).unsqueeze(0) < counts_t.unsqueeze(1)) & ~own.unsqueeze(1)
+    drawn = torch.arange(width).unsqueeze(0) < counts_t.unsqueeze(1)
+    shared_mask = drawn & ~own.unsqueeze(1)
     total = int(shared_mask.sum())
     if total:
         shared_device = shared_generator.device if shared_generator is not None else device
         flat = torch.rand(total, generator=shared_generator, dtype=torch.float64, device=shared_device)
         out[shared_mask] = flat.cpu()  # boolean-mask assignment fills in row-major order
     if generators is not None:
-        for b, g in enumerate(generators):
-            if g is not None and counts[b] > 0:
-                out[b, : counts[b]] = torch.rand(counts[b], generator=g, dtype=torch.float64, device=g.device).cpu()
+        own_draws = [torch.rand(counts[b], generator=g, dtype=torch.float64, device=g.device).cpu()
+                     for b, g in enumerate(generators) if g is not None and counts[b] > 0]
+        if own_draws:  # one assignment for every row with its own generator, in row order as drawn
+            out[drawn & own.unsqueeze(1)] = torch.cat(own_draws)
     return out.to(device)
 
 

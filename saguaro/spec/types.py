@@ -42,12 +42,32 @@ class Ranked:
         return self.probs[self.ids.index(token)] if token in self.ids else 0.0
 
 
-def rank_positions(logits: torch.Tensor, width: int) -> list[Ranked]:
+@dataclass
+class RankTable:
+    """The ranked ids of many rows, as two tensors. ``Ranked`` objects are made only for the rows read:
+    an SSD build ranks every position of every branch, and the next round reads only the branch that hit."""
+    ids: torch.Tensor  # [N, W] long, most likely first
+    probs: torch.Tensor  # [N, W] float
+
+    def rows(self, index: list[int] | range) -> list[Ranked]:
+        index = list(index)
+        return [Ranked(i, p) for i, p in zip(self.ids[index].tolist(), self.probs[index].tolist())]
+
+    @staticmethod
+    def cat(tables: list["RankTable"]) -> "RankTable":
+        return RankTable(torch.cat([t.ids for t in tables]), torch.cat([t.probs for t in tables]))
+
+
+def rank_table(logits: torch.Tensor, width: int) -> RankTable:
     """Per row of ``logits`` [N, V], the ``width`` most likely token ids and their probabilities."""
     logits = logits.float()
     top = torch.topk(logits, min(width, logits.shape[-1]), dim=-1)
-    probs = (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
-    return [Ranked(ids, p) for ids, p in zip(top.indices.tolist(), probs.tolist())]
+    return RankTable(top.indices, (top.values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp())
+
+
+def rank_positions(logits: torch.Tensor, width: int) -> list[Ranked]:
+    """``rank_table`` as one ``Ranked`` per row."""
+    return rank_table(logits, width).rows(range(logits.shape[0]))
 
 
 class Proposer(ABC):

@@ -5,18 +5,22 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.spec.types import Ranked
+from saguaro.spec.types import Ranked, RankTable
 
 
 @dataclass
 class CachedSpeculation:
     tokens: list[int]  # drafted after the outcome's bonus token (may be shorter than K if the build was cut short)
     probs: torch.Tensor | None  # [len(tokens), V] distributions they were drawn from; None for greedy rows
-    # ranked[j]: the draft's most likely ids at the position tokens[j] was drawn for (the next build's
-    # outcome guesses at depth j, so that build need not re-run these positions)
-    ranked: list[Ranked] | None = None
+    # rows ``rank_rows`` of ``rank_table``: the draft's most likely ids at the position each token was drawn
+    # for (the next build's outcome guesses at depth j, so that build need not re-run these positions)
+    rank_table: RankTable | None = None
+    rank_rows: list[int] | None = None
     # scratch KV slots of the bonus token and tokens[:-1] (what the next build's glue would recompute)
     kv_slots: list[int] | None = None
+
+    def ranked(self) -> list[Ranked] | None:
+        return None if self.rank_table is None else self.rank_table.rows(self.rank_rows)
 
 
 class SpeculationCache:

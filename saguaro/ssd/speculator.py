@@ -47,7 +47,7 @@ from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.sampler import sample
 from saguaro.spec.draft_model import DraftModelProposer, DraftState
 from saguaro.spec.ngram_proposer import NgramProposer
-from saguaro.spec.types import Ranked, rank_positions
+from saguaro.spec.types import Ranked, RankTable, rank_positions, rank_table
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import SpecPlan
@@ -171,7 +171,7 @@ class AsyncSpeculator:
             if seq.seq_id in hits:
                 c = hits[seq.seq_id]
                 row = SpecRow(True, c.tokens, c.probs)
-                self.ranked[seq.seq_id] = c.ranked
+                self.ranked[seq.seq_id] = c.ranked()
             else:
                 row = fallback_rows[seq.seq_id]
             self.sent[seq.seq_id] = row.tokens
@@ -313,12 +313,12 @@ class AsyncSpeculator:
             size = layouts[i].scratch_size(self.k)
             self.runner.blocks.reserve(scratch[i], size)
             layouts[i].scratch_slots = self.runner.slots(scratch[i], 0, size)
-        # per live sequence and branch: the drafted tokens, the draft's ranked ids, and the rows (over all
-        # steps' passes) whose distributions the tokens were drawn from
+        # per live sequence and branch: the drafted tokens, and the rows (over all steps' passes) whose
+        # distributions and ranked ids the tokens were drawn from
         tokens = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
-        ranked = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
         rows_of = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
         all_probs: list[torch.Tensor] = []
+        tables: list[RankTable] = []
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
         greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro is None
         done = steps = 0  # rows in the passes so far, passes so far
@@ -336,7 +336,7 @@ class AsyncSpeculator:
                 positions += pos
             meta = build_metadata(contexts, [layouts[i].width(step) for i in live], masks)
             logits = self.runner.run(inputs, positions, meta, [ForwardItem(inputs, 0, [], "all")])[0]
-            top = rank_positions(logits, self.width)
+            tables.append(rank_table(logits, self.width))
             if greedy_only:
                 drawn = logits.argmax(dim=-1).tolist()
             else:
@@ -348,17 +348,18 @@ class AsyncSpeculator:
                 all_probs.append(step_probs)
             for r, (i, q) in enumerate(rows):
                 tokens[i][q].append(drawn[r])
-                ranked[i][q].append(top[r])
                 rows_of[i][q].append(done + r)
             done += len(rows)
             steps += 1
         probs = self._branch_probs(seqs, rows_of, all_probs)
+        table = RankTable.cat(tables) if tables else None
         for i in live:
             seq, lay = seqs[i], layouts[i]
+            offsets = [lay.offset(j) for j in range(steps)]
             for q in range(lay.num_branches):
-                kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(tokens[i][q]))]
+                kv_slots = [lay.scratch_slots[offsets[j] + q] for j in range(len(tokens[i][q]))]
                 self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q],  # kv: the root, then tokens[:-1]
-                               CachedSpeculation(tokens[i][q], probs.get((i, q)), ranked[i][q], kv_slots))
+                               CachedSpeculation(tokens[i][q], probs.get((i, q)), table, rows_of[i][q], kv_slots))
         return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
 
     @staticmethod
