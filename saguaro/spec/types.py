@@ -49,9 +49,10 @@ class RankTable:
     ids: torch.Tensor  # [N, W] long, most likely first
     probs: torch.Tensor  # [N, W] float
 
-    def rows(self, index: list[int] | range) -> list[Ranked]:
-        index = list(index)
-        return [Ranked(i, p) for i, p in zip(self.ids[index].tolist(), self.probs[index].tolist())]
+    def rows(self, index: list[int] | None = None) -> list[Ranked]:
+        """``Ranked`` for the rows in ``index`` (every row when None)."""
+        ids, probs = (self.ids, self.probs) if index is None else (self.ids[index], self.probs[index])
+        return [Ranked(i, p) for i, p in zip(ids.tolist(), probs.tolist())]
 
     @staticmethod
     def cat(tables: list["RankTable"]) -> "RankTable":
@@ -67,7 +68,7 @@ def rank_table(logits: torch.Tensor, width: int) -> RankTable:
 
 def rank_positions(logits: torch.Tensor, width: int) -> list[Ranked]:
     """``rank_table`` as one ``Ranked`` per row."""
-    return rank_table(logits, width).rows(range(logits.shape[0]))
+    return rank_table(logits, width).rows()
 
 
 class Proposer(ABC):

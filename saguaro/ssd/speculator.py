@@ -355,9 +355,8 @@ class AsyncSpeculator:
         table = RankTable.cat(tables) if tables else None
         for i in live:
             seq, lay = seqs[i], layouts[i]
-            offsets = [lay.offset(j) for j in range(steps)]
             for q in range(lay.num_branches):
-                kv_slots = [lay.scratch_slots[offsets[j] + q] for j in range(len(tokens[i][q]))]
+                kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(tokens[i][q]))]
                 self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q],  # kv: the root, then tokens[:-1]
                                CachedSpeculation(tokens[i][q], probs.get((i, q)), table, rows_of[i][q], kv_slots))
         return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))

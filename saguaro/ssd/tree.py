@@ -15,6 +15,7 @@ mask (Appendix D).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import accumulate
 
 import torch
 
@@ -31,6 +32,8 @@ class BranchLayout:
     def __post_init__(self) -> None:
         if any(w < 1 for w in self.widths) or any(a < b for a, b in zip(self.widths, self.widths[1:])):
             raise ValueError(f"branch widths must be positive and non-increasing, got {self.widths}")
+        # scratch offsets of the listed steps, so offset() is O(1) for every branch token of a build
+        self._starts = list(accumulate((min(self.num_branches, w) for w in self.widths), initial=0))
 
     @property
     def num_branches(self) -> int:
@@ -42,7 +45,8 @@ class BranchLayout:
 
     def offset(self, step: int) -> int:
         """Scratch index of step ``step``'s first slot (the slots of the steps before it come first)."""
-        return sum(self.width(j) for j in range(step))
+        listed = min(step, len(self.widths))
+        return self._starts[listed] + (step - listed) * self.num_branches
 
     def scratch_size(self, steps: int) -> int:
         return self.offset(steps)
