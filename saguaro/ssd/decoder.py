@@ -118,6 +118,11 @@ class SSDDecoder(Decoder):
 
     def _proposal(self, seqs: list[Sequence]) -> Proposal:
         rows = [self.pending[s.seq_id] for s in seqs]
+        for s, r in zip(seqs, rows):
+            # a sampled row without its q could only be verified as a point mass: exact, but it would hide a
+            # speculation whose distributions went astray, so it is an error here
+            if not s.params.greedy and r.tokens and r.probs is None and not r.point_mass:
+                raise RuntimeError(f"sequence {s.seq_id}: sampled speculation arrived without its distributions")
         budgets = [draft_budget(s, len(r.tokens), self.max_model_len) for s, r in zip(seqs, rows)]
         tokens = [r.tokens[:n] for r, n in zip(rows, budgets)]
         vocab = self.target.config.vocab_size
