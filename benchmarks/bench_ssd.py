@@ -96,8 +96,8 @@ def fan_out_label(f: list[int] | str) -> str:
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     k, sd_ks = args.k, args.sd_k or [args.k]
     sd_k = sd_ks[0]
-    one = engine_options(args.compile, threads=1, target_cores=[0])
-    two = engine_options(args.compile, threads=2, target_cores=[0, 1])
+    one = engine_options(args.enforce_eager, threads=1, target_cores=[0])
+    two = engine_options(args.enforce_eager, threads=2, target_cores=[0, 1])
     names = {"ar1": "AR (1 core)", "sd1": f"SD K={sd_k} (1 core)", "ar2": "AR (2 threads)",
              "sd2": f"SD K={sd_k} (2 threads)"}
     fmt_ = draft_options(args)
@@ -156,7 +156,7 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
                   for name in plan_["ssd"]}
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
-             f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
+             f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
              f"calibration profile {args.calibration_workload}, fallback={','.join(args.fallback)}, temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
              "", "Hardware: '1 core' = target (and a collocated draft) pinned to core 0, one thread; '2 threads' = "
@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         from saguaro.calibration.contention import measure
         from saguaro.spec.draft_format import DraftFormat
         widths = sorted({1} | {sum(f) for f, _ in fan_outs(args) if isinstance(f, list)})
-        contention = measure(TARGET, DRAFT, args.k + 1, widths, fast=args.compile, context=args.probe_context,
+        contention = measure(TARGET, DRAFT, args.k + 1, widths, fast=not args.enforce_eager, context=args.probe_context,
                              reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab),
                              log=log)
         from saguaro.calibration.bus import measure_bus

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -39,13 +40,19 @@ class Config:
     max_num_seqs: int = 16
     max_prefill_tokens: int = 4096
     max_model_len: int | None = None  # defaults to the model's context length
-    compile: bool = False  # torch.compile the decode path (bf16 speed); off for tests
+    enforce_eager: bool = False  # run the exact eager reference instead of the device's fast path (tests)
+    compile: bool | None = None  # deprecated alias: compile=True is the default, compile=False is enforce_eager
     draft_weights: str = "bf16"  # "int8"/"int4": the draft runs W8A8/W4A8 on the fast path (cheaper, still lossless)
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
 
     def __post_init__(self) -> None:
+        if self.compile is not None:
+            warnings.warn("Config(compile=...) is deprecated: the fast path is the default and enforce_eager=True "
+                          "turns it off", DeprecationWarning, stacklevel=3)
+            self.enforce_eager = not self.compile
+            self.compile = None
         from saguaro.calibration.profile import check_workload
         check_workload(self.calibration_workload, "calibration_workload")
         if self.num_speculative_tokens == "auto":
@@ -98,10 +105,15 @@ class Config:
         if not self.draft:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         from saguaro.calibration.policy import recommended_k, resolve_profile
-        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile,
+        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.fast,
                                   draft_format=self.draft_format.tag, workload=self.calibration_workload)
         return recommended_k(profile, self.fallback, mode=self.mode, taper=self.branch_steps == "auto",
                              deep=self.deep_branches)
+
+    @property
+    def fast(self) -> bool:
+        """The device's fast path: CUDA graphs over fused kernels on a GPU, the bf16 kernels on a CPU."""
+        return not self.enforce_eager
 
     @property
     def torch_dtype(self) -> torch.dtype:

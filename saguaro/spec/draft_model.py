@@ -19,6 +19,7 @@ from typing import Callable
 
 import torch
 
+from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
@@ -47,7 +48,7 @@ class DraftModelProposer(Proposer):
         vocab = self.runner.config.vocab_size
         tokens: list[list[int]] = [[] for _ in seqs]
         ranked: list[list[Ranked]] = [[] for _ in seqs]
-        probs = torch.zeros(len(seqs), max(k_max, 1), vocab)
+        probs = torch.zeros(len(seqs), max(k_max, 1), vocab, device=self.runner.device)
         active = [b for b, k in enumerate(num_tokens) if k > 0]
         for step in range(k_max):
             active = [b for b in active if num_tokens[b] > step]
@@ -64,9 +65,9 @@ class DraftModelProposer(Proposer):
             greedy = torch.tensor([s.params.greedy for s in rows])
             drawn = sample(step_probs, [s.generator for s in rows], greedy).tolist()
             top = rank_positions(logits, self.keep_ranked) if self.keep_ranked else None
+            probs[to_device(torch.tensor(active), probs.device), step] = step_probs
             for i, b in enumerate(active):
                 tokens[b].append(drawn[i])
-                probs[b, step] = step_probs[i]
                 if top is not None:
                     ranked[b].append(top[i])
         return Proposal(tokens, probs, torch.zeros(len(seqs), dtype=torch.bool),

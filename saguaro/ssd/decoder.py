@@ -196,7 +196,7 @@ def build_plan(cfg: Config, vocab: int) -> SpecPlan:
         return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback, branch_steps=cfg.branch_steps,
                               deep_branches=cfg.deep_branches)
     from saguaro.calibration.policy import describe, make_plan, resolve_profile
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.compile, draft_format=cfg.draft_format.tag,
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.fast, draft_format=cfg.draft_format.tag,
                               workload=cfg.calibration_workload)
     plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab, cfg.branch_steps == "auto",
                      cfg.deep_branches)
@@ -219,7 +219,7 @@ def build_ssd_decoder(cfg: Config, target: ModelRunner, target_model: LoadedMode
     c = 1.0 if cfg.saguaro_c == "auto" else float(cfg.saguaro_c)
     opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
                          cfg.draft_torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
-                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.compile, cfg.draft_format)
+                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.fast, cfg.draft_format)
     decoder = SSDDecoder(target, WorkerLink(draft, opts), cfg.num_speculative_tokens, max_model_len)
     decoder.plan = plan
     return decoder
