@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass
 class TreeRows:
@@ -33,7 +35,8 @@ class TreeRows:
 
 @dataclass
 class ForwardItem:
-    token_ids: list[int]  # new tokens: causal ones go to positions start..start+n-1
+    token_ids: list[int] | torch.Tensor  # new tokens (causal ones at start..start+n-1); a device tensor when a
+    # draft step feeds back the tokens it just sampled without the host reading them
     start: int
     block_table: list[int]  # must already cover start + n positions (a tree item: its visible prefix)
     logits: str = "last"  # "last", "all" or "none"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from saguaro.backends import ForwardItem, TreeRows, make_backend
+from saguaro.engine.device import to_device
 from saguaro.kv.block_manager import BlockManager, slots_for
 from saguaro.kv.kv_cache import KVCache
 from saguaro.models.transformer import CausalLM
@@ -52,37 +53,39 @@ class ModelRunner:
         return slots_for(table, start, end, self.block_size)
 
     @torch.inference_mode()
-    def forward(self, items: list[ForwardItem], input_ids: torch.Tensor | None = None) -> list[torch.Tensor | None]:
-        """One batched forward pass; returns per item logits [rows, V] (None for "none").
-
-        ``input_ids`` [N] replaces the items' token ids (which then only count rows): a draft step feeds
-        the tokens it just sampled without reading them back to the host."""
-        logits, counts = self.forward_flat(items, input_ids)
+    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
+        """One batched forward pass; returns per item logits [rows, V] (None for "none")."""
+        logits, counts = self.forward_flat(items)
         if logits is None:
             return [None] * len(items)
         parts = iter(logits.split(counts))
         return [next(parts) if item.logits != "none" else None for item in items]
 
     @torch.inference_mode()
-    def forward_flat(self, items: list[ForwardItem], input_ids: torch.Tensor | None = None
-                     ) -> tuple[torch.Tensor | None, list[int]]:
-        """The pass's wanted logits as one tensor [R, V] (items in order), with each item's row count."""
-        ids: list[int] = []
+    def forward_flat(self, items: list[ForwardItem]) -> tuple[torch.Tensor | None, list[int]]:
+        """The pass's wanted logits as one tensor [R, V] (items in order), with each wanting item's row count."""
         positions: list[int] = []
         rows: list[int] = []
         counts: list[int] = []
         for item in items:
             wanted = item.logit_rows()
-            rows += [len(ids) + r for r in wanted]
-            counts.append(len(wanted))
-            ids += item.token_ids
+            rows += [len(positions) + r for r in wanted]
+            if item.logits != "none":
+                counts.append(len(wanted))
             positions += item.positions
-        counts = [c for c, item in zip(counts, items) if item.logits != "none"]
         meta = self.backend.prepare(items, self.block_size)
-        token_ids = input_ids if input_ids is not None else torch.tensor(ids, dtype=torch.long)
-        logits = self.backend.run(token_ids, torch.tensor(positions, dtype=torch.long), meta, self.cache,
-                                  torch.tensor(rows, dtype=torch.long))
+        logits = self.backend.run(self._input_ids(items), torch.tensor(positions, dtype=torch.long), meta,
+                                  self.cache, torch.tensor(rows, dtype=torch.long))
         return logits, counts
+
+    def _input_ids(self, items: list[ForwardItem]) -> torch.Tensor:
+        """[N] token ids: a host tensor, or on the device when an item brings its ids there (a draft step
+        feeding the tokens it just sampled, which the host has not read)."""
+        if not any(isinstance(item.token_ids, torch.Tensor) for item in items):
+            return torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long)
+        return torch.cat([item.token_ids if isinstance(item.token_ids, torch.Tensor)
+                          else to_device(torch.tensor(item.token_ids, dtype=torch.long), self.device)
+                          for item in items])
 
     def close(self) -> None:
         self.backend.close()
