@@ -1,0 +1,42 @@
+"""The Triton kernels under Triton's interpreter, on CPU tensors (not a test file).
+
+Run as ``TRITON_INTERPRET=1 python -m tests.ops_interpreted CHECK`` by ``tests/test_ops_fused.py``, in a
+process of its own: the interpreter is chosen when the kernels are decorated, at import (see there).
+CHECK is one of rms_norm, silu_mul, rope_and_store, forward. Exits non-zero on the first mismatch.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+import torch
+
+from saguaro.kv.kv_cache import KVCache
+from tests import fused_cases
+
+
+@torch.no_grad()
+def check_forward(ops) -> None:
+    """A float32 two-layer pass through the interpreted kernels stays within rounding of eager."""
+    for arch, hidden, scaling in (("qwen3", 256, fused_cases.LLAMA3_SCALING), ("qwen2", 64, None)):
+        model = fused_cases.tiny_built(arch, hidden, scaling)
+        eager_cache, fused_cache = (KVCache(model.config, 4, 4, torch.float32) for _ in range(2))
+        for ids, positions, meta in fused_cases.two_steps(model):
+            expected = model(ids, positions, eager_cache, meta)
+            actual = fused_cases.fused_forward(ops, model, ids, positions, fused_cache, meta)
+            torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-5 * float(expected.abs().max()))
+            torch.testing.assert_close(fused_cache.data, eager_cache.data, rtol=1e-5, atol=1e-5)
+
+
+def main(check: str) -> None:
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1: the kernels take CPU tensors only in Triton's interpreter")
+    from saguaro.ops import fused_triton
+    if check == "forward":
+        check_forward(fused_triton)
+    else:
+        getattr(fused_cases, f"check_{check}")(fused_triton, "cpu", interpreted=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
