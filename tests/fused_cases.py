@@ -39,8 +39,22 @@ def allowed_ulps(dtype: torch.dtype, interpreted: bool) -> int:
     return 4 if dtype == torch.float32 else 2
 
 
+def allowed_differing(dtype: torch.dtype, interpreted: bool) -> float | None:
+    """The share of 16-bit elements that may differ at all (None: no bound).
+
+    Rounding where eager rounds makes a 16-bit result differ only when a last-bit float32 difference
+    straddles a rounding boundary: about 1 element in 10^4 here. A rounding skipped or added changes
+    10 to 30% of them, inside the ulp bound, so this is what checks that the roundings sit where
+    eager's do. Not in float32 (numpy's and torch's transcendentals differ in the last bit) and not
+    in the interpreter's truncating bfloat16.
+    """
+    if dtype == torch.float32 or (dtype == torch.bfloat16 and interpreted):
+        return None
+    return 0.01
+
+
 def assert_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int, scale: torch.Tensor | None = None,
-                what: str = "") -> None:
+                what: str = "", max_differing: float | None = None) -> None:
     assert actual.shape == expected.shape and actual.dtype == expected.dtype, \
         f"{what}: {tuple(actual.shape)} {actual.dtype} vs {tuple(expected.shape)} {expected.dtype}"
     finfo = torch.finfo(expected.dtype)
@@ -50,6 +64,9 @@ def assert_ulps(actual: torch.Tensor, expected: torch.Tensor, ulps: int, scale: 
     bad = err > bound
     assert not bad.any(), (f"{what}: {int(bad.sum())} of {err.numel()} elements beyond {ulps} ulp; worst "
                            f"error {float(err.max()):.3g} (expected {float(expected.flatten()[err.argmax()]):.6g})")
+    differing = float((err > 0).float().mean())
+    assert max_differing is None or differing <= max_differing, \
+        f"{what}: {differing:.1%} of the elements differ (at most {max_differing:.0%} expected)"
 
 
 def pair_scale(x: torch.Tensor) -> torch.Tensor:
@@ -77,7 +94,8 @@ def check_rms_norm(impl, device: str, dtypes=DTYPES, interpreted: bool = False) 
                 assert_ulps(s, s_ref, 1, x.float().abs() + residual.float().abs(), what=f"{what} stream")
             else:
                 assert torch.equal(s, s_ref), f"{what}: residual stream differs"  # one correctly rounded add
-            assert_ulps(y, y_ref, allowed_ulps(dtype, interpreted), what=what)
+            assert_ulps(y, y_ref, allowed_ulps(dtype, interpreted), what=what,
+                        max_differing=allowed_differing(dtype, interpreted))
 
 
 def check_silu_mul(impl, device: str, dtypes=DTYPES, interpreted: bool = False) -> None:
@@ -87,7 +105,7 @@ def check_silu_mul(impl, device: str, dtypes=DTYPES, interpreted: bool = False) 
             gate_up = _randn((n, 2 * inter), dtype, device, gen, 3.0)
             what = f"silu_mul {dtype} N={n} inter={inter}"
             assert_ulps(impl.silu_mul(gate_up), fused_torch.silu_mul(gate_up), allowed_ulps(dtype, interpreted),
-                        what=what)
+                        what=what, max_differing=allowed_differing(dtype, interpreted))
 
 
 # (N, heads, kv heads, head_dim, qk norm, ghost rows, rope scaling, strided cache view)
@@ -133,9 +151,9 @@ def check_rope_and_store(impl, device: str, dtypes=DTYPES, interpreted: bool = F
                                     head_dim, q_norm, k_norm, 1e-6)
             q_ref = fused_torch.rope_and_store(qkv, positions, inv_freq, k_ref, v_ref, slot_mapping, heads,
                                                kv_heads, head_dim, q_norm, k_norm, 1e-6)
-            ulps = allowed_ulps(dtype, interpreted)
-            assert_ulps(q, q_ref, ulps, pair_scale(q_ref), what=f"{what} q")
-            assert_ulps(k_cache, k_ref, ulps, pair_scale(k_ref), what=f"{what} k_cache")
+            ulps, differing = allowed_ulps(dtype, interpreted), allowed_differing(dtype, interpreted)
+            assert_ulps(q, q_ref, ulps, pair_scale(q_ref), what=f"{what} q", max_differing=differing)
+            assert_ulps(k_cache, k_ref, ulps, pair_scale(k_ref), what=f"{what} k_cache", max_differing=differing)
             assert torch.equal(v_cache, v_ref), f"{what}: v_cache differs"
             written = torch.zeros(k_cache.shape[0], dtype=torch.bool, device=device)
             written[slot_mapping[slot_mapping >= 0]] = True
