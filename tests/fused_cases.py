@@ -2,7 +2,7 @@
 
 ``check_*`` run an implementation (``saguaro.ops.fused_triton``, usually) against the torch
 reference ``fused_torch`` on one device, over shapes that cover the kernels' masking: GQA and
-MHA, a head count that is not a power of two, head_dim 64 and 128, N = 1 and N = 37, ghost rows,
+MHA, a head count that is not a power of two, head_dim 64, 96 and 128, N = 1 and N = 37, ghost rows,
 caches that are strided views, and rows with more than one block of columns. ``fused_forward``
 is a whole decoder pass through the fused ops, the way the GPU model calls them.
 
@@ -115,6 +115,7 @@ ROPE_CASES = (
     (37, 3, 3, 128, True, False, None, False),
     (1, 4, 2, 64, True, False, LLAMA3_SCALING, True),
     (1, 2, 1, 64, False, True, None, False),  # one ghost row alone: the caches stay untouched
+    (5, 2, 1, 96, True, True, None, True),  # head_dim / 2 = 48 is not a power of two: a masked half
 )
 
 
