@@ -58,7 +58,8 @@ class CudaCapture:
                 fn()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        # thread_local: a colocated speculator thread may launch its own work while this thread captures
+        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 
