@@ -133,6 +133,7 @@ class GraphRunner:
         log.debug("captured a forward graph for %d rows, %d extra slots", rows, extras)
         return _Graph(rows, extras, ids, positions, meta, logits, replay)
 
+    @torch.inference_mode()
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
         """Logits [N, V] of the pass (a view of the graph's output: read it before the next replay)."""
         n = meta.num_rows
