@@ -11,9 +11,10 @@ import threading
 import pytest
 
 from saguaro import LLM, SamplingParams
+from saguaro.models import kernels
 from saguaro.ssd.speculator import AsyncSpeculator
 from saguaro.ssd.worker import WorkerOptions
-from tests.tiny import PROMPTS, greedy_tokens, weak_pair
+from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated, weak_pair
 
 TRANSPORTS = ["process", "thread"]
 
@@ -165,3 +166,17 @@ def test_speculator_thread_start_up_failure(pair, monkeypatch):
 def test_bad_ssd_config(pair, bad, message):
     with pytest.raises(ValueError, match=message):
         ssd(pair, **bad)
+
+
+@pytest.mark.skipif(not kernels.cpu_supports_bf16(), reason="CPU lacks AVX512-BF16")
+def test_fast_path_through_the_speculator_thread():
+    """The bf16 kernels release the interpreter lock, so the target's and the draft's passes run at the same time in
+    one process; each keeps its own results (greedy output equals the same engine's AR, as over the process)."""
+    target = tiny_model(seed=4, sharpness=8.0, layers=3)
+    prompts, params = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7, 8]], SamplingParams(max_tokens=24)
+    common = dict(dtype="bfloat16", block_size=4, kv_cache_tokens=512, compile=True)
+    with LLM(target, **common) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(target=target, draft=truncated(target, 1), mode="ssd", num_speculative_tokens=3, fan_out=[1, 1, 1, 2],
+             speculator_transport="thread", **common) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
