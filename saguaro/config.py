@@ -31,7 +31,8 @@ class Config:
     deep_branches: int = 1  # SSD: the likeliest branches that go on past branch_steps, up to K tokens
     dtype: str = "float32"
     device: str = "cpu"  # "cpu" or "cuda:N" for the target
-    draft_device: str | None = None  # SSD worker device; default "cpu" or the next GPU
+    draft_device: str | None = None  # SSD: the draft's device; default the CPU, else the next GPU, else the target's
+    speculator_transport: str = "auto"  # SSD: "process", "thread" (in the target's process) or "auto" (placement.py)
     threads: int = 1  # torch threads per process
     target_cores: list[int] | None = field(default_factory=lambda: [0])  # CPU affinity of the target process
     draft_cores: list[int] | None = field(default_factory=lambda: [1])  # CPU affinity of the SSD worker
@@ -94,11 +95,23 @@ class Config:
         check_device(self.device)
         if self.draft_device is not None:
             check_device(self.draft_device)
+        self._place_speculator()
         for cores in (self.target_cores, self.draft_cores):
             if cores is not None:
                 bad = [c for c in cores if not 0 <= c < (os.cpu_count() or 1)]
                 if bad:
                     raise ValueError(f"CPU cores {bad} do not exist (this machine has {os.cpu_count()})")
+
+    def _place_speculator(self) -> None:
+        """SSD: resolve draft_device and speculator_transport (saguaro.ssd.placement), or refuse what cannot work."""
+        from saguaro.ssd.placement import check_transport, gpu_index, place_speculator
+        check_transport(self.speculator_transport)
+        if self.mode != "ssd":
+            return
+        on_gpu = any(d is not None and gpu_index(d) is not None for d in (self.device, self.draft_device))
+        placement = place_speculator(self.device, self.draft_device, torch.cuda.device_count() if on_gpu else 0,
+                                     self.speculator_transport)
+        self.draft_device, self.speculator_transport = placement.draft_device, placement.transport
 
     def _profile_k(self) -> int:
         """K = "auto": the K with the best predicted speedup for this pair (saguaro.calibration.policy)."""

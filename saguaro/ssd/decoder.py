@@ -26,9 +26,11 @@ from saguaro.spec.ngram_proposer import NgramProposer
 from saguaro.spec.sd import SDDecoder, draft_budget, verify_round
 from saguaro.spec.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
+from saguaro.ssd.link import SpeculatorLink
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
-from saguaro.ssd.worker import WorkerLink, WorkerOptions
+from saguaro.ssd.placement import open_link
+from saguaro.ssd.worker import WorkerOptions
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -48,9 +50,9 @@ class SSDDecoder(Decoder):
     reports_spec = True
     reports_cache = True
 
-    def __init__(self, target: ModelRunner, link: WorkerLink, k: int, max_model_len: int):
+    def __init__(self, target: ModelRunner, link: SpeculatorLink, k: int, max_model_len: int):
         self.target = target
-        self.link: WorkerLink | None = link
+        self.link: SpeculatorLink | None = link
         self.k = k
         self.lookahead = k + 1
         self.max_model_len = max_model_len
@@ -220,6 +222,7 @@ def build_ssd_decoder(cfg: Config, target: ModelRunner, target_model: LoadedMode
     opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
                          cfg.draft_torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
                          cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.fast, cfg.draft_format)
-    decoder = SSDDecoder(target, WorkerLink(draft, opts), cfg.num_speculative_tokens, max_model_len)
+    link = open_link(cfg.speculator_transport, draft, opts)  # Config placed it (saguaro.ssd.placement)
+    decoder = SSDDecoder(target, link, cfg.num_speculative_tokens, max_model_len)
     decoder.plan = plan
     return decoder
