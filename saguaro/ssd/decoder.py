@@ -19,6 +19,7 @@ import torch
 
 from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
+from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
@@ -130,10 +131,12 @@ class SSDDecoder(Decoder):
         vocab = self.target.config.vocab_size
         probs = None
         if any(r.probs is not None for r in rows):
-            probs = torch.zeros(len(rows), max(max(budgets), 1), vocab)
+            # on the target's device: a colocated speculator's rows arrive there already, and a CPU speculator's
+            # are copied in without the host waiting on the GPU
+            probs = torch.zeros(len(rows), max(max(budgets), 1), vocab, device=self.target.device)
             for b, (r, n) in enumerate(zip(rows, budgets)):
                 if r.probs is not None and n:
-                    probs[b, :n] = r.probs[:n]
+                    probs[b, :n] = to_device(r.probs[:n], self.target.device)
         point_mass = torch.tensor([r.point_mass or r.probs is None for r in rows])
         return Proposal(tokens, probs, point_mass)
 
