@@ -1,4 +1,4 @@
-"""Per-row paged attention (saguaro/attention): the torch path equals the eager reference, the Triton kernel the torch path.
+"""Per-row paged attention (saguaro/attention): torch equals the eager reference, the Triton kernel equals torch.
 
 The eager reference is ``paged_attention`` over ``build_metadata`` (dense [S, Q, L] mask). Every case
 is built twice from the same cache: once as groups with context slots (and tree masks from
@@ -6,13 +6,18 @@ is built twice from the same cache: once as groups with context slots (and tree 
 and extra slots past ``extra_len`` hold out-of-range garbage, so a read of either fails loudly.
 
 The Triton kernel runs on CPU tensors under ``TRITON_INTERPRET=1``. Triton reads that variable when
-a kernel is *decorated*, so ``paged_triton`` decorates its kernels lazily, once per mode; the
-``interpret`` fixture sets the variable for one test only, and the GPU tests below (no variable)
-get compiled kernels in the same process whatever the import or test order.
+it is first imported (its library functions are decorated then) and when a kernel is decorated, so
+one process cannot switch modes: any earlier test file or plugin may have imported triton already, and
+the GPU tests below need the compiler. So the interpreted cases run together in one subprocess that sets
+the variable before importing anything, and the tests here compare its outputs with the torch path.
 """
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,6 +155,7 @@ CASES = {
     "mha": lambda bs, dt: causal_case([10, 3], [2, 3], bs, dt, heads=2, kv_heads=2),
     "gqa6_ghosts": lambda bs, dt: causal_case([5, 19], [1, 5], bs, dt, heads=12, kv_heads=2, ghosts=3),
     "tree_ghosts": lambda bs, dt: tree_case(2, bs, dt, ghosts=2),
+    "long": lambda bs, dt: causal_case([700, 150], [1, 4], bs, dt),  # many tiles per program on a GPU
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -209,22 +215,47 @@ def test_choose_splits_fills_the_gpu_from_shapes_only():
 
 # --- the Triton kernel, interpreted on the CPU ------------------------------------------------------------------
 
-@pytest.fixture
-def interpret(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+# (case, block size, dtype, splits); the interpreter takes tiles of 16 positions, so these cross tiles and splits
+TRITON_RUNS = [(name, 4, "fp32", 3) for name in CASES if name not in ("prefill", "long")] + [
+    (name, 4, "fp32", 1) for name in ("prefill", "decode", "tree_step2", "gqa6_ghosts")] + [
+    (name, bs, dtype, splits) for name in ("chunked_prefill", "decode", "tree_step2", "gqa6_ghosts")
+    for bs, dtype, splits in ((1, "fp32", 2), (16, "fp32", 1), (4, "bf16", 2), (16, "bf16", 1))]
 
 
-TRITON_RUNS = [(name, 4, "fp32", splits) for name in CASES for splits in (1, 3)] + [
-    (name, bs, dtype, None) for name in ("prefill", "decode", "tree_step2", "gqa6_ghosts")
-    for bs, dtype in ((1, "fp32"), (16, "fp32"), (4, "bf16"), (16, "bf16"))]
+def run_interpreted(path: str) -> None:
+    """In the subprocess (TRITON_INTERPRET=1 set before any import): every run's output, or its error, to ``path``."""
+    results = {}
+    for run in TRITON_RUNS:
+        name, block_size, dtype, splits = run
+        case = CASES[name](block_size, DTYPES[dtype])
+        try:
+            results[run] = paged_attention_triton(*case.args(), out=torch.full_like(case.q, float("nan")),
+                                                  num_splits=splits)
+        except Exception as e:  # noqa: BLE001 -- reported by that run's test
+            results[run] = f"{type(e).__name__}: {e}"
+    torch.save(results, path)
 
 
-@pytest.mark.parametrize("name,block_size,dtype,splits", TRITON_RUNS)
-def test_triton_interpreted_matches_torch(interpret, name, block_size, dtype, splits):
+@pytest.fixture(scope="module")
+def interpreted(tmp_path_factory) -> dict:
+    path = tmp_path_factory.mktemp("interpreted") / "outputs.pt"
+    root = Path(__file__).resolve().parent.parent
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    code = "import sys; from tests.test_attention_paged import run_interpreted; run_interpreted(sys.argv[1])"
+    done = subprocess.run([sys.executable, "-c", code, str(path)], cwd=root, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, f"interpreter subprocess failed:\n{done.stderr[-3000:]}"
+    return torch.load(path)
+
+
+@pytest.mark.parametrize("run", TRITON_RUNS, ids=["-".join(map(str, r)) for r in TRITON_RUNS])
+def test_triton_interpreted_matches_torch(interpreted, run):
+    name, block_size, dtype, splits = run
+    out = interpreted[run]
+    assert not isinstance(out, str), out
     case = CASES[name](block_size, DTYPES[dtype])
     expected = paged_attention_torch(*case.args())
-    out = torch.full_like(case.q, float("nan"))
-    paged_attention_triton(*case.args(), out=out, num_splits=splits)
     tol = TOL[torch.float32] if dtype == "fp32" else dict(atol=1e-2, rtol=1e-2)  # bf16: an ulp of the rounding
     torch.testing.assert_close(out, expected, **tol)
     ghost = (case.prefix_len == 0) & (case.extra_len == 0)
@@ -236,6 +267,42 @@ def test_triton_on_cpu_without_interpreter_is_a_clear_error(monkeypatch):
     case = causal_case([3], [1], 4)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         paged_attention_triton(*case.args())
+
+
+def _ptxas_available() -> bool:
+    try:
+        from triton.backends.nvidia.compiler import get_ptxas
+        return get_ptxas(90).path is not None
+    except Exception:  # noqa: BLE001 -- no nvidia backend in this triton build
+        return False
+
+
+@pytest.mark.skipif(not _ptxas_available(), reason="triton's bundled ptxas is missing")
+@pytest.mark.parametrize("dtype,heads,dim,splits", [(torch.bfloat16, 12, 128, 8), (torch.bfloat16, 12, 128, 1),
+                                                     (torch.float32, 6, 24, 3)])
+def test_triton_kernels_compile_for_hopper(dtype, heads, dim, splits):
+    # the interpreter skips the compiler's checks (loop-carried types, dot shapes), so compile for sm_90 here too
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from saguaro.attention import triton_kernels
+    from saguaro.attention.paged_triton import kernel_constants
+
+    pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    types = dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, out_ptr=pointer, tables_ptr="*i32", row_group_ptr="*i32",
+                 prefix_len_ptr="*i32", extra_slots_ptr="*i64", extra_len_ptr="*i32", part_acc_ptr="*fp32",
+                 part_max_ptr="*fp32", part_sum_ptr="*fp32", scale_log2="fp32")
+    split_constants, combine_constants = kernel_constants(dtype, heads, 2, dim, 16, splits, interpret=False)
+    for fn, constants in ((triton_kernels.split_kernel, split_constants),
+                          (triton_kernels.combine_kernel, combine_constants)):
+        constants = dict(constants)
+        warps = constants.pop("num_warps")
+        names = list(fn.arg_names)
+        signature = {n: "constexpr" if n in constants else types.get(n, "i32") for n in names}
+        source = ASTSource(fn, signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+        kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=dict(num_warps=warps))
+        assert kernel.asm["cubin"]
 
 
 # --- on a GPU ----------------------------------------------------------------------------------------------------

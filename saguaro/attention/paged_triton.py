@@ -22,6 +22,7 @@ bf16/fp16 inputs multiply in their dtype with float32 accumulation (probabilitie
 the input dtype before P @ V, as in FlashAttention).
 
 The module imports without triton and without CUDA; ``triton`` is imported when a kernel launches.
+To run the kernel on CPU tensors, set ``TRITON_INTERPRET=1`` before triton is first imported.
 """
 from __future__ import annotations
 
@@ -57,16 +58,13 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     kv_heads = k_cache.shape[1]
     if n == 0:
         return out
-    capacity = block_tables.shape[1] * block_size + extra_slots.shape[1]
-    splits = num_splits or choose_splits(n, kv_heads, capacity, _sm_count(q.device))
+    splits = num_splits or default_splits(q, k_cache, block_tables, extra_slots, block_size)
     split_kernel, combine_kernel, interpret = _kernels(q.device)
-    group = heads // kv_heads
-    dim_pad = max(16, triton_next_pow2(dim))
-    tile = 64 if dim_pad <= 128 else 32
+    split_constants, combine_constants = kernel_constants(q.dtype, heads, kv_heads, dim, block_size, splits,
+                                                          interpret)
     # E = 0 leaves extra_slots empty; any valid pointer will do, since no lane reads it then
     extras = extra_slots if extra_slots.numel() else prefix_len
-    direct = splits == 1
-    if direct:
+    if splits == 1:
         part_acc = part_max = part_sum = out  # unused when DIRECT
     else:
         part_acc = torch.empty(n, heads, splits, dim, dtype=torch.float32, device=q.device)
@@ -77,14 +75,29 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         out, part_acc, part_max, part_sum,
         q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1),
         block_tables.stride(0), extra_slots.stride(0), out.stride(0), out.stride(1),
-        scale * LOG2_E, dim,
-        GROUP=group, GROUP_PAD=max(16, triton_next_pow2(group)), DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
-        TILE=tile, SPLITS=splits, DIRECT=direct, DOT_F32=interpret and q.dtype != torch.float32, num_warps=4)
-    if not direct:
-        combine_kernel[(n, heads)](
-            part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), dim,
-            SPLITS=splits, SPLITS_PAD=triton_next_pow2(splits), DIM_PAD=dim_pad, num_warps=4)
+        scale * LOG2_E, dim, **split_constants)
+    if splits > 1:
+        combine_kernel[(n, heads)](part_acc, part_max, part_sum, out, out.stride(0), out.stride(1), dim,
+                                   **combine_constants)
     return out
+
+
+def kernel_constants(dtype: torch.dtype, heads: int, kv_heads: int, dim: int, block_size: int, splits: int,
+                     interpret: bool) -> tuple[dict, dict]:
+    """Compile-time arguments (and warps) of split_kernel and combine_kernel for these shapes.
+
+    Under the interpreter the tiles are small, so that CPU tests at short contexts still cross tile
+    and split boundaries (the online rescaling and the combine).
+    """
+    dim_pad = max(16, triton_next_pow2(dim))  # tl.dot wants every side >= 16
+    group = heads // kv_heads
+    split = dict(GROUP=group, GROUP_PAD=max(16, triton_next_pow2(group)), DIM_PAD=dim_pad, BLOCK_SIZE=block_size,
+                 TILE=16 if interpret else 64 if dim_pad <= 128 else 32, SPLITS=splits, DIRECT=splits == 1,
+                 DOT_F32=interpret and dtype != torch.float32,
+                 PRECISION="ieee" if dtype == torch.float32 else "tf32",  # tf32: ignored by 16-bit dots
+                 num_warps=4)
+    combine = dict(SPLITS=splits, SPLITS_PAD=triton_next_pow2(splits), DIM_PAD=dim_pad, num_warps=4)
+    return split, combine
 
 
 def choose_splits(rows: int, kv_heads: int, capacity: int, sm_count: int) -> int:
@@ -101,6 +114,13 @@ def choose_splits(rows: int, kv_heads: int, capacity: int, sm_count: int) -> int
     return max(1, min(wanted, capacity // MIN_SPLIT_POSITIONS, MAX_SPLITS))
 
 
+def default_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, extra_slots: torch.Tensor,
+                   block_size: int) -> int:
+    """The splits ``paged_attention_triton`` launches with for these shapes on q's device."""
+    capacity = block_tables.shape[1] * block_size + extra_slots.shape[1]
+    return choose_splits(q.shape[0], k_cache.shape[1], capacity, _sm_count(q.device))
+
+
 def triton_next_pow2(x: int) -> int:
     return 1 << max(0, (x - 1).bit_length())
 
@@ -112,21 +132,21 @@ def _sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-_decorated: dict[bool, tuple] = {}
-
-
 def _kernels(device: torch.device) -> tuple:
-    """(split_kernel, combine_kernel, interpreted?) for the mode TRITON_INTERPRET selects now (triton_kernels.py)."""
+    """(split_kernel, combine_kernel, interpreted?), importing triton on first use (see triton_kernels.py)."""
     try:
         import triton
     except ImportError as e:  # triton ships Linux wheels only
         raise RuntimeError("paged_attention_triton needs triton (pip install triton==3.6.0)") from e
+    from triton.runtime.interpreter import InterpretedFunction
+
     from saguaro.attention import triton_kernels
 
-    interpret = bool(triton.knobs.runtime.interpret)
-    if device.type != "cuda" and not interpret:
+    interpreted = isinstance(triton_kernels.split_kernel, InterpretedFunction)
+    library_interpreted = isinstance(triton.language.max, InterpretedFunction)  # decorated at triton's import
+    if not interpreted == library_interpreted == bool(triton.knobs.runtime.interpret):
+        raise RuntimeError("TRITON_INTERPRET changed after triton was imported; set it before the first import")
+    if device.type != "cuda" and not interpreted:
         raise RuntimeError(f"paged_attention_triton runs on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1; "
                            f"got {device}")
-    if interpret not in _decorated:
-        _decorated[interpret] = (triton.jit(triton_kernels.split_kernel), triton.jit(triton_kernels.combine_kernel))
-    return (*_decorated[interpret], interpret)
+    return triton_kernels.split_kernel, triton_kernels.combine_kernel, interpreted

@@ -1,32 +1,34 @@
-"""The two Triton kernels behind ``paged_triton.py``, as plain functions: that module decorates them.
+"""The two Triton kernels behind ``paged_triton.py``, which imports this module when it first launches one.
 
-Why undecorated: ``triton.jit`` chooses between the compiler and the CPU interpreter from
-``TRITON_INTERPRET`` at *decoration* time, so a module-level ``@triton.jit`` fixes the mode at
-first import. ``paged_triton._kernels`` decorates these functions when first launched, once per
-mode, so one process can run interpreted kernels on CPU tensors and compiled ones on a GPU.
-This module imports triton; ``paged_triton`` imports it only when a kernel is launched.
+``triton.jit`` picks the compiler or the CPU interpreter from ``TRITON_INTERPRET`` when a function is
+decorated, and triton's own library functions (``tl.max``, ``tl.cdiv``...) are decorated when triton
+is imported. So the variable must be set before triton is first imported; importing ``saguaro.attention``
+does not import triton, and ``paged_triton`` says so clearly when the modes disagree.
 
 Terms: a *row* is one query row; a *split* is one contiguous slice of the row's visible
 positions (prefix first, then extras) that one program reads; *log2 units*: scores are scaled
 by ``scale * log2(e)`` so the softmax uses ``exp2``, and the running maxima are in those units.
 """
+import triton
 import triton.language as tl
 
 
+@triton.jit
 def split_kernel(
         q_ptr, k_ptr, v_ptr, tables_ptr, row_group_ptr, prefix_len_ptr, extra_slots_ptr, extra_len_ptr,
         out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
         stride_qn, stride_qh, stride_ks, stride_kh, stride_vs, stride_vh, stride_table, stride_extra,
         stride_on, stride_oh, scale_log2, head_dim,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, DIM_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr,
-        TILE: tl.constexpr, SPLITS: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr):
+        TILE: tl.constexpr, SPLITS: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
+        PRECISION: tl.constexpr):
     """Program (row, kv head, split): online softmax of the kv head's G query heads over one slice of positions.
 
     grid (N, KVH, SPLITS). With ``DIRECT`` (SPLITS == 1) the normalized result goes straight to ``out``;
     otherwise the unnormalized accumulator and its (max, sum) go to the partial buffers for ``combine_kernel``:
     part_acc [N, H, SPLITS, D] f32, part_max / part_sum [N, H, SPLITS] f32.
     ``DOT_F32`` upcasts K and V before the dot products: set under the interpreter only, whose ``tl.dot``
-    multiplies bf16 bit patterns as integers.
+    multiplies bf16 bit patterns as integers. ``PRECISION`` is "ieee" for float32 inputs (no TF32 rounding).
     """
     row = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -67,7 +69,7 @@ def split_kernel(
         k = tl.load(k_ptr + slot[:, None] * stride_ks + kv_head * stride_kh + d[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:
             k = k.to(tl.float32)
-        scores = tl.dot(q, tl.trans(k), input_precision="ieee") * scale_log2  # [GROUP_PAD, TILE]
+        scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2  # [GROUP_PAD, TILE]
         scores = tl.where(ok[None, :], scores, float("-inf"))
         # every tile has a visible position, so new_max is finite and exp2 never sees inf - inf
         new_max = tl.maximum(run_max, tl.max(scores, 1))
@@ -77,7 +79,7 @@ def split_kernel(
         v = tl.load(v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh + d[None, :], mask=kv_mask, other=0.0)
         if DOT_F32:
             v = v.to(tl.float32)
-        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+        acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         run_max = new_max
         tile += TILE
 
@@ -93,6 +95,7 @@ def split_kernel(
         tl.store(part_sum_ptr + part, run_sum, mask=head_ok)
 
 
+@triton.jit
 def combine_kernel(part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, stride_on, stride_oh, head_dim,
                    SPLITS: tl.constexpr, SPLITS_PAD: tl.constexpr, DIM_PAD: tl.constexpr):
     """Program (row, head): merge the SPLITS partial softmaxes of one query head into its output.
