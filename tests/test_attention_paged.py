@@ -88,7 +88,7 @@ def _finish(cache: Cache, tables, contexts, query_lens, masks, row_group, prefix
     for r, e in enumerate(extras):
         extra_slots[r, :len(e)] = torch.tensor(e, dtype=torch.long)
     pad = [0] * ghosts
-    return Case(q, cache.k, cache.v, tables, torch.tensor(row_group + pad, dtype=torch.int32),
+    return Case(q, cache.k, cache.v, tables, torch.tensor(row_group + [1000] * ghosts, dtype=torch.int32),
                 torch.tensor(prefix_len + pad, dtype=torch.int32), extra_slots,
                 torch.tensor([len(e) for e in extras] + pad, dtype=torch.int32), cache.block_size, scale, expected)
 

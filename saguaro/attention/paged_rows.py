@@ -22,7 +22,8 @@ Cases (the new tokens' k/v is written to the cache before attention, so a row se
 * causal prefill, decode, K+1-token verification: prefix_len[r] = position[r] + 1, E = 0;
 * SSD tree step j, branch q forking at depth k after a verified prefix of length L (``saguaro/ssd/tree.py``):
   prefix_len = L + k, extras = the branch's own scratch slots of steps 0..j;
-* ghost rows (padding a CUDA graph's batch bucket): prefix_len = extra_len = 0; their output is 0, never NaN.
+* ghost rows (padding a CUDA graph's batch bucket): prefix_len = extra_len = 0; their output is 0, never NaN,
+  and their row_group and extra slots are never read.
 
 Query head h reads kv head h // G (the ``enable_gqa`` convention of ``F.scaled_dot_product_attention``).
 """
@@ -71,7 +72,7 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
 
 
-def tree_step_rows(layout: "BranchLayout", step: int) -> tuple[list[int], list[list[int]]]:
+def tree_step_rows(layout: BranchLayout, step: int) -> tuple[list[int], list[list[int]]]:
     """The per-row form of SSD tree step ``step``: (prefix_len, extra slots) of each decoded branch row.
 
     Branch q reads the prefix up to its fork (positions < L + k_q, through the sequence's block table)

@@ -80,7 +80,8 @@ def _visible_slots(block_tables: torch.Tensor, row_group: torch.Tensor, prefix_l
     device = prefix_len.device
     pos = torch.arange(max_prefix, device=device)
     in_prefix = pos[None, :] < prefix_len[:, None].long()  # [n, P]
-    blocks = block_tables[row_group.long()][:, pos // block_size].long()  # [n, P]
+    group = torch.where(prefix_len > 0, row_group.long(), 0)  # a row that sees no prefix may name any group
+    blocks = block_tables[group][:, pos // block_size].long()  # [n, P]
     prefix_slots = torch.where(in_prefix, blocks * block_size + pos % block_size, 0)
     in_extra = torch.arange(extra_slots.shape[1], device=device)[None, :] < extra_len[:, None].long()  # [n, E]
     own_slots = torch.where(in_extra, extra_slots.long(), 0)

@@ -52,6 +52,8 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                     ("extra_slots", extra_slots)):
         if t.shape[-1] > 1 and t.stride(-1) != 1:
             raise ValueError(f"{name} must be contiguous in its last dimension")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be positive, got {num_splits}")
     if out is None:
         out = torch.empty_like(q)
     n, heads, dim = q.shape

@@ -27,7 +27,7 @@ def split_kernel(
     grid (N, KVH, SPLITS). With ``DIRECT`` (SPLITS == 1) the normalized result goes straight to ``out``;
     otherwise the unnormalized accumulator and its (max, sum) go to the partial buffers for ``combine_kernel``:
     part_acc [N, H, SPLITS, D] f32, part_max / part_sum [N, H, SPLITS] f32.
-    ``DOT_F32`` upcasts K and V before the dot products: set under the interpreter only, whose ``tl.dot``
+    ``DOT_F32`` upcasts q, K and V before the dot products: set under the interpreter only, whose ``tl.dot``
     multiplies bf16 bit patterns as integers. ``PRECISION`` is "ieee" for float32 inputs (no TF32 rounding).
     """
     row = tl.program_id(0)
