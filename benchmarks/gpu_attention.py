@@ -33,7 +33,7 @@ from typing import Callable
 import torch
 
 from benchmarks.common import fmt, int_list, log, table
-from saguaro.attention import paged_attention_triton, tree_step_rows
+from saguaro.attention import paged_attention_triton
 from saguaro.attention.paged_triton import default_splits
 from saguaro.kv.metadata import AttentionMetadata, build_metadata
 from saguaro.models.transformer import paged_attention
@@ -73,7 +73,8 @@ def make_pass(kind: str, rows: int, context: int, device: str, dtype: torch.dtyp
         layout = BranchLayout(prefix_slots, context - TREE_K, [q % (TREE_K + 1) for q in range(rows)], [0] * rows,
                               scratch_slots=scratch.tolist())
         slots, _, mask = layout.step_inputs(TREE_STEP)
-        prefix_len, extras = tree_step_rows(layout, TREE_STEP)
+        tree = layout.step_item(TREE_STEP, [0] * layout.width(TREE_STEP)).tree
+        prefix_len, extras = tree.visible, tree.extra_slots
         meta = build_metadata([slots], [rows], [mask])
     else:
         slots = prefix_slots

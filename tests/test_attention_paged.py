@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from saguaro.attention import choose_splits, paged_attention_torch, paged_attention_triton, tree_step_rows
+from saguaro.attention import choose_splits, paged_attention_torch, paged_attention_triton
 from saguaro.kv.metadata import build_metadata
 from saguaro.models.transformer import paged_attention
 from saguaro.ssd.tree import BranchLayout
@@ -134,7 +134,8 @@ def tree_case(step: int, block_size: int, dtype=torch.float32, heads: int = 4, k
         contexts.append(context)
         query_lens.append(n)
         masks.append(mask)
-        prefixes, own = tree_step_rows(layout, step)
+        rows = layout.step_item(step, [0] * n).tree
+        prefixes, own = rows.visible, rows.extra_slots
         assert len(prefixes) == n
         row_group += [s] * n
         prefix_len += prefixes

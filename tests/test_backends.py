@@ -156,3 +156,64 @@ def test_tree_steps_get_their_own_graphs():
         got, expected = replay_and_reference(runner, cache, [item])
         assert torch.equal(got, expected)
     assert set(runner.graphs) == {(4, 1), (2, 2), (1, 3)}  # (bucket, extra slots per row) of each step
+
+
+# -- the whole engine on the paged backend, on the CPU ------------------------------------------------------
+# Every runner (target and drafts in this process) takes the paged backend: PagedCausalLM with the torch
+# reference ops and CUDA graphs replaced by their CPU stand-in. fp32 greedy outputs must equal the eager
+# reference's token for token, with batches whose passes cross bucket boundaries.
+
+def use_paged_backend(monkeypatch):
+    import saguaro.engine.model_runner as model_runner
+    real = model_runner.make_backend
+
+    def paged(model, cache, device, fast, weights, head_ids, kind, graphs, **kw):
+        return real(model, cache, device, fast, weights, head_ids, "paged", graphs, **kw)
+    monkeypatch.setattr(model_runner, "make_backend", paged)
+
+
+@pytest.fixture
+def paged_everywhere(monkeypatch):
+    use_paged_backend(monkeypatch)
+
+
+ENGINE_PROMPTS = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7], [3, 3, 3, 3, 8, 40, 2, 11, 60, 1, 5], [9, 8]]
+
+
+def greedy(llm, prompts):
+    """Requests of different lengths, so the running batch shrinks 5, 4, 3, 2, 1 and passes cross buckets."""
+    from saguaro import SamplingParams
+    params = [SamplingParams(max_tokens=4 + 3 * i) for i in range(len(prompts))]
+    return [o.token_ids for o in llm.generate(prompts, params)]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_paged_engine_equals_the_eager_reference(arch, monkeypatch):
+    from saguaro import LLM
+    target = tiny_model(seed=3, layers=3, sharpness=3.0, arch=arch)
+    with LLM(target, block_size=4, enforce_eager=True) as llm:
+        expected = greedy(llm, ENGINE_PROMPTS)
+    use_paged_backend(monkeypatch)
+    with LLM(target, block_size=4) as llm:
+        assert greedy(llm, ENGINE_PROMPTS) == expected
+        backend, runner = llm.engine.target.backend, llm.engine.target
+        assert backend.name == "paged" and backend.replays > 0
+        assert {rows for rows, _ in backend.graphs.graphs} >= {1, 2, 4, 8}
+        assert runner.blocks.num_free == runner.blocks.num_blocks
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_paged_speculative_modes_equal_ar(mode, paged_everywhere):
+    from saguaro import LLM
+    from tests.tiny import truncated
+    target = tiny_model(seed=3, layers=3, sharpness=3.0)
+    with LLM(target, block_size=4, enforce_eager=True) as llm:
+        expected = greedy(llm, ENGINE_PROMPTS)
+    options = dict(num_speculative_tokens=3, block_size=4)
+    if mode == "ssd":  # the thread transport keeps the speculator, and its draft runner, in this process
+        options.update(fan_out=[1, 1, 1, 2], branch_steps=2, speculator_transport="thread")
+    with LLM(target=target, draft=truncated(target, 1), mode=mode, **options) as llm:
+        assert greedy(llm, ENGINE_PROMPTS) == expected
+        assert llm.engine.target.backend.name == "paged" and llm.engine.target.backend.replays > 0
+        if mode == "ssd":
+            assert llm.engine.decoder.failure is None

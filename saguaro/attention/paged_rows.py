@@ -20,7 +20,8 @@ with O(1) numbers per row (plus the few tree slots), so the same buffers serve e
 Cases (the new tokens' k/v is written to the cache before attention, so a row sees itself):
 
 * causal prefill, decode, K+1-token verification: prefix_len[r] = position[r] + 1, E = 0;
-* SSD tree step j, branch q forking at depth k after a verified prefix of length L (``saguaro/ssd/tree.py``):
+* SSD tree step j, branch q forking at depth k after a verified prefix of length L
+  (``saguaro/ssd/tree.py``, ``BranchLayout.step_item``):
   prefix_len = L + k, extras = the branch's own scratch slots of steps 0..j;
 * ghost rows (padding a CUDA graph's batch bucket): prefix_len = extra_len = 0; their output is 0, never NaN,
   and their row_group and extra slots are never read.
@@ -29,12 +30,7 @@ Query head h reads kv head h // G (the ``enable_gqa`` convention of ``F.scaled_d
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
-
-if TYPE_CHECKING:
-    from saguaro.ssd.tree import BranchLayout
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -70,15 +66,3 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         raise ValueError(f"block_size must be positive, got {block_size}")
     if out is not None and (out.shape != q.shape or out.dtype != q.dtype or out.device != q.device):
         raise ValueError(f"out must match q ({tuple(q.shape)}, {q.dtype}), got {tuple(out.shape)}, {out.dtype}")
-
-
-def tree_step_rows(layout: BranchLayout, step: int) -> tuple[list[int], list[list[int]]]:
-    """The per-row form of SSD tree step ``step``: (prefix_len, extra slots) of each decoded branch row.
-
-    Branch q reads the prefix up to its fork (positions < L + k_q, through the sequence's block table)
-    and its own scratch slots of steps 0..step: the visibility ``layout.step_inputs(step)`` writes as a mask.
-    """
-    rows = range(layout.width(step))
-    prefix = [layout.verified_len + layout.fork_depths[q] for q in rows]
-    extras = [[layout.scratch_slots[layout.offset(j) + q] for j in range(step + 1)] for q in rows]
-    return prefix, extras

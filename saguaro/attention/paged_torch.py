@@ -33,6 +33,8 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         return out
     max_prefix = int(prefix_len.max())
     max_extra = extra_slots.shape[1]
+    if max_prefix == 0 and max_extra == 0:  # every row a ghost (a CUDA graph's warm-up): nothing to see
+        return out.zero_()
     if int(prefix_len.min()) < 0 or int(extra_len.min()) < 0 or int(extra_len.max()) > max_extra:
         raise ValueError(f"lengths out of range: prefix_len >= 0 and 0 <= extra_len <= E={max_extra} required")
     if max_prefix > block_tables.shape[1] * block_size:
