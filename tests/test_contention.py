@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from saguaro.calibration import default_profile
-from saguaro.calibration.contention import measure, slowdowns
+from saguaro.calibration.contention import measure
 from saguaro.calibration.policy import evaluate
-from saguaro.calibration.timeline import rows_time
+from saguaro.calibration.timeline import rows_time, slowdowns
 from tests.tiny import perturbed, tiny_model
 
 VOCAB = 151936

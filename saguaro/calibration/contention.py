@@ -119,21 +119,3 @@ def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, re
         "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
     }
 
-
-def slowdowns(timing: dict, draft_rows: float) -> tuple[float, float]:
-    """(target, draft) slowdown factors while the draft runs ``draft_rows``-row passes beside a verification.
-
-    Read from the probe stored in a profile's ``timing["contention"]``, interpolated in the draft width
-    (clamped to the widths probed); the draft's factor compares its busy pass rate with its own time
-    alone (``timing["draft_rows"]``). (1, 1) when the profile has no probe."""
-    probe = timing.get("contention")
-    if not probe or not probe.get("busy"):
-        return 1.0, 1.0
-    import numpy as np
-    from saguaro.calibration.timeline import rows_time
-    pts = sorted(probe["busy"], key=lambda b: b["draft_rows"])
-    xs = [b["draft_rows"] for b in pts]
-    target = float(max(1.0, np.interp(draft_rows, xs, [b["slowdown"] for b in pts])))  # clamps at the ends
-    alone = [rows_time(timing["draft_rows"], b["draft_rows"]) for b in pts]
-    draft = [1.0 / (b["draft_passes_per_s"] * a) if b["draft_passes_per_s"] > 0 else 1.0 for b, a in zip(pts, alone)]
-    return target, float(max(1.0, np.interp(draft_rows, xs, draft)))

@@ -1,8 +1,8 @@
 """How long a round's build and verification take side by side, from a profile's measured costs.
 
-``rows_time`` reads a measured cost table (seconds per forward over n rows). ``build_time`` lays the
-draft's build and the target's verification on one timeline, with the memory-bus contention the
-profile's probe measured (``contention.slowdowns``); the policy (``policy.py``) turns its result into
+``rows_time`` reads a measured cost table (seconds per forward over n rows), ``slowdowns`` the memory-bus
+contention the profile's probe measured (``contention.measure``). ``build_time`` lays the draft's build and
+the target's verification on one timeline with both; the policy (``policy.py``) turns its result into
 hit-round times and cached speculation lengths.
 """
 from __future__ import annotations
@@ -10,8 +10,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
-
-from saguaro.calibration.contention import slowdowns
 
 
 def rows_time(table: dict, n: float) -> float:
@@ -24,6 +22,23 @@ def rows_time(table: dict, n: float) -> float:
         slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
         return ys[-1] + max(slope, 0.0) * (n - xs[-1])
     return float(np.interp(n, xs, ys))
+
+
+def slowdowns(timing: dict, draft_rows: float) -> tuple[float, float]:
+    """(target, draft) slowdown factors while the draft runs ``draft_rows``-row passes beside a verification.
+
+    Read from the probe stored in a profile's ``timing["contention"]``, interpolated in the draft width
+    (clamped to the widths probed); the draft's factor compares its busy pass rate with its own time
+    alone (``timing["draft_rows"]``). (1, 1) when the profile has no probe."""
+    probe = timing.get("contention")
+    if not probe or not probe.get("busy"):
+        return 1.0, 1.0
+    pts = sorted(probe["busy"], key=lambda b: b["draft_rows"])
+    xs = [b["draft_rows"] for b in pts]
+    target = float(max(1.0, np.interp(draft_rows, xs, [b["slowdown"] for b in pts])))  # clamps at the ends
+    alone = [rows_time(timing["draft_rows"], b["draft_rows"]) for b in pts]
+    draft = [1.0 / (b["draft_passes_per_s"] * a) if b["draft_passes_per_s"] > 0 else 1.0 for b, a in zip(pts, alone)]
+    return target, float(max(1.0, np.interp(draft_rows, xs, draft)))
 
 
 @dataclass
@@ -47,7 +62,7 @@ def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | 
     ``branch_steps`` of them, then ``deep`` rows: a tapered tree), and how long the verification takes.
 
     The two run side by side: the draft makes its passes (the glue, then the steps), each slowed by the
-    memory bus as the profile measured for its width (``contention.slowdowns``; none without a probe), and
+    memory bus as the profile measured for its width (``slowdowns``; none without a probe), and
     meanwhile the verification advances at 1 / (the target's slowdown beside a pass of that width); once
     the draft stops, or while it works on a step's logits (``step_overhead``, no bus traffic to speak
     of), at full speed. ``sampled``: the steps draw from distributions (temperature > 0). The first step
