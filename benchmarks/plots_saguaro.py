@@ -30,7 +30,7 @@ import sys
 import time
 from pathlib import Path
 
-from saguaro.calibration.profile import WORKLOADS
+from saguaro.config import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"

@@ -14,6 +14,7 @@ MODES = ("ar", "sd", "ssd")
 SPECULATORS = ("draft", "ngram")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a calibration profile was measured on
 
 
 @dataclass
@@ -46,7 +47,6 @@ class Config:
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
 
     def __post_init__(self) -> None:
-        from saguaro.calibration.profile import check_workload
         check_workload(self.calibration_workload, "calibration_workload")
         if self.num_speculative_tokens == "auto":
             self.num_speculative_tokens = self._profile_k()
@@ -116,6 +116,11 @@ class Config:
     def draft_torch_dtype(self) -> torch.dtype:
         """The draft's dtype: the engine's, or bf16 for an int8 / int4 / reduced-head draft."""
         return self.draft_format.dtype(self.torch_dtype)
+
+
+def check_workload(workload: str, name: str = "calibration workload") -> None:
+    if workload not in WORKLOADS:
+        raise ValueError(f"{name} must be one of {WORKLOADS}, got {workload!r}")
 
 
 def check_device(device: str) -> None:

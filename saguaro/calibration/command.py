@@ -5,7 +5,7 @@ import argparse
 import json
 import math
 
-from saguaro.calibration.profile import WORKLOADS
+from saguaro.config import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS
 
 

@@ -29,8 +29,9 @@ import numpy as np
 import torch
 
 from saguaro.calibration.miss_rounds import follow_ups
-from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, check_workload, dtype_name
+from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, dtype_name
 from saguaro.calibration.timer import RowTimer, runner_factory
+from saguaro.config import check_workload
 from saguaro.engine.device import place
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize

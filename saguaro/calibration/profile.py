@@ -45,6 +45,7 @@ from pathlib import Path
 
 import numpy as np
 
+from saguaro.config import DTYPES, WORKLOADS, check_workload
 from saguaro.loading.paths import cache_root
 
 PROFILE_VERSION = 1
@@ -60,16 +61,7 @@ def _slug(name: str) -> str:
 
 
 def dtype_name(dtype) -> str:
-    from saguaro.config import DTYPES
     return str(DTYPES.get(dtype, dtype)).replace("torch.", "")
-
-
-WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a profile was calibrated on
-
-
-def check_workload(workload: str, name: str = "calibration workload") -> None:
-    if workload not in WORKLOADS:
-        raise ValueError(f"{name} must be one of {WORKLOADS}, got {workload!r}")
 
 
 def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
