@@ -1,4 +1,8 @@
-"""Engine configuration: one self-validating dataclass for every mode."""
+"""Engine configuration: one self-validating dataclass for every mode.
+
+Validation only validates: it reads no file. An "auto" setting stays "auto" here; whoever builds the
+engine resolves it from the pair's calibration profile (``saguaro.calibration.resolve``, called by ``LLM``).
+"""
 from __future__ import annotations
 
 import os
@@ -23,7 +27,7 @@ class Config:
     draft: str | None = None
     mode: str = "ar"
     speculator: str = "draft"  # SD proposer: the draft model or the n-gram matcher
-    num_speculative_tokens: int | str = 4  # K, or "auto": the calibration profile's best K (resolved here)
+    num_speculative_tokens: int | str = 4  # K, or "auto": the calibration profile's best K (resolved by LLM)
     fan_out: list[int] | str | None = None  # SSD: F_0..F_K, or "auto" from a calibration profile
     fallback: str = "jit"  # SSD cache-miss fallback: "jit" (primary drafts), "ngram", "random", or "auto"
     saguaro_c: float | str = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1], or "auto"
@@ -48,16 +52,17 @@ class Config:
 
     def __post_init__(self) -> None:
         check_workload(self.calibration_workload, "calibration_workload")
-        if self.num_speculative_tokens == "auto":
-            self.num_speculative_tokens = self._profile_k()
+        k = self.num_speculative_tokens  # "auto": checked against K once it is resolved (calibration.resolve)
+        if k == "auto" and not self.draft:
+            raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.speculator not in SPECULATORS:
             raise ValueError(f"speculator must be one of {SPECULATORS}, got {self.speculator!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.mode != "ar" and self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens (K) must be >= 1, got {self.num_speculative_tokens}")
+        if self.mode != "ar" and k != "auto" and k < 1:
+            raise ValueError(f"num_speculative_tokens (K) must be >= 1, got {k}")
         needs_draft = self.mode == "ssd" or (self.mode == "sd" and self.speculator == "draft")
         if needs_draft and not self.draft:
             raise ValueError(f"mode {self.mode!r} with the draft speculator needs a draft model (draft=...)")
@@ -72,14 +77,14 @@ class Config:
         if self.fallback not in ("jit", "ngram", "random", "auto"):
             raise ValueError(f"fallback must be jit, ngram, random or auto, got {self.fallback!r}")
         if isinstance(self.fan_out, list):
-            if len(self.fan_out) != self.num_speculative_tokens + 1:
-                raise ValueError(f"fan_out needs K+1 = {self.num_speculative_tokens + 1} entries, got {len(self.fan_out)}")
+            if k != "auto" and len(self.fan_out) != k + 1:
+                raise ValueError(f"fan_out needs K+1 = {k + 1} entries, got {len(self.fan_out)}")
             if any(f < 0 for f in self.fan_out):
                 raise ValueError(f"fan_out entries must be >= 0, got {self.fan_out}")
         elif self.fan_out not in (None, "auto"):
             raise ValueError(f"fan_out must be a list of K+1 ints, 'auto' or None, got {self.fan_out!r}")
-        k, steps = self.num_speculative_tokens, self.branch_steps
-        if steps not in (None, "auto") and not (isinstance(steps, int) and 1 <= steps <= k):
+        steps = self.branch_steps
+        if steps not in (None, "auto") and (not isinstance(steps, int) or steps < 1 or (k != "auto" and steps > k)):
             raise ValueError(f"branch_steps must lie in [1, K = {k}], got {steps}")
         if self.deep_branches < 1:
             raise ValueError(f"deep_branches must be >= 1, got {self.deep_branches}")
@@ -92,16 +97,6 @@ class Config:
                 bad = [c for c in cores if not 0 <= c < (os.cpu_count() or 1)]
                 if bad:
                     raise ValueError(f"CPU cores {bad} do not exist (this machine has {os.cpu_count()})")
-
-    def _profile_k(self) -> int:
-        """K = "auto": the K with the best predicted speedup for this pair (saguaro.calibration.policy)."""
-        if not self.draft:
-            raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
-        from saguaro.calibration.policy import recommended_k, resolve_profile
-        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile,
-                                  draft_format=self.draft_format.tag, workload=self.calibration_workload)
-        return recommended_k(profile, self.fallback, mode=self.mode, taper=self.branch_steps == "auto",
-                             deep=self.deep_branches)
 
     @property
     def torch_dtype(self) -> torch.dtype:

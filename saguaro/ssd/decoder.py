@@ -171,45 +171,9 @@ def _seed(seq: Sequence) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=seq.generator))
 
 
-def uniform_fan_out(k: int, per_depth: int = 1) -> list[int]:
-    return [per_depth] * (k + 1)
-
-
-def build_plan(cfg: Config, vocab: int) -> SpecPlan:
-    """Fan-outs, Saguaro C and fallback for the speculator.
-
-    Explicit settings (a ``fan_out`` list or None for uniform 1s, a numeric ``saguaro_c``, a named
-    ``fallback``, a ``branch_steps`` count or None) give a fixed plan. Any "auto" loads the calibration
-    profile for (target, draft, dtype) -- or the documented defaults, with a warning -- and lets
-    ``saguaro.calibration.policy.make_plan`` choose (Thm 12 / Thm 13 fan-outs per temperature, batch size and
-    source; C; Thm 18's b*; the tree's taper); explicit settings still override their part of it.
-    """
-    k = cfg.num_speculative_tokens
-    fixed = cfg.fan_out if isinstance(cfg.fan_out, list) else uniform_fan_out(k)
-    autos = [cfg.fan_out, cfg.fallback, cfg.saguaro_c, cfg.branch_steps]
-    if "auto" not in autos:
-        return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback, branch_steps=cfg.branch_steps,
-                              deep_branches=cfg.deep_branches)
-    from saguaro.calibration.policy import describe, make_plan, resolve_profile
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.compile, draft_format=cfg.draft_format.tag,
-                              workload=cfg.calibration_workload)
-    plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab, cfg.branch_steps == "auto",
-                     cfg.deep_branches)
-    if cfg.fan_out != "auto":
-        plan.primary = [[list(fixed)] for _ in plan.temperatures]
-        plan.backup = [[list(fixed)] for _ in plan.temperatures]
-    if cfg.branch_steps != "auto":
-        plan.branch_steps = [cfg.branch_steps] * len(plan.temperatures)
-    log.info("SSD plan (%s): %s", "defaults" if profile.get("default") else "calibrated", describe(plan))
-    return plan
-
-
-def build_ssd_decoder(cfg: Config, target: ModelRunner, target_model: LoadedModel, draft: LoadedModel,
+def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel,
                       max_model_len: int) -> SSDDecoder:
-    vocab = target.config.vocab_size
-    if isinstance(cfg.fan_out, list) and max(cfg.fan_out) > vocab:
-        raise ValueError(f"fan_out entries must not exceed the vocabulary size ({vocab})")
-    plan = build_plan(cfg, vocab)
+    """The verifier side, with the speculator process started on ``plan`` (``calibration.resolve.ssd_plan``)."""
     device = cfg.draft_device or cfg.device
     c = 1.0 if cfg.saguaro_c == "auto" else float(cfg.saguaro_c)
     opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
