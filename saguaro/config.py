@@ -7,12 +7,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from saguaro.spec.draft_format import DraftFormat
+from saguaro.spec.draft_format import DraftFormat
 
 MODES = ("ar", "sd", "ssd")
 SPECULATORS = ("draft", "ngram")
@@ -103,8 +101,7 @@ class Config:
         return DTYPES[self.dtype]
 
     @property
-    def draft_format(self) -> "DraftFormat":
-        from saguaro.spec.draft_format import DraftFormat
+    def draft_format(self) -> DraftFormat:
         return DraftFormat(self.draft_weights, self.draft_vocab)
 
     @property

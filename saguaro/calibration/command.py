@@ -5,8 +5,12 @@ import argparse
 import json
 import math
 
-from saguaro.config import WORKLOADS
+from saguaro.calibration.profile import load_profile, profile_path, save_profile
+from saguaro.config import DTYPES, WORKLOADS
+from saguaro.engine.device import pin_process
+from saguaro.loading import check_shared_vocabulary, load_model
 from saguaro.models.kernels import WEIGHT_FORMATS
+from saguaro.spec.draft_format import DraftFormat
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,13 +49,9 @@ def _floats(text: str) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the measuring and planning code loads only for `saguaro calibrate`, not with every command's parser
     from saguaro.calibration.measure import calibrate, measure_timing
     from saguaro.calibration.policy import describe, make_plan, recommended_k
-    from saguaro.calibration.profile import load_profile, profile_path, save_profile
-    from saguaro.config import DTYPES
-    from saguaro.engine.device import pin_process
-    from saguaro.loading import check_shared_vocabulary, load_model
-    from saguaro.spec.draft_format import DraftFormat
     pin_process([args.core] if args.core >= 0 else None, args.threads)
     dtype = DTYPES[args.dtype]
     fmt = DraftFormat(args.draft_weights, args.draft_vocab)

@@ -28,7 +28,10 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from saguaro.bench import datasets
+from saguaro.calibration.contention import measure as measure_contention
 from saguaro.calibration.miss_rounds import follow_ups
+from saguaro.calibration.policy import make_plan
 from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, dtype_name
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.config import check_workload
@@ -37,9 +40,12 @@ from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
+from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.params import SamplingParams
+from saguaro.sampling.sampler import sample
 from saguaro.spec.draft_format import DraftFormat
 from saguaro.spec.ngram_proposer import NgramProposer
+from saguaro.spec.types import rank_positions
 from saguaro.ssd.decoder import SSDDecoder
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.ranks import RankRecord, RankRecorder
@@ -50,7 +56,6 @@ from saguaro.theory import fit_power_law
 def calibration_prompts(tokenizer, n: int, workload: str = "mixed") -> list[list[int]]:
     """``n`` chat prompts, held out from the benchmarks (which start at the front of each set): the last
     HumanEval items ("code"), the last MT-Bench questions ("chat"), or both alternating ("mixed")."""
-    from saguaro.bench import datasets
     check_workload(workload)
     n_code = {"mixed": (n + 1) // 2, "code": n, "chat": 0}[workload]
     code = [f"Complete this Python function:\n\n{p}" for p in datasets.humaneval()[::-1][:n_code]]
@@ -106,9 +111,6 @@ def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> 
     """Seconds a build step spends on its logits besides the forward, per width: the draft's ranked ids and
     the argmax ("greedy"), or the processed distributions and a seeded draw ("sampled"), as the speculator
     does them (``AsyncSpeculator._decode_branches``)."""
-    from saguaro.sampling.batch import processed_probs
-    from saguaro.sampling.sampler import sample
-    from saguaro.spec.types import rank_positions
     out: dict[str, dict[str, float]] = {"greedy": {}, "sampled": {}}
     for n in widths:
         logits = torch.randn(n, vocab)
@@ -148,8 +150,7 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
               "draft_step_s": step, "T_p": k * step / verify, "T_b": ngram / verify, "context": context,
               "repeats": repeats, "raw": raw, "step_overhead": time_step_overhead(draft.config.vocab_size)}
     if contention:
-        from saguaro.calibration.contention import measure
-        timing["contention"] = measure(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
+        timing["contention"] = measure_contention(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
                                        fast=fast, draft_format=draft_format, context=context)
     return timing
 
@@ -271,7 +272,6 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
     match an engine started with ``compile=True``. ``draft_format``: the draft's weights and head, as the
     engine's ``draft_weights`` / ``draft_vocab``; the profile is keyed by it. ``contention``: probe how much
     the draft on core 1 slows verification on core 0 (the calling process is pinned to core 0 meanwhile)."""
-    from saguaro.calibration.policy import make_plan
     start = time.perf_counter()
     prompt_ids = prompt_ids or calibration_prompts(target.tokenizer, prompts, workload)
     context = int(np.mean([len(p) for p in prompt_ids]))
