@@ -247,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from saguaro.calibration.policy import resolve_profile
+    from saguaro.calibration.store import resolve_profile
     from saguaro.loading import load_tokenizer
     args = parse_args(argv)
     only = set(args.only.split(","))

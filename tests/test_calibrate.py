@@ -98,7 +98,7 @@ def test_missing_or_stale_profile_reads_as_none(tmp_path, monkeypatch):
 
 def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
     """An int8 / reduced-head draft has its own profile; the engine falls back to the plain one, with a warning."""
-    from saguaro.calibration.policy import resolve_profile
+    from saguaro.calibration.store import resolve_profile
     from saguaro.spec.draft_format import DraftFormat
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     fmt = DraftFormat("int8", 4096)
@@ -119,7 +119,7 @@ def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
 def test_profiles_are_keyed_by_workload(tmp_path, monkeypatch, caplog):
     """A code-only calibration has its own profile; the engine's calibration_workload picks it, and falls
     back to the mixed one (with a warning) when it is missing."""
-    from saguaro.calibration.policy import resolve_profile
+    from saguaro.calibration.store import resolve_profile
     from saguaro.config import Config
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     assert profile_path("a", "b", "bf16", True, "int4", "code").name.endswith("__fast~code.json")

@@ -5,7 +5,7 @@ import argparse
 import json
 import math
 
-from saguaro.calibration.profile import load_profile, profile_path, save_profile
+from saguaro.calibration.store import load_profile, profile_path, save_profile
 from saguaro.config import DTYPES, WORKLOADS
 from saguaro.engine.device import pin_process
 from saguaro.loading import check_shared_vocabulary, load_model

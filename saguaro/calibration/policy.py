@@ -41,7 +41,6 @@ from ``theory.critical_batch_size`` (Thm 18) with the jit and n-gram options' me
 """
 from __future__ import annotations
 
-import logging
 import math
 from dataclasses import asdict, dataclass
 
@@ -50,13 +49,12 @@ import numpy as np
 from saguaro.calibration.hits import (backup_weights, depth_curves, depth_weights_for, expected_round_tokens,
                                       hit_rate, verified_mix)
 from saguaro.calibration.miss_rounds import miss_tokens
-from saguaro.calibration.profile import F_MAX, default_profile, load_profile
+from saguaro.calibration.profile import F_MAX
 from saguaro.calibration.timeline import BuildTime, build_time, rows_time
 from saguaro.ssd.plan import SpecPlan
 from saguaro.theory import (choose_fallback, critical_batch_size, expected_tokens,
                             integer_geometric_fanout, optimal_fanout, ssd_speedup_batch, unconditional_hit_rate)
 
-log = logging.getLogger("saguaro.calibration")
 BUDGETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64)
 
 
@@ -236,32 +234,6 @@ def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks
         return max(ks, key=lambda k: sum(sd_tokens_per_s(profile, e, k) for e in entries))
     return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab, tree_shapes(k, taper), deep).tok_s
                                      for e in entries))
-
-
-def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "",
-                    workload: str = "mixed") -> dict:
-    """The stored profile, or the documented defaults (logged).
-
-    Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.compile),
-    with the draft in ``draft_format`` (``DraftFormat.tag``). Failing that, the nearest one that exists
-    (same format eager, then the plain draft), with a warning: its acceptance and hit curves still apply
-    roughly, its timings do not. A ``workload`` ("code", "chat") without its own profile falls back to the
-    "mixed" one, whose acceptance and hit rates are those of both kinds of prompts."""
-    settings = [(fast, draft_format), (False, draft_format), (fast, ""), (False, "")]
-    tried = [(f, fmt, w) for w in dict.fromkeys([workload, "mixed"]) for f, fmt in settings]
-    for i, (f, fmt, w) in enumerate(dict.fromkeys(tried)):
-        profile = load_profile(target, draft, dtype, f, fmt, w)
-        if profile is None:
-            continue
-        if i:
-            log.warning("no calibration profile for %s / %s as configured (fast path %s, draft format %r, workload "
-                        "%s); using the one with fast path %s, draft format %r, workload %s, whose timings or rates "
-                        "differ (run `saguaro calibrate` with the same settings)", target, draft, fast,
-                        draft_format or "bf16", workload, f, fmt or "bf16", w)
-        return profile
-    log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
-                "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)
-    return default_profile(target, draft, dtype, k)
 
 
 def paper_budget(timing: dict, k: int, batch: int = 1) -> int:

@@ -1,9 +1,6 @@
-"""The calibration profile of a target/draft pair: what it holds, where it lives, and the defaults.
+"""The calibration profile of a target/draft pair: what it holds, and the defaults.
 
-Stored as JSON at ``<cache_root>/profiles/<target>__<draft>[@<format>]__<dtype>[__fast].json``
-(``saguaro.loading.cache_root``; ``SAGUARO_CACHE`` moves it; ``__fast``: timed on the bf16 fast path that
-``Config.compile`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g. ``int8-v65536``, since
-its weights and head change both its step time and its ranks). Schema (version 1)::
+Stored as JSON by ``store.py``. Schema (version 1)::
 
     {"version": 1, "target", "draft", "draft_format", "dtype", "fast", "k": K used to calibrate, "created",
      "settings": {...},
@@ -37,16 +34,11 @@ verification over n rows 1 + 0.02 (n - 1) target rows; n-gram time 0.
 """
 from __future__ import annotations
 
-import json
-import os
-import re
 import time
-from pathlib import Path
 
 import numpy as np
 
-from saguaro.config import DTYPES, WORKLOADS, check_workload
-from saguaro.loading.paths import cache_root
+from saguaro.config import DTYPES
 
 PROFILE_VERSION = 1
 F_MAX = 64  # hit curves are stored for fan-outs 0..F_MAX
@@ -56,43 +48,8 @@ DEFAULTS = {"a_p": 0.75, "r_p": 0.6, "a_b": 0.3, "r_b": 0.4, "draft_ratio": 0.38
 ROW_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(str(name).rstrip("/")) or str(name))
-
-
 def dtype_name(dtype) -> str:
     return str(DTYPES.get(dtype, dtype)).replace("torch.", "")
-
-
-def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
-                 workload: str = "mixed") -> Path:
-    """Keyed by target, draft (and its format tag) and dtype; ``fast`` (timed on the bf16 fast path,
-    Config.compile) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
-    check_workload(workload)
-    suffix = ("__fast" if fast else "") + ("" if workload == "mixed" else f"~{workload}")
-    fmt = f"@{_slug(draft_format)}" if draft_format else ""
-    return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
-
-
-def save_profile(profile: dict) -> Path:
-    path = profile_path(profile["target"], profile["draft"], profile["dtype"], bool(profile.get("fast")),
-                        profile.get("draft_format", ""), profile.get("workload", "mixed"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
-    tmp.replace(path)
-    return path
-
-
-def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
-                 workload: str = "mixed") -> dict | None:
-    """The stored profile, or None if there is none or it is unreadable / of another version."""
-    path = profile_path(target, draft, dtype, fast, draft_format, workload)
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return profile if profile.get("version") == PROFILE_VERSION else None
 
 
 def power_law_source(a: float, r: float, k: int) -> dict:

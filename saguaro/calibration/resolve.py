@@ -10,7 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
-from saguaro.calibration.policy import describe, make_plan, recommended_k, resolve_profile
+from saguaro.calibration.policy import describe, make_plan, recommended_k
+from saguaro.calibration.store import resolve_profile
 from saguaro.config import Config
 from saguaro.ssd.plan import SpecPlan
 

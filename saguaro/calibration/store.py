@@ -1,0 +1,82 @@
+"""Where calibration profiles live, and which one the engine reads.
+
+One JSON file per profile at ``<cache_root>/profiles/<target>__<draft>[@<format>]__<dtype>[__fast][~<workload>].json``
+(``saguaro.loading.cache_root``; ``SAGUARO_CACHE`` moves it). ``__fast``: timed on the bf16 fast path that
+``Config.compile`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g. ``int8-v65536``, since
+its weights and head change both its step time and its ranks; ``~<workload>``: calibrated on code or chat
+prompts only (``config.WORKLOADS``; "mixed" has no suffix).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from pathlib import Path
+
+from saguaro.calibration.profile import PROFILE_VERSION, default_profile, dtype_name
+from saguaro.config import check_workload
+from saguaro.loading.paths import cache_root
+
+log = logging.getLogger("saguaro.calibration")
+
+
+def _slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(str(name).rstrip("/")) or str(name))
+
+
+def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
+                 workload: str = "mixed") -> Path:
+    """Keyed by target, draft (and its format tag) and dtype; ``fast`` (timed on the bf16 fast path,
+    Config.compile) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
+    check_workload(workload)
+    suffix = ("__fast" if fast else "") + ("" if workload == "mixed" else f"~{workload}")
+    fmt = f"@{_slug(draft_format)}" if draft_format else ""
+    return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
+
+
+def save_profile(profile: dict) -> Path:
+    path = profile_path(profile["target"], profile["draft"], profile["dtype"], bool(profile.get("fast")),
+                        profile.get("draft_format", ""), profile.get("workload", "mixed"))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(profile, indent=1))
+    tmp.replace(path)
+    return path
+
+
+def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
+                 workload: str = "mixed") -> dict | None:
+    """The stored profile, or None if there is none or it is unreadable / of another version."""
+    path = profile_path(target, draft, dtype, fast, draft_format, workload)
+    try:
+        profile = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return profile if profile.get("version") == PROFILE_VERSION else None
+
+
+def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "",
+                    workload: str = "mixed") -> dict:
+    """The stored profile, or the documented defaults (logged).
+
+    Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.compile),
+    with the draft in ``draft_format`` (``DraftFormat.tag``). Failing that, the nearest one that exists
+    (same format eager, then the plain draft), with a warning: its acceptance and hit curves still apply
+    roughly, its timings do not. A ``workload`` ("code", "chat") without its own profile falls back to the
+    "mixed" one, whose acceptance and hit rates are those of both kinds of prompts."""
+    settings = [(fast, draft_format), (False, draft_format), (fast, ""), (False, "")]
+    tried = [(f, fmt, w) for w in dict.fromkeys([workload, "mixed"]) for f, fmt in settings]
+    for i, (f, fmt, w) in enumerate(dict.fromkeys(tried)):
+        profile = load_profile(target, draft, dtype, f, fmt, w)
+        if profile is None:
+            continue
+        if i:
+            log.warning("no calibration profile for %s / %s as configured (fast path %s, draft format %r, workload "
+                        "%s); using the one with fast path %s, draft format %r, workload %s, whose timings or rates "
+                        "differ (run `saguaro calibrate` with the same settings)", target, draft, fast,
+                        draft_format or "bf16", workload, f, fmt or "bf16", w)
+        return profile
+    log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
+                "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)
+    return default_profile(target, draft, dtype, k)
