@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -32,7 +33,8 @@ from saguaro.bench import datasets
 from saguaro.calibration.contention import measure as measure_contention
 from saguaro.calibration.miss_rounds import follow_ups
 from saguaro.calibration.policy import make_plan
-from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, dtype_name
+from saguaro.calibration.profile import (F_MAX, POWER_LAW_R2, ROW_GRID, Profile, Source, StepOverhead, TemperatureEntry,
+                                         Timing, dtype_name)
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.config import check_workload
 from saguaro.engine.device import place
@@ -107,7 +109,7 @@ CONTENTION_WIDTHS = (1, 4, 8, 16)  # draft pass widths probed beside a verificat
 OVERHEAD_WIDTHS = (1, 4, 8, 16)  # branch-step widths whose per-step sampling work is timed
 
 
-def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> dict[str, dict[str, float]]:
+def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> StepOverhead:
     """Seconds a build step spends on its logits besides the forward, per width: the draft's ranked ids and
     the argmax ("greedy"), or the processed distributions and a seeded draw ("sampled"), as the speculator
     does them (``AsyncSpeculator._decode_branches``)."""
@@ -131,12 +133,12 @@ def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> 
                 work()
                 best = min(best, time.perf_counter() - start)
             out[name][str(n)] = best
-    return out
+    return StepOverhead(**out)
 
 
 def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repeats: int = 5,
                    prompt: list[int] | None = None, fast: bool = False,
-                   draft_format: DraftFormat = DraftFormat(), contention: bool = False) -> dict:
+                   draft_format: DraftFormat = DraftFormat(), contention: bool = False) -> Timing:
     """Timings of the target (as the engine runs it) and of the draft in ``draft_format``; with
     ``contention``, also the target's verification beside a busy draft on core 1 (``contention.measure``)."""
     rows = sorted(set([n for n in ROW_GRID if n <= max_rows] + [k + 1]))
@@ -146,12 +148,12 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
     target_rows, draft_rows = monotone(raw["target"]), monotone(raw["draft"])
     ngram = time_ngram(prompt or list(range(context)), k)
     verify, step = target_rows[str(k + 1)], draft_rows["1"]
-    timing = {"target_rows": target_rows, "draft_rows": draft_rows, "ngram_s": ngram, "verify_s": verify,
-              "draft_step_s": step, "T_p": k * step / verify, "T_b": ngram / verify, "context": context,
-              "repeats": repeats, "raw": raw, "step_overhead": time_step_overhead(draft.config.vocab_size)}
+    timing = Timing(target_rows=target_rows, draft_rows=draft_rows, ngram_s=ngram, verify_s=verify, draft_step_s=step,
+                    T_p=k * step / verify, T_b=ngram / verify, context=context, repeats=repeats, raw=raw,
+                    step_overhead=time_step_overhead(draft.config.vocab_size))
     if contention:
-        timing["contention"] = measure_contention(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
-                                       fast=fast, draft_format=draft_format, context=context)
+        timing.contention = measure_contention(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
+                                               fast=fast, draft_format=draft_format, context=context)
     return timing
 
 
@@ -212,8 +214,8 @@ def free_power_law(F: np.ndarray, miss: np.ndarray) -> dict:
     return {"r_free": float(-slope), "prefactor": float(np.exp(intercept)), "r2_free": r2}
 
 
-def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) -> dict:
-    """A profile SOURCE entry from one run's rank records (see ``saguaro.calibration.profile``)."""
+def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) -> Source:
+    """A profile's ``Source`` from one run's rank records (see ``saguaro.calibration.profile``)."""
     ranked = [r for r in records if r.rank >= 0]
     depth = np.array([r.accepted if r.accepted < r.drafted else k for r in ranked], dtype=int)
     ranks = np.array([r.rank for r in ranked], dtype=int)
@@ -238,26 +240,26 @@ def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) ->
     drafted = sum(rec.drafted for rec in records)
     accepted = sum(rec.accepted for rec in records)
     rejections = sum(rec.accepted < rec.drafted for rec in records)
-    return {"rounds": len(records), "ranked_rounds": len(ranked),
-            # a: P(a drafted token is accepted | every earlier one was) -- the capped-geometric MLE
-            "acceptance": accepted / (accepted + rejections) if accepted + rejections else 0.0,
-            "accepted_per_drafted": accepted / drafted if drafted else 0.0,
-            "acceptance_by_position": engine_metrics.get("acceptance_by_position", []),
-            "depth_pmf": all_depths.tolist(),
-            "tokens_per_round": (accepted + len(records)) / max(len(records), 1),
-            "outcome_pmf": pmf.tolist(), "hit_curves": curves, "miss_uniform": miss.tolist(),
-            "r": r, "r2": r2, "power_law": bool(r is not None and r > 0 and r2 >= POWER_LAW_R2), **free}
+    return Source(rounds=len(records), ranked_rounds=len(ranked),
+                  # a: P(a drafted token is accepted | every earlier one was) -- the capped-geometric MLE
+                  acceptance=accepted / (accepted + rejections) if accepted + rejections else 0.0,
+                  accepted_per_drafted=accepted / drafted if drafted else 0.0,
+                  acceptance_by_position=engine_metrics.get("acceptance_by_position", []),
+                  depth_pmf=all_depths.tolist(),
+                  tokens_per_round=(accepted + len(records)) / max(len(records), 1),
+                  outcome_pmf=pmf.tolist(), hit_curves=curves, miss_uniform=miss.tolist(),
+                  r=r, r2=r2, power_law=bool(r is not None and r > 0 and r2 >= POWER_LAW_R2), **free)
 
 
 def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens, batch, plan=None,
-                fast: bool = False, draft_format: DraftFormat = DraftFormat()) -> dict:
+                fast: bool = False, draft_format: DraftFormat = DraftFormat()) -> Source:
     plan = plan or SpecPlan.fixed([0] * (k + 1), 1.0, "jit" if source == "primary" else "ngram")
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
               for i in range(len(prompts))]
     records, metrics = run_ranked(target, draft, prompts, params, k, plan, batch, fast=fast, draft_format=draft_format)
     summary = summarize_source([r for r in records if r.source == ("p" if source == "primary" else "b")], k, metrics)
     if source == "primary":  # what each fallback would deliver after each round (miss_rounds)
-        summary["follow_ups"] = follow_ups(records, metrics["sequences"], k)
+        summary.follow_ups = follow_ups(records, metrics["sequences"], k)
     return summary
 
 
@@ -265,7 +267,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
               prompts: int = 8, max_tokens: int = 64, batch: int = 8, max_rows: int = 64,
               prompt_ids: list[list[int]] | None = None, log: Callable[[str], None] = print,
               fast: bool = False, draft_format: DraftFormat = DraftFormat(), contention: bool = False,
-              workload: str = "mixed") -> dict:
+              workload: str = "mixed") -> Profile:
     """Measure the pair (``LoadedModel``s, already on their device and dtype) and return its profile.
 
     ``fast``: run both models through the bf16 fast path (what ``Config.compile`` selects), so the timings
@@ -280,37 +282,34 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
         f"{max_tokens} tokens each, temperatures {list(temperatures)}")
     timing = measure_timing(target, draft, k, context, max_rows, prompt=prompt_ids[0], fast=fast,
                             draft_format=draft_format, contention=contention)
-    log(f"  timing: verify(K+1) {timing['verify_s'] * 1e3:.1f} ms, draft step {timing['draft_step_s'] * 1e3:.1f} ms, "
-        f"T_p {timing['T_p']:.2f}, T_b {timing['T_b']:.4f}")
-    profile = {"version": PROFILE_VERSION, "target": target.name, "draft": draft.name,
-               "draft_format": draft_format.tag, "workload": workload, "dtype": dtype_name(dtype),
-               "fast": bool(fast), "k": k, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "settings": {"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
-                            "temperatures": list(temperatures), "c_values": list(c_values),
-                            "threads": torch.get_num_threads(), "torch": torch.__version__},
-               "timing": timing, "temperatures": {}}
+    log(f"  timing: verify(K+1) {timing.verify_s * 1e3:.1f} ms, draft step {timing.draft_step_s * 1e3:.1f} ms, "
+        f"T_p {timing.T_p:.2f}, T_b {timing.T_b:.4f}")
+    profile = Profile(target=target.name, draft=draft.name, draft_format=draft_format.tag, workload=workload,
+                      dtype=dtype_name(dtype), fast=bool(fast), k=k, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      settings={"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
+                                "temperatures": list(temperatures), "c_values": list(c_values),
+                                "threads": torch.get_num_threads(), "torch": torch.__version__},
+                      timing=timing, temperatures={})
     for t in temperatures:
-        entry = {"temperature": float(t)}
+        sources = {}
         for source in ("primary", "backup"):
-            entry[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch, fast=fast,
-                                        draft_format=draft_format)
-            s = entry[source]
-            log(f"  T={t} {source}: acceptance {s['acceptance']:.3f}, {s['rounds']} rounds, "
-                f"p_hit(F=1) {1 - s['miss_uniform'][1]:.2f}, r {s['r'] if s['r'] is None else round(s['r'], 3)} "
-                f"(R^2 {s['r2']:.2f})")
-        entry["c_sweep"] = []
-        profile["temperatures"][str(float(t))] = entry
+            s = sources[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch, fast=fast,
+                                              draft_format=draft_format)
+            log(f"  T={t} {source}: acceptance {s.acceptance:.3f}, {s.rounds} rounds, "
+                f"p_hit(F=1) {1 - s.miss_uniform[1]:.2f}, r {s.r if s.r is None else round(s.r, 3)} "
+                f"(R^2 {s.r2:.2f})")
+        profile.temperatures[str(float(t))] = TemperatureEntry(**sources, temperature=float(t))
     vocab = target.config.vocab_size
     for t in [t for t in temperatures if t > 0]:
         key = str(float(t))
         for c in [c for c in c_values if c < 1.0]:
-            plan = make_plan({**profile, "temperatures": {key: profile["temperatures"][key]}}, k, 1.0, "jit", 1, vocab)
+            plan = make_plan(replace(profile, temperatures={key: profile.temperatures[key]}), k, 1.0, "jit", 1, vocab)
             reweight = plan.primary[0][0]
             s = _source_run(target, draft, prompt_ids, t, k, "primary", max_tokens, batch,
                             SpecPlan.fixed(reweight, c, "jit"), fast=fast, draft_format=draft_format)
-            s.update(c=float(c), fan_out=reweight)
-            profile["temperatures"][key]["c_sweep"].append(s)
-            log(f"  T={t} C={c}: acceptance {s['acceptance']:.3f}, p_hit(F=1) {1 - s['miss_uniform'][1]:.2f} "
+            s.c, s.fan_out = float(c), reweight
+            profile.temperatures[key].c_sweep.append(s)
+            log(f"  T={t} C={c}: acceptance {s.acceptance:.3f}, p_hit(F=1) {1 - s.miss_uniform[1]:.2f} "
                 f"(sigma_F,C with F={reweight})")
-    profile["settings"]["seconds"] = round(time.perf_counter() - start, 1)
+    profile.settings["seconds"] = round(time.perf_counter() - start, 1)
     return profile

@@ -56,5 +56,5 @@ def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
         plan.backup = [[list(fixed)] for _ in plan.temperatures]
     if cfg.branch_steps != "auto":
         plan.branch_steps = [cfg.branch_steps] * len(plan.temperatures)
-    log.info("SSD plan (%s): %s", "defaults" if profile.get("default") else "calibrated", describe(plan))
+    log.info("SSD plan (%s): %s", "defaults" if profile.default else "calibrated", describe(plan))
     return plan

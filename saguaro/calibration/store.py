@@ -1,6 +1,7 @@
 """Where calibration profiles live, and which one the engine reads.
 
-One JSON file per profile at ``<cache_root>/profiles/<target>__<draft>[@<format>]__<dtype>[__fast][~<workload>].json``
+One JSON file per profile (``Profile.to_dict``) at
+``<cache_root>/profiles/<target>__<draft>[@<format>]__<dtype>[__fast][~<workload>].json``
 (``saguaro.loading.cache_root``; ``SAGUARO_CACHE`` moves it). ``__fast``: timed on the bf16 fast path that
 ``Config.compile`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g. ``int8-v65536``, since
 its weights and head change both its step time and its ranks; ``~<workload>``: calibrated on code or chat
@@ -14,7 +15,7 @@ import os
 import re
 from pathlib import Path
 
-from saguaro.calibration.profile import PROFILE_VERSION, default_profile, dtype_name
+from saguaro.calibration.profile import Profile, ProfileError, default_profile, dtype_name
 from saguaro.config import check_workload
 from saguaro.loading.paths import cache_root
 
@@ -35,29 +36,38 @@ def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_forma
     return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
 
 
-def save_profile(profile: dict) -> Path:
-    path = profile_path(profile["target"], profile["draft"], profile["dtype"], bool(profile.get("fast")),
-                        profile.get("draft_format", ""), profile.get("workload", "mixed"))
+def save_profile(profile: Profile) -> Path:
+    path = profile_path(profile.target, profile.draft, profile.dtype, profile.fast, profile.draft_format,
+                        profile.workload)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
+    tmp.write_text(json.dumps(profile.to_dict(), indent=1))
     tmp.replace(path)
     return path
 
 
 def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
-                 workload: str = "mixed") -> dict | None:
-    """The stored profile, or None if there is none or it is unreadable / of another version."""
+                 workload: str = "mixed") -> Profile | None:
+    """The stored profile, or None if there is none. One that cannot be used -- unreadable, of another
+    version or layout -- is None too, and the log says so and to re-run ``saguaro calibrate``."""
     path = profile_path(target, draft, dtype, fast, draft_format, workload)
     try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError):
+        return Profile.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
         return None
-    return profile if profile.get("version") == PROFILE_VERSION else None
+    except ProfileError as e:
+        reason = str(e)
+    except (TypeError, AttributeError) as e:  # a value of the wrong kind where an object or a list belongs
+        reason = f"its layout does not match this engine's ({e})"
+    except (OSError, ValueError) as e:  # unreadable, or not JSON
+        reason = f"it cannot be read ({e})"
+    log.warning("calibration profile %s cannot be used: %s; re-run `saguaro calibrate` for this pair and "
+                "settings to measure it again", path, reason)
+    return None
 
 
 def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "",
-                    workload: str = "mixed") -> dict:
+                    workload: str = "mixed") -> Profile:
     """The stored profile, or the documented defaults (logged).
 
     Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.compile),
