@@ -175,7 +175,7 @@ def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingPar
     opts = WorkerOptions(k, plan.fan_out(0.0, "p"), plan.fallback_for(1), dtype, "cpu", None, 1, kv_tokens,
                          block_size, 600.0, 1.0, plan, fast, draft_format)
     recorder = RankRecorder(build_branches=build_branches)
-    decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), k, max_len)
+    decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), plan, max_len)
     engine = LLMEngine(runner, target.tokenizer, decoder, max_len, max_num_seqs, 1 << 14)
     try:
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]

@@ -26,7 +26,7 @@ from saguaro.spec.ngram_proposer import NgramProposer
 from saguaro.spec.sd import SDDecoder, draft_budget, verify_round
 from saguaro.spec.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
-from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.plan import FallbackChoice, SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
 from saguaro.ssd.worker import WorkerLink, WorkerOptions
 
@@ -41,18 +41,19 @@ class RoundTrace:
     build_s: float  # speculator's cache build for this round (overlapping verification)
     build_steps: int
     hits: list[bool] = field(default_factory=list)  # per verified sequence: was its speculation a cache hit
-    fallback: str = ""  # the speculator's cache-miss fallback for this round's batch size (plan.fallback_for)
+    fallback: str = ""  # the cache-miss fallback for this round's batch size (plan.FallbackChoice)
 
 
 class SSDDecoder(Decoder):
     reports_spec = True
     reports_cache = True
 
-    def __init__(self, target: ModelRunner, link: WorkerLink, k: int, max_model_len: int):
+    def __init__(self, target: ModelRunner, link: WorkerLink, plan: SpecPlan, max_model_len: int):
         self.target = target
         self.link: WorkerLink | None = link
-        self.k = k
-        self.lookahead = k + 1
+        self.plan = plan  # what the speculator was told (fan-outs, C, fallback)
+        self.k = plan.k
+        self.lookahead = self.k + 1
         self.max_model_len = max_model_len
         self.pending: dict[int, SpecRow] = {}
         self.prev_hit: dict[int, bool] = {}
@@ -60,8 +61,7 @@ class SSDDecoder(Decoder):
         self.trace: list[RoundTrace] = []
         self.fallback: SDDecoder | None = None
         self.failure: str | None = None
-        self.plan: SpecPlan | None = None  # what the speculator was told (fan-outs, C, fallback)
-        self.fallback_switches: list[tuple[int, str]] = []  # (batch size, fallback) each time "auto" switches
+        self.fallback_choice = FallbackChoice(plan)  # the speculator's, followed here for the trace and the log
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
@@ -89,7 +89,7 @@ class SSDDecoder(Decoder):
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
-                                     response.build_steps, hits, self._fallback_mode(len(seqs))))
+                                     response.build_steps, hits, self.fallback_choice.at(len(seqs))))
         return [out[s.seq_id] for s in seqs]
 
     def prefilling(self, seqs: list[Sequence]) -> None:
@@ -104,17 +104,10 @@ class SSDDecoder(Decoder):
         except ChannelClosed as e:
             self._fail(str(e))
 
-    def _fallback_mode(self, batch: int) -> str:
-        """Mirror of the speculator's choice (same plan, same batch size), logged here where logging is set up."""
-        if self.plan is None:
-            return ""
-        mode = self.plan.fallback_for(batch)
-        last = self.fallback_switches[-1][1] if self.fallback_switches else self.plan.fallback_for(1)
-        if mode != last:
-            log.info("batch size %d: SSD cache-miss fallback %s -> %s (b* = %.2f, Thm 18)", batch, last, mode,
-                     self.plan.b_star)
-            self.fallback_switches.append((batch, mode))
-        return mode
+    @property
+    def fallback_switches(self) -> list[tuple[int, str]]:
+        """(batch size, new fallback) each time fallback "auto" switched."""
+        return self.fallback_choice.switches
 
     def _proposal(self, seqs: list[Sequence]) -> Proposal:
         rows = [self.pending[s.seq_id] for s in seqs]
@@ -179,6 +172,4 @@ def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: L
     opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
                          cfg.draft_torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
                          cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.compile, cfg.draft_format)
-    decoder = SSDDecoder(target, WorkerLink(draft, opts), cfg.num_speculative_tokens, max_model_len)
-    decoder.plan = plan
-    return decoder
+    return SSDDecoder(target, WorkerLink(draft, opts), plan, max_model_len)

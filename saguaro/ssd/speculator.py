@@ -32,7 +32,6 @@ receives, so the output stays exact.
 """
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass
@@ -50,13 +49,11 @@ from saguaro.spec.ngram_proposer import NgramProposer
 from saguaro.spec.types import Ranked, RankTable, rank_positions, rank_table
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
-from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.plan import FallbackChoice, SpecPlan
 from saguaro.ssd.protocol import Admission, RoundRequest, RoundResponse, SpecRow
 from saguaro.ssd.ranks import RankRecorder
 from saguaro.ssd.saguaro_sampling import SaguaroSampling
 from saguaro.ssd.tree import BranchLayout
-
-log = logging.getLogger("saguaro.ssd")
 
 
 @dataclass
@@ -81,8 +78,7 @@ class AsyncSpeculator:
         self.runner = runner
         self.k = k
         self.batch = 1  # size of the batch in the last request
-        self.fallback = self.plan.fallback_for(self.batch)
-        self.fallback_switches: list[tuple[int, str]] = []  # (batch size, new fallback) for fallback "auto"
+        self.fallback_choice = FallbackChoice(self.plan)  # follows the batch size (fallback "auto", Thm 18)
         self.saguaro = None  # Def. 14 sampling, only when some temperature uses C < 1
         if min(self.plan.c) < 1.0:
             self.saguaro = SaguaroSampling(lambda s: self.plan.fan_out(_temperature(s), "p", self.batch),
@@ -106,14 +102,18 @@ class AsyncSpeculator:
         """F_0..F_K for the cache of ``seq``'s speculation under verification."""
         return self.plan.fan_out(_temperature(seq), self.source.get(seq.seq_id, "p"), self.batch)
 
+    @property
+    def fallback(self) -> str:
+        """The cache-miss fallback for the current batch size: "jit", "ngram" or "random"."""
+        return self.fallback_choice.current
+
+    @property
+    def fallback_switches(self) -> list[tuple[int, str]]:
+        return self.fallback_choice.switches
+
     def _set_batch(self, batch: int) -> None:
         self.batch = max(1, batch)
-        fallback = self.plan.fallback_for(self.batch)
-        if fallback != self.fallback:
-            log.info("batch size %d: cache-miss fallback %s -> %s (b* = %.2f)", self.batch, self.fallback, fallback,
-                     self.plan.b_star)
-            self.fallback_switches.append((self.batch, fallback))
-            self.fallback = fallback
+        self.fallback_choice.at(self.batch)
 
     # -- prefill -----------------------------------------------------------------
     def prefill(self, req: RoundRequest) -> None:
