@@ -36,7 +36,7 @@ from saguaro.calibration.policy import make_plan
 from saguaro.calibration.profile import (F_MAX, POWER_LAW_R2, ROW_GRID, Profile, Source, StepOverhead, TemperatureEntry,
                                          Timing, dtype_name)
 from saguaro.calibration.timer import RowTimer, runner_factory
-from saguaro.config import check_workload
+from saguaro.config import Config, check_workload
 from saguaro.engine.device import place
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
@@ -171,9 +171,12 @@ def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingPar
     max_len = max(len(p) for p in prompts) + max(p.max_tokens for p in params) + 2 * (k + 1)
     kv_tokens = (max_len + block_size) * max_num_seqs
     runner = ModelRunner(target.model, math.ceil(kv_tokens / block_size), block_size, fast=fast)
-    dtype = draft_format.dtype(model_dtype(draft))
-    opts = WorkerOptions(k, plan.fan_out(0.0, "p"), plan.fallback_for(1), dtype, "cpu", None, 1, kv_tokens,
-                         block_size, 600.0, 1.0, plan, fast, draft_format)
+    # the engine's SSD settings, with the speculator in this process: on the CPU, unpinned, one thread
+    cfg = Config(target=target.name, draft=draft.name, mode="ssd", num_speculative_tokens=k,
+                 dtype=dtype_name(model_dtype(draft)), draft_cores=None, kv_cache_tokens=kv_tokens,
+                 block_size=block_size, max_num_seqs=max_num_seqs, compile=fast, draft_weights=draft_format.weights,
+                 draft_vocab=draft_format.vocab, worker_timeout_s=600.0)
+    opts = WorkerOptions.from_config(cfg, plan)
     recorder = RankRecorder(build_branches=build_branches)
     decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), plan, max_len)
     engine = LLMEngine(runner, target.tokenizer, decoder, max_len, max_num_seqs, 1 << 14)

@@ -167,9 +167,4 @@ def _seed(seq: Sequence) -> int:
 def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel,
                       max_model_len: int) -> SSDDecoder:
     """The verifier side, with the speculator process started on ``plan`` (``calibration.resolve.ssd_plan``)."""
-    device = cfg.draft_device or cfg.device
-    c = 1.0 if cfg.saguaro_c == "auto" else float(cfg.saguaro_c)
-    opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
-                         cfg.draft_torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
-                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.compile, cfg.draft_format)
-    return SSDDecoder(target, WorkerLink(draft, opts), plan, max_model_len)
+    return SSDDecoder(target, WorkerLink(draft, WorkerOptions.from_config(cfg, plan)), plan, max_model_len)
