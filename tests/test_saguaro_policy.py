@@ -159,7 +159,7 @@ def test_auto_fallback_switches_with_batch_size_and_uses_backup_fan_out(pair, ca
         assert all(r.point_mass for r in rows) and spec.fallback == "ngram"
         spec.build()
         keys = spec.cache._entries
-        assert keys and all(k == len(spec.sent[seq]) for seq, k, _ in keys)  # F^b: only the all-accepted depth
+        assert keys and all(k == len(spec.states[seq].sent) for seq, k, _ in keys)  # F^b: only the all-accepted depth
         outs = [Outcome(i, 0, 63) for i in range(2)]
         rows = spec.respond(RoundRequest(outs, [], [2], [0, 1])).rows  # back to batch 2
         assert spec.fallback == "jit" and not any(r.point_mass for r in rows)
