@@ -49,8 +49,7 @@ from saguaro.spec.types import RankTable, rank_positions, rank_table
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import FallbackChoice, SpecPlan
-from saguaro.ssd.protocol import Admission, RoundRequest, RoundResponse, SpecRow
-from saguaro.ssd.ranks import RankRecorder
+from saguaro.ssd.protocol import Admission, Outcome, RoundRequest, RoundResponse, SpecRow
 from saguaro.ssd.saguaro_sampling import SaguaroSampling
 from saguaro.ssd.seq_state import SeqState
 from saguaro.ssd.tree import BranchLayout
@@ -63,7 +62,7 @@ class BuildStats:
     branches: int = 0
 
 
-def _temperature(seq: Sequence) -> float:
+def seq_temperature(seq: Sequence) -> float:
     return 0.0 if seq.params.greedy else float(seq.params.temperature)
 
 
@@ -71,7 +70,7 @@ class AsyncSpeculator:
     """``fan_out`` is a ``SpecPlan`` or one F_0..F_K list (then ``fallback`` and ``saguaro_c`` apply to all)."""
 
     def __init__(self, runner: ModelRunner, k: int, fan_out: list[int] | SpecPlan, fallback: str = "jit",
-                 saguaro_c: float = 1.0, recorder: RankRecorder | None = None):
+                 saguaro_c: float = 1.0):
         self.plan = fan_out if isinstance(fan_out, SpecPlan) else SpecPlan.fixed(list(fan_out), saguaro_c, fallback)
         if self.plan.k != k:
             raise ValueError(f"plan is for K={self.plan.k}, speculator for K={k}")
@@ -81,10 +80,9 @@ class AsyncSpeculator:
         self.fallback_choice = FallbackChoice(self.plan)  # follows the batch size (fallback "auto", Thm 18)
         self.saguaro = None  # Def. 14 sampling, only when some temperature uses C < 1
         if min(self.plan.c) < 1.0:
-            self.saguaro = SaguaroSampling(lambda s: self.plan.fan_out(_temperature(s), "p", self.batch),
-                                           lambda s: self.plan.c_for(_temperature(s)))
+            self.saguaro = SaguaroSampling(lambda s: self.plan.fan_out(seq_temperature(s), "p", self.batch),
+                                           lambda s: self.plan.c_for(seq_temperature(s)))
         self.width = self.plan.max_fan_out() + 1  # ranked ids kept per draft position (top-F_k plus the drafted)
-        self.recorder = recorder
         self.states: dict[int, SeqState] = {}  # per sequence id, from its prefill or admission to its release
         # the just-in-time drafter works on each sequence's own draft cache (SeqState.draft)
         self.jit = DraftModelProposer(runner, self.saguaro.apply if self.saguaro else None, keep_ranked=self.width,
@@ -95,7 +93,7 @@ class AsyncSpeculator:
 
     def fan_out_for(self, state: SeqState) -> list[int]:
         """F_0..F_K for the cache of a sequence's speculation under verification."""
-        return self.plan.fan_out(_temperature(state.seq), state.source, self.batch)
+        return self.plan.fan_out(seq_temperature(state.seq), state.source, self.batch)
 
     @property
     def fallback(self) -> str:
@@ -141,9 +139,6 @@ class AsyncSpeculator:
         for out in req.outcomes:
             state = self.states[out.seq_id]
             seq, draft = state.seq, state.draft
-            if self.recorder is not None:
-                self.recorder.observe(out.seq_id, state.source, len(state.sent), out.num_accepted, out.bonus,
-                                      _temperature(seq))
             accepted = state.sent[:out.num_accepted] + [out.bonus]
             # the draft cache stays valid up to the accepted drafts
             draft.num_cached = min(draft.num_cached, len(seq) + out.num_accepted)
@@ -153,9 +148,7 @@ class AsyncSpeculator:
             if cached is not None:
                 hits[out.seq_id] = cached
                 self._adopt_kv(state, cached)
-            if self.recorder is not None:
-                record = self.recorder.records[-1]
-                record.hit, record.seq_id, record.length = cached is not None, out.seq_id, len(seq)
+            self._verified(state, out, cached is not None)
         self.cache.clear()
         self._free_scratch()
         order = [self.states[i] for i in req.order]
@@ -231,8 +224,10 @@ class AsyncSpeculator:
         state = self.states.pop(seq_id, None)
         if state is not None:
             state.free(self.runner.blocks)
-        if self.recorder is not None:
-            self.recorder.forget(seq_id)
+
+    def _verified(self, state: SeqState, outcome: Outcome, hit: bool) -> None:
+        """Called once the outcome of ``state``'s speculation is applied (``state.sent`` and ``state.source``
+        are still the verified speculation's); calibration records it (``ranks.RecordingSpeculator``)."""
 
     # -- build -------------------------------------------------------------------
     def build(self, interrupted: Callable[[], bool] = lambda: False) -> BuildStats:
@@ -241,7 +236,7 @@ class AsyncSpeculator:
         stats = BuildStats()
         self._free_scratch()
         states = [s for s in self.states.values() if s.sent and s.seq is not None]
-        if states and (self.recorder is not None or not interrupted()):  # calibration needs every glue
+        if states and not interrupted():
             layouts = self._glue(states)
             try:  # the scratch is kept until the next respond: a hit adopts its branch's k/v from there
                 stats = self._decode_branches(states, layouts, interrupted)
@@ -262,10 +257,9 @@ class AsyncSpeculator:
         for state in states:
             seq, draft, spec = state.seq, state.draft, state.sent
             base = len(seq) - 1
-            ranked = state.ranked if self.recorder is None else None  # calibration ranks every depth
             start = min(draft.num_cached, base)  # else re-feed the last verified token for its logits
-            if ranked is not None and draft.num_cached >= base:
-                start = min(draft.num_cached, base + len(ranked), base + len(spec))
+            if state.ranked is not None and draft.num_cached >= base:
+                start = min(draft.num_cached, base + len(state.ranked), base + len(spec))
             known.append(max(start - base, 0))
             self.runner.blocks.truncate(draft.block_table, start)
             tokens = (seq.tokens + spec)[start:]
@@ -278,16 +272,17 @@ class AsyncSpeculator:
         layouts = []
         for state, rows, j0 in zip(states, depth_logits, known):
             seq, draft = state.seq, state.draft
-            if self.recorder is not None:
-                self.recorder.remember(seq.seq_id, rows, state.sent)
+            self._glued(state, rows)
             ranked = (state.ranked or [])[:j0] + [next(fresh) for _ in range(len(rows))]
             outcomes = predict_outcomes(ranked, state.sent, self.fan_out_for(state))
-            if self.recorder is not None and not self.recorder.build_branches:
-                outcomes = []
             layouts.append(BranchLayout(self.runner.slots(draft.block_table, 0, draft.num_cached), len(seq),
                                         [k for k, _ in outcomes], [t for _, t in outcomes],
-                                        self.plan.branch_widths(len(outcomes), _temperature(seq))))
+                                        self.plan.branch_widths(len(outcomes), seq_temperature(seq))))
         return layouts
+
+    def _glued(self, state: SeqState, logits: torch.Tensor) -> None:
+        """Called with the draft's logits at each depth of ``state``'s speculation (``logits[j]``: after the
+        verified prefix and d_1..d_j; the depths the glue fed); calibration records them."""
 
     def _decode_branches(self, states: list[SeqState], layouts: list[BranchLayout],
                          interrupted: Callable[[], bool]) -> BuildStats:

@@ -27,7 +27,7 @@ from saguaro.ssd.channel import Channel, ChannelClosed, free_port, make_counters
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import (CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse, pack_request,
                                   pack_response, unpack_request, unpack_response)
-from saguaro.ssd.ranks import RankRecorder
+from saguaro.ssd.ranks import RankRecorder, RecordingSpeculator
 from saguaro.ssd.speculator import AsyncSpeculator
 from saguaro.spec.draft_format import DraftFormat
 
@@ -60,7 +60,10 @@ class WorkerOptions:
         return self.plan.k
 
     def make_speculator(self, runner: ModelRunner, recorder: RankRecorder | None = None) -> AsyncSpeculator:
-        return AsyncSpeculator(runner, self.k, self.plan, recorder=recorder)
+        """The engine's speculator, or with ``recorder`` calibration's, which records bonus-token ranks."""
+        if recorder is None:
+            return AsyncSpeculator(runner, self.k, self.plan)
+        return RecordingSpeculator(runner, self.k, self.plan, recorder)
 
     def draft_blocks(self) -> int:
         """Room for every sequence's context plus the branch scratch of a full batch."""
