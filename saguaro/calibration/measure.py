@@ -33,8 +33,8 @@ from saguaro.bench import datasets
 from saguaro.calibration.contention import measure as measure_contention
 from saguaro.calibration.miss_rounds import follow_ups
 from saguaro.calibration.policy import make_plan
-from saguaro.calibration.profile import (F_MAX, POWER_LAW_R2, ROW_GRID, Profile, Source, StepOverhead, TemperatureEntry,
-                                         Timing, dtype_name)
+from saguaro.calibration.profile import (F_MAX, POWER_LAW_R2, ROW_GRID, Profile, RowTimes, Source, StepOverhead,
+                                         TemperatureEntry, Timing, dtype_name)
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.config import Config, check_workload
 from saguaro.engine.device import place
@@ -67,7 +67,7 @@ def calibration_prompts(tokenizer, n: int, workload: str = "mixed") -> list[list
 
 
 # -- timings -------------------------------------------------------------------------------------------
-def monotone(times: dict[str, float]) -> dict[str, float]:
+def monotone(times: RowTimes) -> RowTimes:
     """More rows never cost less: replace each time by the least time measured at >= as many rows.
 
     On a shared machine a load spike inflates single measurements; the lower envelope discards them.
@@ -79,7 +79,7 @@ def monotone(times: dict[str, float]) -> dict[str, float]:
     return {n: out[n] for n in sorted(out, key=int)}
 
 
-def time_rows(runners: dict, rows: list[int], context: int, repeats: int = 5) -> dict[str, dict[str, float]]:
+def time_rows(runners: dict, rows: list[int], context: int, repeats: int = 5) -> dict[str, RowTimes]:
     """Per model (``runners``: name -> ``make_runner(num_blocks, block_size)``), seconds for one forward over
     n new rows after ``context`` tokens: min over ``repeats`` interleaved rounds (every model and row count
     once per round, so slow spells hit all of them)."""
@@ -113,7 +113,7 @@ def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> 
     """Seconds a build step spends on its logits besides the forward, per width: the draft's ranked ids and
     the argmax ("greedy"), or the processed distributions and a seeded draw ("sampled"), as the speculator
     does them (``AsyncSpeculator._decode_branches``)."""
-    out: dict[str, dict[str, float]] = {"greedy": {}, "sampled": {}}
+    out: dict[str, RowTimes] = {"greedy": {}, "sampled": {}}
     for n in widths:
         logits = torch.randn(n, vocab)
         seqs = [Sequence([1], SamplingParams(temperature=1.0, seed=i)) for i in range(n)]
