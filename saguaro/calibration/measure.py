@@ -174,8 +174,8 @@ def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingPar
     # the engine's SSD settings, with the speculator in this process: on the CPU, unpinned, one thread
     cfg = Config(target=target.name, draft=draft.name, mode="ssd", num_speculative_tokens=k,
                  dtype=dtype_name(model_dtype(draft)), draft_cores=None, kv_cache_tokens=kv_tokens,
-                 block_size=block_size, max_num_seqs=max_num_seqs, compile=fast, draft_weights=draft_format.weights,
-                 draft_vocab=draft_format.vocab, worker_timeout_s=600.0)
+                 block_size=block_size, max_num_seqs=max_num_seqs, enforce_eager=not fast,
+                 draft_weights=draft_format.weights, draft_vocab=draft_format.vocab, worker_timeout_s=600.0)
     opts = WorkerOptions.from_config(cfg, plan)
     recorder = RankRecorder(build_branches=build_branches)
     decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), plan, max_len)
@@ -273,8 +273,8 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
               workload: str = "mixed") -> Profile:
     """Measure the pair (``LoadedModel``s, already on their device and dtype) and return its profile.
 
-    ``fast``: run both models through the bf16 fast path (what ``Config.compile`` selects), so the timings
-    match an engine started with ``compile=True``. ``draft_format``: the draft's weights and head, as the
+    ``fast``: run both models through the bf16 fast path (``Config.fast``, the default), so the timings
+    match an engine started without ``enforce_eager``. ``draft_format``: the draft's weights and head, as the
     engine's ``draft_weights`` / ``draft_vocab``; the profile is keyed by it. ``contention``: probe how much
     the draft on core 1 slows verification on core 0 (the calling process is pinned to core 0 meanwhile)."""
     start = time.perf_counter()

@@ -177,7 +177,7 @@ class Profile:
     default: bool = False  # the documented defaults, not a measurement
     draft_format: str = ""  # DraftFormat.tag the draft ran as ("": bf16, full head)
     workload: str = "mixed"  # the held-out prompts (config.WORKLOADS)
-    fast: bool = False  # timed on the bf16 fast path (Config.compile)
+    fast: bool = False  # timed on the bf16 fast path (Config.fast)
     created: str = ""
     settings: dict[str, Any] = field(default_factory=dict)  # how calibrate ran: prompts, tokens, batch, ...
 

@@ -23,7 +23,7 @@ def resolve_k(cfg: Config) -> Config:
     again, now against K); ``cfg`` itself when K is given."""
     if cfg.num_speculative_tokens != "auto":
         return cfg
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, 4, fast=cfg.compile,
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, 4, fast=cfg.fast,
                               draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
     k = recommended_k(profile, cfg.fallback, mode=cfg.mode, taper=cfg.branch_steps == "auto",
                       deep=cfg.deep_branches)
@@ -47,7 +47,7 @@ def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
     if "auto" not in autos:
         return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback, branch_steps=cfg.branch_steps,
                               deep_branches=cfg.deep_branches)
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.compile, draft_format=cfg.draft_format.tag,
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.fast, draft_format=cfg.draft_format.tag,
                               workload=cfg.calibration_workload)
     plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab, cfg.branch_steps == "auto",
                      cfg.deep_branches)

@@ -3,7 +3,7 @@
 One JSON file per profile (``Profile.to_dict``) at
 ``<cache_root>/profiles/<target>__<draft>[@<format>]__<dtype>[__fast][~<workload>].json``
 (``saguaro.loading.cache_root``; ``SAGUARO_CACHE`` moves it). ``__fast``: timed on the bf16 fast path that
-``Config.compile`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g. ``int8-v65536``, since
+``Config.fast`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g. ``int8-v65536``, since
 its weights and head change both its step time and its ranks; ``~<workload>``: calibrated on code or chat
 prompts only (``config.WORKLOADS``; "mixed" has no suffix).
 """
@@ -29,7 +29,7 @@ def _slug(name: str) -> str:
 def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
                  workload: str = "mixed") -> Path:
     """Keyed by target, draft (and its format tag) and dtype; ``fast`` (timed on the bf16 fast path,
-    Config.compile) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
+    Config.fast) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
     check_workload(workload)
     suffix = ("__fast" if fast else "") + ("" if workload == "mixed" else f"~{workload}")
     fmt = f"@{_slug(draft_format)}" if draft_format else ""
@@ -70,7 +70,7 @@ def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, 
                     workload: str = "mixed") -> Profile:
     """The stored profile, or the documented defaults (logged).
 
-    Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.compile),
+    Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.fast),
     with the draft in ``draft_format`` (``DraftFormat.tag``). Failing that, the nearest one that exists
     (same format eager, then the plain draft), with a warning: its acceptance and hit curves still apply
     roughly, its timings do not. A ``workload`` ("code", "chat") without its own profile falls back to the

@@ -19,6 +19,7 @@ import torch
 
 from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
+from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
@@ -26,9 +27,11 @@ from saguaro.spec.ngram_proposer import NgramProposer
 from saguaro.spec.sd import SDDecoder, draft_budget, verify_round
 from saguaro.spec.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
+from saguaro.ssd.link import SpeculatorLink
 from saguaro.ssd.plan import FallbackChoice, SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
-from saguaro.ssd.worker import WorkerLink, WorkerOptions
+from saguaro.ssd.placement import open_link
+from saguaro.ssd.worker import WorkerOptions
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -48,9 +51,9 @@ class SSDDecoder(Decoder):
     reports_spec = True
     reports_cache = True
 
-    def __init__(self, target: ModelRunner, link: WorkerLink, plan: SpecPlan, max_model_len: int):
+    def __init__(self, target: ModelRunner, link: SpeculatorLink, plan: SpecPlan, max_model_len: int):
         self.target = target
-        self.link: WorkerLink | None = link
+        self.link: SpeculatorLink | None = link
         self.plan = plan  # what the speculator was told (fan-outs, C, fallback)
         self.k = plan.k
         self.lookahead = self.k + 1
@@ -111,15 +114,22 @@ class SSDDecoder(Decoder):
 
     def _proposal(self, seqs: list[Sequence]) -> Proposal:
         rows = [self.pending[s.seq_id] for s in seqs]
+        for s, r in zip(seqs, rows):
+            # a sampled row without its q could only be verified as a point mass: exact, but it would hide a
+            # speculation whose distributions went astray, so it is an error here
+            if not s.params.greedy and r.tokens and r.probs is None and not r.point_mass:
+                raise RuntimeError(f"sequence {s.seq_id}: sampled speculation arrived without its distributions")
         budgets = [draft_budget(s, len(r.tokens), self.max_model_len) for s, r in zip(seqs, rows)]
         tokens = [r.tokens[:n] for r, n in zip(rows, budgets)]
         vocab = self.target.config.vocab_size
         probs = None
         if any(r.probs is not None for r in rows):
-            probs = torch.zeros(len(rows), max(max(budgets), 1), vocab)
+            # on the target's device: a colocated speculator's rows arrive there already, and a CPU speculator's
+            # are copied in without the host waiting on the GPU
+            probs = torch.zeros(len(rows), max(max(budgets), 1), vocab, device=self.target.device)
             for b, (r, n) in enumerate(zip(rows, budgets)):
                 if r.probs is not None and n:
-                    probs[b, :n] = r.probs[:n]
+                    probs[b, :n] = to_device(r.probs[:n], self.target.device)
         point_mass = torch.tensor([r.point_mass or r.probs is None for r in rows])
         return Proposal(tokens, probs, point_mass)
 
@@ -166,5 +176,7 @@ def _seed(seq: Sequence) -> int:
 
 def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel,
                       max_model_len: int) -> SSDDecoder:
-    """The verifier side, with the speculator process started on ``plan`` (``calibration.resolve.ssd_plan``)."""
-    return SSDDecoder(target, WorkerLink(draft, WorkerOptions.from_config(cfg, plan)), plan, max_model_len)
+    """The verifier side, with the speculator started on ``plan`` (``calibration.resolve.ssd_plan``) over the
+    transport Config placed it on (``saguaro.ssd.placement``)."""
+    link = open_link(cfg.speculator_transport, draft, WorkerOptions.from_config(cfg, plan))
+    return SSDDecoder(target, link, plan, max_model_len)

@@ -45,14 +45,14 @@ class WorkerOptions:
     kv_cache_tokens: int
     block_size: int
     timeout_s: float  # a side silent this long is declared dead
-    fast: bool = False  # run the draft through the bf16 fast path (Config.compile), like the target
+    fast: bool = False  # run the draft through the device's fast path (Config.fast), like the target
     draft_format: DraftFormat = field(default_factory=DraftFormat)  # int8 weights / reduced head
 
     @classmethod
     def from_config(cls, cfg: Config, plan: SpecPlan) -> WorkerOptions:
         return cls(plan=plan, dtype=cfg.draft_torch_dtype, device=cfg.draft_device or cfg.device,
                    cores=cfg.draft_cores, threads=cfg.threads, kv_cache_tokens=cfg.kv_cache_tokens,
-                   block_size=cfg.block_size, timeout_s=cfg.worker_timeout_s, fast=cfg.compile,
+                   block_size=cfg.block_size, timeout_s=cfg.worker_timeout_s, fast=cfg.fast,
                    draft_format=cfg.draft_format)
 
     @property
