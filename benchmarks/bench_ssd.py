@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import sys
+from dataclasses import asdict
 from typing import Any
 
 from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, draft_options,
@@ -338,9 +339,9 @@ def main(argv: list[str] | None = None) -> int:
         from saguaro.calibration.contention import measure
         from saguaro.spec.draft_format import DraftFormat
         widths = sorted({1} | {sum(f) for f, _ in fan_outs(args) if isinstance(f, list)})
-        contention = measure(TARGET, DRAFT, args.k + 1, widths, fast=not args.enforce_eager, context=args.probe_context,
-                             reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab),
-                             log=log)
+        probe = measure(TARGET, DRAFT, args.k + 1, widths, fast=not args.enforce_eager, context=args.probe_context,
+                        reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab), log=log)
+        contention = asdict(probe)  # the report reads it as the JSON it writes
         from saguaro.calibration.bus import measure_bus
         bus = measure_bus([0, 1], seconds=args.bus_seconds, log=log)
     payload, markdown = report(args, labels, plan_, records, summaries, contention, bus)

@@ -25,7 +25,7 @@ from typing import Any, Iterable
 import torch
 
 from saguaro.bench import datasets as ds
-from saguaro.calibration.profile import WORKLOADS
+from saguaro.config import WORKLOADS
 from saguaro.engine.metrics import summarize
 from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams

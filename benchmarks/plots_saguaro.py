@@ -30,7 +30,8 @@ import sys
 import time
 from pathlib import Path
 
-from saguaro.calibration.profile import WORKLOADS
+from saguaro.calibration.profile import Profile
+from saguaro.config import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
@@ -125,31 +126,31 @@ def _uniform(budget: int, k: int) -> list[int]:
 
 
 # -- figures -------------------------------------------------------------------------------------------
-def fig_fanout(profile: dict, out: Path, plt) -> dict:
+def fig_fanout(profile: Profile, out: Path, plt) -> dict:
     import numpy as np
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
     data = {}
     for ax, source in zip(axes, ("primary", "backup")):
-        for t, entry in sorted(profile["temperatures"].items(), key=lambda kv: float(kv[0])):
-            s = entry[source]
-            miss = np.asarray(s["miss_uniform"])
+        for t, entry in sorted(profile.temperatures.items(), key=lambda kv: float(kv[0])):
+            s = getattr(entry, source)
+            miss = np.asarray(s.miss_uniform)
             F = np.arange(len(miss))
             keep = (F > 0) & (miss > 0)
             line = ax.loglog(F[keep], miss[keep], "o-", ms=3, label=f"T={t} measured")[0]
-            if s["r"]:
-                ax.loglog(F[F > 0], F[F > 0] ** -s["r"], "--", color=line.get_color(),
-                          label=f"T={t} Def. 11 fit F^-{s['r']:.2f} (R²={s['r2']:.2f})")
-            if s.get("r_free"):
-                ax.loglog(F[F > 0], s["prefactor"] * F[F > 0] ** -s["r_free"], ":", color=line.get_color(),
-                          label=f"T={t} free fit {s['prefactor']:.2f}·F^-{s['r_free']:.2f} (R²={s['r2_free']:.2f})")
-            data[f"{source}@{t}"] = {k: s.get(k) for k in ("r", "r2", "r_free", "prefactor", "r2_free",
-                                                             "miss_uniform", "acceptance", "rounds")}
+            if s.r:
+                ax.loglog(F[F > 0], F[F > 0] ** -s.r, "--", color=line.get_color(),
+                          label=f"T={t} Def. 11 fit F^-{s.r:.2f} (R²={s.r2:.2f})")
+            if s.r_free:
+                ax.loglog(F[F > 0], s.prefactor * F[F > 0] ** -s.r_free, ":", color=line.get_color(),
+                          label=f"T={t} free fit {s.prefactor:.2f}·F^-{s.r_free:.2f} (R²={s.r2_free:.2f})")
+            data[f"{source}@{t}"] = {k: getattr(s, k) for k in ("r", "r2", "r_free", "prefactor", "r2_free",
+                                                                  "miss_uniform", "acceptance", "rounds")}
         ax.set_title(f"after a {source} speculation")
         ax.set_xlabel("fan-out F (same at every depth)")
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
     axes[0].set_ylabel("cache miss rate 1 - p_hit(F)")
-    fig.suptitle(f"{profile['target']} / {profile['draft']}: cache misses fall as a power law in the fan-out")
+    fig.suptitle(f"{profile.target} / {profile.draft}: cache misses fall as a power law in the fan-out")
     fig.tight_layout()
     fig.savefig(out / "saguaro_fanout_powerlaw.png", dpi=120)
     plt.close(fig)
@@ -233,7 +234,7 @@ def fig_batch(args, prompts, out: Path, plt) -> list[dict]:
     return rows
 
 
-def fig_predicted(args, prompts, profile: dict, out: Path, plt) -> dict:
+def fig_predicted(args, prompts, profile: Profile, out: Path, plt) -> dict:
     """Paired, repeated runs (benchmarks/predicted.py): AR, SD and SSD back to back per repeat."""
     from benchmarks import predicted
     rows = predicted.measure(run, args, prompts)
@@ -248,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from saguaro.calibration.policy import resolve_profile
+    from saguaro.calibration.store import resolve_profile
     from saguaro.loading import load_tokenizer
     args = parse_args(argv)
     only = set(args.only.split(","))
@@ -262,12 +263,12 @@ def main(argv: list[str] | None = None) -> int:
     profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=not args.enforce_eager,
                               draft_format=DraftFormat(args.draft_weights, args.draft_vocab).tag,
                               workload=args.workload)
-    if profile.get("default"):
+    if profile.default:
         print("note: no calibration profile for this pair; figures use the documented defaults "
               "(run `saguaro calibrate` first)", file=sys.stderr)
     prompts = _prompts(load_tokenizer(args.target), args.prompts) if only - {"fanout"} else []
     from benchmarks.common import command_line
-    results: dict = {"command": command_line(), "settings": vars(args), "profile_default": bool(profile.get("default"))}
+    results: dict = {"command": command_line(), "settings": vars(args), "profile_default": profile.default}
     if "fanout" in only:
         results["fanout"] = fig_fanout(profile, out, plt)
     if "geometric" in only:

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from benchmarks.common import parse_fan_out
+from saguaro.calibration.profile import Profile
 
 Run = Callable[..., dict]  # plots_saguaro.run(args, mode, prompts, temperature, batch, **options) -> row
 
@@ -61,7 +62,7 @@ def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values), "all": values}
 
 
-def points(args, rows: list[dict], profile: dict) -> list[dict]:
+def points(args, rows: list[dict], profile: Profile) -> list[dict]:
     """One point per (temperature, batch, configuration): medians of the paired ratios and the prediction."""
     from saguaro.calibration.policy import predict_fixed, sd_speedup_vs_ar
     grouped: dict[tuple, list[dict]] = defaultdict(list)

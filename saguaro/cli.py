@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from saguaro.calibration.profile import WORKLOADS
+from saguaro.config import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 

@@ -1,20 +1,24 @@
-"""Engine configuration: one self-validating dataclass for every mode."""
+"""Engine configuration: one self-validating dataclass for every mode.
+
+Validation only validates: it reads no file. An "auto" setting stays "auto" here; whoever builds the
+engine resolves it from the pair's calibration profile (``saguaro.calibration.resolve``, called by ``LLM``).
+"""
 from __future__ import annotations
 
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from saguaro.spec.draft_format import DraftFormat
+from saguaro.spec.draft_format import DraftFormat
+from saguaro.ssd.placement import check_transport, gpu_index, place_speculator
 
 MODES = ("ar", "sd", "ssd")
 SPECULATORS = ("draft", "ngram")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
+WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a calibration profile was measured on
 
 
 @dataclass
@@ -23,7 +27,7 @@ class Config:
     draft: str | None = None
     mode: str = "ar"
     speculator: str = "draft"  # SD proposer: the draft model or the n-gram matcher
-    num_speculative_tokens: int | str = 4  # K, or "auto": the calibration profile's best K (resolved here)
+    num_speculative_tokens: int | str = 4  # K, or "auto": the calibration profile's best K (resolved by LLM)
     fan_out: list[int] | str | None = None  # SSD: F_0..F_K, or "auto" from a calibration profile
     fallback: str = "jit"  # SSD cache-miss fallback: "jit" (primary drafts), "ngram", "random", or "auto"
     saguaro_c: float | str = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1], or "auto"
@@ -54,18 +58,18 @@ class Config:
                           "turns it off", DeprecationWarning, stacklevel=3)
             self.enforce_eager = not self.compile
             self.compile = None
-        from saguaro.calibration.profile import check_workload
         check_workload(self.calibration_workload, "calibration_workload")
-        if self.num_speculative_tokens == "auto":
-            self.num_speculative_tokens = self._profile_k()
+        k = self.num_speculative_tokens  # "auto": checked against K once it is resolved (calibration.resolve)
+        if k == "auto" and not self.draft:
+            raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.speculator not in SPECULATORS:
             raise ValueError(f"speculator must be one of {SPECULATORS}, got {self.speculator!r}")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.mode != "ar" and self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens (K) must be >= 1, got {self.num_speculative_tokens}")
+        if self.mode != "ar" and k != "auto" and k < 1:
+            raise ValueError(f"num_speculative_tokens (K) must be >= 1, got {k}")
         needs_draft = self.mode == "ssd" or (self.mode == "sd" and self.speculator == "draft")
         if needs_draft and not self.draft:
             raise ValueError(f"mode {self.mode!r} with the draft speculator needs a draft model (draft=...)")
@@ -80,14 +84,14 @@ class Config:
         if self.fallback not in ("jit", "ngram", "random", "auto"):
             raise ValueError(f"fallback must be jit, ngram, random or auto, got {self.fallback!r}")
         if isinstance(self.fan_out, list):
-            if len(self.fan_out) != self.num_speculative_tokens + 1:
-                raise ValueError(f"fan_out needs K+1 = {self.num_speculative_tokens + 1} entries, got {len(self.fan_out)}")
+            if k != "auto" and len(self.fan_out) != k + 1:
+                raise ValueError(f"fan_out needs K+1 = {k + 1} entries, got {len(self.fan_out)}")
             if any(f < 0 for f in self.fan_out):
                 raise ValueError(f"fan_out entries must be >= 0, got {self.fan_out}")
         elif self.fan_out not in (None, "auto"):
             raise ValueError(f"fan_out must be a list of K+1 ints, 'auto' or None, got {self.fan_out!r}")
-        k, steps = self.num_speculative_tokens, self.branch_steps
-        if steps not in (None, "auto") and not (isinstance(steps, int) and 1 <= steps <= k):
+        steps = self.branch_steps
+        if steps not in (None, "auto") and (not isinstance(steps, int) or steps < 1 or (k != "auto" and steps > k)):
             raise ValueError(f"branch_steps must lie in [1, K = {k}], got {steps}")
         if self.deep_branches < 1:
             raise ValueError(f"deep_branches must be >= 1, got {self.deep_branches}")
@@ -104,7 +108,6 @@ class Config:
 
     def _place_speculator(self) -> None:
         """SSD: resolve draft_device and speculator_transport (saguaro.ssd.placement), or refuse what cannot work."""
-        from saguaro.ssd.placement import check_transport, gpu_index, place_speculator
         check_transport(self.speculator_transport)
         if self.mode != "ssd":
             return
@@ -112,16 +115,6 @@ class Config:
         placement = place_speculator(self.device, self.draft_device, torch.cuda.device_count() if on_gpu else 0,
                                      self.speculator_transport)
         self.draft_device, self.speculator_transport = placement.draft_device, placement.transport
-
-    def _profile_k(self) -> int:
-        """K = "auto": the K with the best predicted speedup for this pair (saguaro.calibration.policy)."""
-        if not self.draft:
-            raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
-        from saguaro.calibration.policy import recommended_k, resolve_profile
-        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.fast,
-                                  draft_format=self.draft_format.tag, workload=self.calibration_workload)
-        return recommended_k(profile, self.fallback, mode=self.mode, taper=self.branch_steps == "auto",
-                             deep=self.deep_branches)
 
     @property
     def fast(self) -> bool:
@@ -133,14 +126,18 @@ class Config:
         return DTYPES[self.dtype]
 
     @property
-    def draft_format(self) -> "DraftFormat":
-        from saguaro.spec.draft_format import DraftFormat
+    def draft_format(self) -> DraftFormat:
         return DraftFormat(self.draft_weights, self.draft_vocab)
 
     @property
     def draft_torch_dtype(self) -> torch.dtype:
         """The draft's dtype: the engine's, or bf16 for an int8 / int4 / reduced-head draft."""
         return self.draft_format.dtype(self.torch_dtype)
+
+
+def check_workload(workload: str, name: str = "calibration workload") -> None:
+    if workload not in WORKLOADS:
+        raise ValueError(f"{name} must be one of {WORKLOADS}, got {workload!r}")
 
 
 def check_device(device: str) -> None:

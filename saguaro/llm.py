@@ -30,8 +30,11 @@ class LLM:
         target = target if target is not None else model
         if target is None:
             raise ValueError("LLM needs a model: LLM('qwen2.5-coder-1.5b') or LLM(target=..., draft=...)")
-        self.config = Config(target=_name(target), draft=_name(draft) if draft is not None else None, **options)
-        cfg = self.config
+        cfg = Config(target=_name(target), draft=_name(draft) if draft is not None else None, **options)
+        if cfg.num_speculative_tokens == "auto":  # calibration code is imported only for "auto" settings
+            from saguaro.calibration.resolve import resolve_k
+            cfg = resolve_k(cfg)
+        self.config = cfg
         if cfg.device == "cpu":
             pin_process(cfg.target_cores, cfg.threads)
         self.target = _load(target, cfg)
@@ -55,8 +58,10 @@ class LLM:
         if cfg.mode == "sd":
             from saguaro.spec.sd import build_sd_decoder
             return build_sd_decoder(cfg, runner, self.draft, num_blocks, self.max_model_len)
+        from saguaro.calibration.resolve import ssd_plan
         from saguaro.ssd.decoder import build_ssd_decoder
-        return build_ssd_decoder(cfg, runner, self.target, self.draft, self.max_model_len)
+        plan = ssd_plan(cfg, runner.config.vocab_size)
+        return build_ssd_decoder(cfg, plan, runner, self.draft, self.max_model_len)
 
     # -- generation ----------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:

@@ -1,6 +1,7 @@
 """Calibration: bonus-token ranks predict cache hits exactly, the profile's contents, and its storage."""
 import json
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -51,75 +52,96 @@ def test_summarize_source_curves():
     from saguaro.ssd.ranks import RankRecord
     records = [RankRecord("p", 2, k, rank, 1.0) for k, rank in [(0, 0), (0, 3), (1, 1), (2, 0), (2, 5), (2, 70)]]
     s = summarize_source(records, 2, {})
-    curves = np.array(s["hit_curves"])
+    curves = np.array(s.hit_curves)
     assert curves.shape == (3, 65) and np.all(np.diff(curves, axis=1) >= 0) and np.all(curves[:, 0] == 0)
     assert curves[0, 1] == 0.5 and curves[0, 4] == 1.0 and curves[2, 1] == pytest.approx(1 / 3)
-    assert s["acceptance"] == pytest.approx(7 / 10)  # conditional a: 7 accepted, 3 rejected
-    assert s["accepted_per_drafted"] == pytest.approx(7 / 12)
-    assert s["outcome_pmf"] == pytest.approx([1 / 3, 1 / 6, 1 / 2]) == s["depth_pmf"]
-    assert s["miss_uniform"][64] == pytest.approx(1 / 6)  # rank 70 misses at every stored fan-out
+    assert s.acceptance == pytest.approx(7 / 10)  # conditional a: 7 accepted, 3 rejected
+    assert s.accepted_per_drafted == pytest.approx(7 / 12)
+    assert s.outcome_pmf == pytest.approx([1 / 3, 1 / 6, 1 / 2]) == s.depth_pmf
+    assert s.miss_uniform[64] == pytest.approx(1 / 6)  # rank 70 misses at every stored fan-out
 
 
 def test_calibrate_tiny_pair_and_store(pair, tmp_path, monkeypatch):
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     profile = calibrate(pair[0], pair[1], dtype="float32", k=3, temperatures=(0.0, 1.0), c_values=(0.3,),
                         max_tokens=16, batch=4, max_rows=8, prompt_ids=PROMPTS, log=lambda s: None)
-    timing = profile["timing"]
-    assert timing["verify_s"] > 0 and timing["draft_step_s"] > 0 and set(timing["draft_rows"]) >= {"1", "4", "8"}
+    timing = profile.timing
+    assert timing.verify_s > 0 and timing.draft_step_s > 0 and set(timing.draft_rows) >= {"1", "4", "8"}
     for t in ("0.0", "1.0"):
         for source in ("primary", "backup"):
-            s = profile["temperatures"][t][source]
-            assert 0 <= s["acceptance"] <= 1 and s["rounds"] > 0 and s["ranked_rounds"] > 0
-            assert len(s["hit_curves"]) == 4 and sum(s["outcome_pmf"]) == pytest.approx(1.0)
-            assert all(np.all(np.diff(c) >= 0) for c in s["hit_curves"])
-        rows = profile["temperatures"][t]["primary"]["follow_ups"]  # the round after each primary round
+            s = getattr(profile.temperatures[t], source)
+            assert 0 <= s.acceptance <= 1 and s.rounds > 0 and s.ranked_rounds > 0
+            assert len(s.hit_curves) == 4 and sum(s.outcome_pmf) == pytest.approx(1.0)
+            assert all(np.all(np.diff(c) >= 0) for c in s.hit_curves)
+        rows = profile.temperatures[t].primary.follow_ups  # the round after each primary round
         assert len(rows) > 10 and all(0 <= d <= 3 and r >= 0 and 1 <= jit <= 4 and 1 <= ng <= 4
                                       for d, r, jit, ng in rows)
-    sweep = profile["temperatures"]["1.0"]["c_sweep"]
-    assert len(sweep) == 1 and sweep[0]["c"] == 0.3 and len(sweep[0]["fan_out"]) == 4
-    assert profile["temperatures"]["0.0"]["c_sweep"] == []  # greedy rows ignore C
+    sweep = profile.temperatures["1.0"].c_sweep
+    assert len(sweep) == 1 and sweep[0].c == 0.3 and len(sweep[0].fan_out) == 4
+    assert profile.temperatures["0.0"].c_sweep == []  # greedy rows ignore C
     path = save_profile(profile)
     assert path == profile_path(pair[0].name, pair[1].name, "float32") and path.parent == tmp_path / "profiles"
-    assert load_profile(pair[0].name, pair[1].name, "fp32") == json.loads(json.dumps(profile))
+    assert load_profile(pair[0].name, pair[1].name, "fp32").to_dict() == json.loads(json.dumps(profile.to_dict()))
 
 
 def test_missing_or_stale_profile_reads_as_none(tmp_path, monkeypatch):
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     assert load_profile("a", "b", "bfloat16") is None
     profile = default_profile("a", "b", "bfloat16", 4)
-    assert profile["default"] and len(profile["temperatures"]["1.0"]["primary"]["hit_curves"]) == 5
-    profile["version"] = 0
+    assert profile.default and len(profile.temperatures["1.0"].primary.hit_curves) == 5
+    profile.version = 0
     save_profile(profile)
     assert load_profile("a", "b", "bfloat16") is None
     profile_path("a", "b", "bfloat16").write_text("{not json")
     assert load_profile("a", "b", "bf16") is None
-    assert math.isclose(default_profile("a", "b", "bf16", 2)["timing"]["target_rows"]["3"], 1.0)
+    assert math.isclose(default_profile("a", "b", "bf16", 2).timing.target_rows["3"], 1.0)
+
+
+def test_an_old_or_unknown_profile_asks_to_recalibrate(tmp_path, monkeypatch, caplog):
+    """A stored profile without a version, of another version or of another layout is not used; the log
+    names the file, the reason and what to do."""
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    path = profile_path("a", "b", "bfloat16")
+    path.parent.mkdir(parents=True)
+    good = default_profile("a", "b", "bfloat16", 4).to_dict()
+    stale = [({k: v for k, v in good.items() if k != "version"}, "no version"),
+             (dict(good, version=0), "version 0"),
+             (dict(good, timing={k: v for k, v in good["timing"].items() if k != "verify_s"}), "verify_s"),
+             (dict(good, extra=1), "unknown keys ['extra']")]
+    for data, reason in stale:
+        path.write_text(json.dumps(data))
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="saguaro.calibration"):
+            assert load_profile("a", "b", "bfloat16") is None
+        assert str(path) in caplog.text and reason in caplog.text and "re-run `saguaro calibrate`" in caplog.text
+    path.write_text(json.dumps(good))
+    assert load_profile("a", "b", "bfloat16").to_dict() == good
 
 
 def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
     """An int8 / reduced-head draft has its own profile; the engine falls back to the plain one, with a warning."""
-    from saguaro.calibration.policy import resolve_profile
+    from saguaro.calibration.store import resolve_profile
     from saguaro.spec.draft_format import DraftFormat
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     fmt = DraftFormat("int8", 4096)
     assert fmt.tag == "int8-v4096" and DraftFormat().tag == "" and DraftFormat(vocab=8).tag == "v8"
     assert profile_path("a", "b", "bf16", True, fmt.tag) != profile_path("a", "b", "bf16", True)
     plain = default_profile("a", "b", "bfloat16", 4)
-    plain["default"], plain["marker"] = False, "plain"
+    plain.default, plain.settings["marker"] = False, "plain"
     save_profile(plain)
     with caplog.at_level("WARNING", logger="saguaro"):
-        assert resolve_profile("a", "b", "bfloat16", 4, fast=True, draft_format=fmt.tag)["marker"] == "plain"
+        assert resolve_profile("a", "b", "bfloat16", 4, fast=True, draft_format=fmt.tag).settings["marker"] == "plain"
     assert "draft format 'int8-v4096'" in caplog.text
-    own = dict(plain, marker="int8", draft_format=fmt.tag, fast=True)
+    own = replace(plain, settings={"marker": "int8"}, draft_format=fmt.tag, fast=True)
     assert save_profile(own) == profile_path("a", "b", "bfloat16", True, fmt.tag)
-    assert resolve_profile("a", "b", "bfloat16", 4, fast=True, draft_format=fmt.tag)["marker"] == "int8"
-    assert resolve_profile("a", "b", "bfloat16", 4, fast=True)["marker"] == "plain"
+    assert resolve_profile("a", "b", "bfloat16", 4, fast=True, draft_format=fmt.tag).settings["marker"] == "int8"
+    assert resolve_profile("a", "b", "bfloat16", 4, fast=True).settings["marker"] == "plain"
 
 
 def test_profiles_are_keyed_by_workload(tmp_path, monkeypatch, caplog):
     """A code-only calibration has its own profile; the engine's calibration_workload picks it, and falls
     back to the mixed one (with a warning) when it is missing."""
-    from saguaro.calibration.policy import resolve_profile
+    from saguaro.calibration.store import resolve_profile
     from saguaro.config import Config
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     assert profile_path("a", "b", "bf16", True, "int4", "code").name.endswith("__fast~code.json")
@@ -128,14 +150,14 @@ def test_profiles_are_keyed_by_workload(tmp_path, monkeypatch, caplog):
         profile_path("a", "b", "bf16", workload="poetry")
     with pytest.raises(ValueError, match="calibration_workload"):
         Config(target="a", calibration_workload="poetry")
-    mixed = dict(default_profile("a", "b", "bfloat16", 4), default=False, marker="mixed")
+    mixed = replace(default_profile("a", "b", "bfloat16", 4), default=False, settings={"marker": "mixed"})
     save_profile(mixed)
     with caplog.at_level("WARNING", logger="saguaro"):
-        assert resolve_profile("a", "b", "bfloat16", 4, workload="code")["marker"] == "mixed"
+        assert resolve_profile("a", "b", "bfloat16", 4, workload="code").settings["marker"] == "mixed"
     assert "workload mixed" in caplog.text
-    save_profile(dict(mixed, marker="code", workload="code"))
-    assert resolve_profile("a", "b", "bfloat16", 4, workload="code")["marker"] == "code"
-    assert resolve_profile("a", "b", "bfloat16", 4)["marker"] == "mixed"
+    save_profile(replace(mixed, settings={"marker": "code"}, workload="code"))
+    assert resolve_profile("a", "b", "bfloat16", 4, workload="code").settings["marker"] == "code"
+    assert resolve_profile("a", "b", "bfloat16", 4).settings["marker"] == "mixed"
 
 
 def test_calibration_prompts_per_workload():
@@ -161,7 +183,7 @@ def test_calibrate_an_int8_draft(pair, tmp_path, monkeypatch):
     fmt = DraftFormat("int8", 48)
     profile = calibrate(pair[0], pair[1], dtype="float32", k=3, temperatures=(0.0,), max_tokens=12, batch=4,
                         max_rows=4, prompt_ids=PROMPTS, log=lambda s: None, draft_format=fmt)
-    assert profile["draft_format"] == "int8-v48" and profile["timing"]["draft_step_s"] > 0
-    assert profile["temperatures"]["0.0"]["primary"]["ranked_rounds"] > 0
+    assert profile.draft_format == "int8-v48" and profile.timing.draft_step_s > 0
+    assert profile.temperatures["0.0"].primary.ranked_rounds > 0
     assert save_profile(profile) == profile_path(pair[0].name, pair[1].name, "float32", False, "int8-v48")
     assert next(pair[1].model.parameters()).dtype == torch.float32  # the caller's draft is not converted

@@ -5,7 +5,7 @@ import pytest
 
 from saguaro.calibration.miss_rounds import MIN_MISS_ROUNDS, follow_ups, miss_tokens
 from saguaro.calibration.policy import entry_at, evaluate
-from saguaro.calibration.profile import default_profile
+from saguaro.calibration.profile import Source, default_profile
 from saguaro.ssd.ranks import RankRecord
 
 
@@ -23,20 +23,20 @@ def test_follow_ups_replay_the_ngram_and_take_the_next_jit_round():
 
 def test_miss_tokens_average_only_the_rounds_the_fan_out_misses():
     rows = [[0, 0, 5, 5], [0, 2, 2, 1], [3, 1, 4, 3]] * MIN_MISS_ROUNDS
-    source = {"follow_ups": rows}
+    source = Source(follow_ups=rows)
     assert miss_tokens(source, [1, 1, 1, 1], "jit") == pytest.approx(3.0)  # rows 2 and 3 miss at F = 1
     assert miss_tokens(source, [1, 1, 1, 1], "ngram") == pytest.approx(2.0)
     assert miss_tokens(source, [3, 1, 1, 2], "jit") is None  # nothing misses
-    assert miss_tokens({"follow_ups": rows[:3]}, [1, 1, 1, 1], "jit") is None  # too few misses
-    assert miss_tokens({}, [1, 1, 1, 1], "jit") is None
+    assert miss_tokens(Source(follow_ups=rows[:3]), [1, 1, 1, 1], "jit") is None  # too few misses
+    assert miss_tokens(Source(), [1, 1, 1, 1], "jit") is None
 
 
 def test_policy_takes_e_miss_after_misses_when_calibrated():
     profile = default_profile("t", "d", "bfloat16", 3)
     plain = {fb: evaluate(profile, entry_at(profile, 0.0), 3, 1, 4, fb, 1000) for fb in ("jit", "fast")}
     annotated = copy.deepcopy(profile)
-    for entry in annotated["temperatures"].values():
-        entry["primary"]["follow_ups"] = [[d, 99, 2, 1] for d in range(4)] * MIN_MISS_ROUNDS  # every round misses
+    for entry in annotated.temperatures.values():
+        entry.primary.follow_ups = [[d, 99, 2, 1] for d in range(4)] * MIN_MISS_ROUNDS  # every round misses
     after = {fb: evaluate(annotated, entry_at(annotated, 0.0), 3, 1, 4, fb, 1000) for fb in ("jit", "fast")}
     assert after["jit"].e_miss == pytest.approx(2.0) and after["fast"].e_miss == pytest.approx(1.0)
     assert plain["jit"].e_miss > 2.0

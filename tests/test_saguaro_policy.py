@@ -1,12 +1,14 @@
 """fan_out / saguaro_c / fallback / K = "auto": choices from a profile (Thm 12, 13, 18) and their wiring."""
 import logging
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.calibration import default_profile, save_profile
+from saguaro.calibration.profile import BusyDraft, ContentionProbe, Profile, Source, StepOverhead
 from saguaro.calibration.hits import deep_share, depth_weights_for, expected_round_tokens, hit_rate, verified_mix
 from saguaro.calibration.policy import (best_choice, critical_batch, evaluate, fan_out_for_budget, make_plan,
                                         recommended_k, tree_shapes)
@@ -21,14 +23,14 @@ from tests.tiny import tiny_model, truncated
 VOCAB = 151936
 
 
-def _empirical(profile: dict) -> dict:
+def _empirical(profile: Profile) -> Profile:
     """Replace the power-law curves with a saturating, non-power-law curve (forces Thm 13)."""
     f = np.arange(65)
     curve = np.where(f > 0, 0.9 - 0.5 * 0.5 ** f, 0.0)
-    for entry in profile["temperatures"].values():
+    for entry in profile.temperatures.values():
         for source in ("primary", "backup"):
-            s = entry[source]
-            s.update(hit_curves=[curve.tolist()] * len(s["hit_curves"]), power_law=False, r2=0.3)
+            s = getattr(entry, source)
+            s.hit_curves, s.power_law, s.r2 = [curve.tolist()] * len(s.hit_curves), False, 0.3
     return profile
 
 
@@ -39,54 +41,55 @@ def test_rows_time_interpolates_and_extrapolates():
 
 
 def test_depth_weights_from_the_measured_outcome_law():
-    source = {"acceptance": 0.5, "outcome_pmf": [0.2, 0.1, 0.1, 0.6]}
+    source = Source(acceptance=0.5, outcome_pmf=[0.2, 0.1, 0.1, 0.6])
     assert depth_weights_for(source, 3) == pytest.approx([0.2, 0.1, 0.1, 0.6])
     assert depth_weights_for(source, 1) == pytest.approx([0.2, 0.8])  # all of the first token accepted: 0.8
     assert depth_weights_for(source, 5) == pytest.approx([0.2, 0.1, 0.1, 0.3, 0.15, 0.15])  # geometric past K
     assert expected_round_tokens(source, 3) == pytest.approx(0.2 + 0.2 + 0.3 + 2.4)
-    assert depth_weights_for({"acceptance": 0.5}, 2) == pytest.approx([0.5, 0.25, 0.25])  # no measurement: Thm 2
+    assert depth_weights_for(Source(acceptance=0.5), 2) == pytest.approx([0.5, 0.25, 0.25])  # no measurement: Thm 2
 
 
 def test_geometric_when_the_power_law_fits():
-    source = default_profile("a", "b", "bf16", 4)["temperatures"]["1.0"]["primary"]
+    source = default_profile("a", "b", "bf16", 4).temperatures["1.0"].primary
     f, method = fan_out_for_budget(source, 4, 4, 24, VOCAB)
     assert method == "thm12-geometric" and sum(f) == 24
-    assert f == integer_geometric_fanout(source["acceptance"], source["r"], 4, 24, max_fanout=[64] * 5).tolist()
+    assert f == integer_geometric_fanout(source.acceptance, source.r, 4, 24, max_fanout=[64] * 5).tolist()
     f, _ = fan_out_for_budget(source, 2, 4, 10, VOCAB)  # speculations of 2 tokens: depths 0, 1 and "all" at K
     assert f[2:4] == [0, 0] and sum(f) == 10
 
 
 def test_empirical_curves_use_thm13():
-    source = _empirical(default_profile("a", "b", "bf16", 3))["temperatures"]["1.0"]["primary"]
+    source = _empirical(default_profile("a", "b", "bf16", 3)).temperatures["1.0"].primary
     f, method = fan_out_for_budget(source, 3, 3, 9, VOCAB)
-    curves = [np.asarray(c) for c in source["hit_curves"]]
-    assert method == "thm13-empirical" and f == optimal_fanout(curves, 9, a=source["acceptance"]).tolist()
+    curves = [np.asarray(c) for c in source.hit_curves]
+    assert method == "thm13-empirical" and f == optimal_fanout(curves, 9, a=source.acceptance).tolist()
 
 
 def test_budget_choice_is_the_best_prediction():
     profile = default_profile("a", "b", "bf16", 4)
-    entry = profile["temperatures"]["0.0"]
+    entry = profile.temperatures["0.0"]
     best = best_choice(profile, entry, 4, 1, "jit", VOCAB)
     for budget in (1, 4, 16, 64):
         assert evaluate(profile, entry, 4, 1, budget, "jit", VOCAB).speedup <= best.speedup + 1e-12
     assert best.steps >= 1 and sum(best.primary) <= best.budget
 
 
-def _cpu_like_timing(profile: dict) -> dict:
+def _cpu_like_timing(profile: Profile) -> Profile:
     """Timings shaped like the Qwen pair on one core: a 1-row draft step is a tenth of a verification, a
     5-row step a fifth, so a full K = 5 tree of 6 branches cannot finish during one verification."""
-    profile["timing"].update(target_rows={"1": 0.100, "6": 0.115}, draft_rows={"1": 0.011, "5": 0.024, "16": 0.07})
-    profile["timing"].pop("contention", None)
+    profile.timing.target_rows = {"1": 0.100, "6": 0.115}
+    profile.timing.draft_rows = {"1": 0.011, "5": 0.024, "16": 0.07}
+    profile.timing.contention = None
     return profile
 
 
 def test_tapered_build_time_and_deep_share():
-    timing = _cpu_like_timing(default_profile("a", "b", "bf16", 5))["timing"]
+    timing = _cpu_like_timing(default_profile("a", "b", "bf16", 5)).timing
     full = build_time(timing, 5, 1, 6)  # 6 branches: a 1-row glue, then 6-row steps
     assert full.steps == full.deep_steps < 5  # the full tree is cut short
     tapered = build_time(timing, 5, 1, 6, branch_steps=2)
     assert tapered.steps == 2 and full.steps < tapered.deep_steps <= 5
-    source = {"acceptance": 0.8, "hit_curves": [[0, 0.5, 0.7, 0.8]] * 3}
+    source = Source(acceptance=0.8, hit_curves=[[0, 0.5, 0.7, 0.8]] * 3)
     share = deep_share(source, [1, 1, 2], 2, 1)
     w = depth_weights_for(source, 2)  # (depth, rank) scores: w0 .5, w1 .5, w2 .5, w2 .2
     assert share == pytest.approx(0.5 * w[2] / (0.5 * w[0] + 0.5 * w[1] + 0.7 * w[2]))
@@ -95,7 +98,7 @@ def test_tapered_build_time_and_deep_share():
 
 def test_taper_is_chosen_when_it_predicts_faster():
     profile = _cpu_like_timing(default_profile("a", "b", "bf16", 5))
-    entry = profile["temperatures"]["0.0"]
+    entry = profile.temperatures["0.0"]
     plain = best_choice(profile, entry, 5, 1, "jit", VOCAB)
     tapered = best_choice(profile, entry, 5, 1, "jit", VOCAB, tree_shapes(5, True))
     assert tapered.tok_s >= plain.tok_s
@@ -106,15 +109,15 @@ def test_taper_is_chosen_when_it_predicts_faster():
     assert make_plan(profile, 5, 1.0, "jit", 2, VOCAB).branch_steps == [None] * len(plan.temperatures)
     wide = make_plan(profile, 5, 1.0, "jit", 1, VOCAB, taper=True, deep=2)  # the deep count reaches the plan
     assert wide.deep_branches == 2
-    source, f = entry["primary"], tapered.primary
+    source, f = entry.primary, tapered.primary
     assert deep_share(source, f, tapered.steps, 2) >= deep_share(source, f, tapered.steps, 1)
 
 
 def test_critical_batch_size_is_thm18_on_the_measured_inputs():
     profile = default_profile("a", "b", "bf16", 4)
-    profile["timing"]["ngram_s"] = 0.001
-    for t in profile["temperatures"].values():
-        t["backup"]["tokens_per_round"] = 1.3
+    profile.timing.ngram_s = 0.001
+    for t in profile.temperatures.values():
+        t.backup.tokens_per_round = 1.3
     b_star, args = critical_batch(profile, "0.0", 4, VOCAB)
     try:
         want = critical_batch_size(**args)
@@ -125,8 +128,8 @@ def test_critical_batch_size_is_thm18_on_the_measured_inputs():
 
 def test_plan_tables_and_c():
     profile = default_profile("a", "b", "bf16", 2)
-    sweep = dict(profile["temperatures"]["1.0"]["primary"], c=0.5, acceptance=0.74)
-    profile["temperatures"]["1.0"] = dict(profile["temperatures"]["1.0"], c_sweep=[sweep])
+    sweep = replace(profile.temperatures["1.0"].primary, c=0.5, acceptance=0.74)
+    profile.temperatures["1.0"] = replace(profile.temperatures["1.0"], c_sweep=[sweep])
     plan = make_plan(profile, 2, "auto", "auto", 4, VOCAB)
     assert plan.temperatures == [0.0, 1.0] and plan.c[0] == 1.0 and plan.c[1] in (1.0, 0.5)
     assert all(len(t) == 4 for t in plan.primary + plan.backup)
@@ -156,7 +159,7 @@ def test_auto_fallback_switches_with_batch_size_and_uses_backup_fan_out(pair, ca
         assert all(r.point_mass for r in rows) and spec.fallback == "ngram"
         spec.build()
         keys = spec.cache._entries
-        assert keys and all(k == len(spec.sent[seq]) for seq, k, _ in keys)  # F^b: only the all-accepted depth
+        assert keys and all(k == len(spec.states[seq].sent) for seq, k, _ in keys)  # F^b: only the all-accepted depth
         outs = [Outcome(i, 0, 63) for i in range(2)]
         rows = spec.respond(RoundRequest(outs, [], [2], [0, 1])).rows  # back to batch 2
         assert spec.fallback == "jit" and not any(r.point_mass for r in rows)
@@ -180,7 +183,7 @@ def test_engine_auto_settings_with_and_without_a_profile(pair, tmp_path, monkeyp
     assert any("no calibration profile" in r.message for r in caplog.records)
     assert plan.notes["default_profile"] and len(plan.primary[0]) == 4 and plan.k == 3
     profile = _empirical(default_profile(pair[0].name, pair[1].name, "float32", 3))
-    profile.pop("default")
+    profile.default = False
     save_profile(profile)
     caplog.clear()
     with caplog.at_level(logging.INFO):
@@ -198,11 +201,11 @@ def test_engine_auto_fallback_switches_at_b_star(pair, tmp_path, monkeypatch, ca
     """A profile whose Thm 18 threshold is b* = 2.5: batches of 3 use the n-gram backup, smaller ones jit."""
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     profile = default_profile(pair[0].name, pair[1].name, "float32", 3)
-    profile.pop("default")
-    for n in profile["timing"]["draft_rows"]:
-        profile["timing"]["draft_rows"][n] *= 0.1 / 0.38
-    for entry in profile["temperatures"].values():
-        entry["backup"] = dict(entry["backup"], tokens_per_round=1.2)
+    profile.default = False
+    for n in profile.timing.draft_rows:
+        profile.timing.draft_rows[n] *= 0.1 / 0.38
+    for entry in profile.temperatures.values():
+        entry.backup = replace(entry.backup, tokens_per_round=1.2)
     save_profile(profile)
     with LLM(pair[0], block_size=4) as ar:
         want = [o.token_ids for o in ar.generate(PROMPTS, SamplingParams(max_tokens=16))]
@@ -224,7 +227,7 @@ def test_verified_mix_follows_the_lengths_of_the_verified_speculations():
     short at L alternates with the K-token speculations of misses; a tapered tree whose every hit is deep
     verifies only K-token speculations, however short its shallow branches."""
     curve = [0.0] + [1 - 0.4 * F ** -0.7 for F in range(1, 65)]  # p_hit^d(F), the same at every depth
-    src = {"acceptance": 0.8, "hit_curves": [curve] * 5}  # capped geometric outcome law
+    src = Source(acceptance=0.8, hit_curves=[curve] * 5)  # capped geometric outcome law
     f = [1, 1, 1, 1, 2]
     h2, h4 = hit_rate(src, f, 2), hit_rate(src, f, 4)
     assert h2 > h4  # a short speculation's all-accepted outcome is likelier
@@ -239,12 +242,12 @@ def test_verified_mix_follows_the_lengths_of_the_verified_speculations():
 def test_step_overhead_lengthens_builds_but_not_verifications():
     """A step's logits work (distributions, draw, ranked ids) runs on the draft's core without streaming
     weights: the build takes longer and finishes fewer steps, the verification is no slower."""
-    timing = _cpu_like_timing(default_profile("a", "b", "bf16", 5))["timing"]
-    timing["contention"] = {"busy": [{"draft_rows": 1, "slowdown": 1.5, "draft_passes_per_s": 1 / 0.0165},
-                                     {"draft_rows": 16, "slowdown": 1.2, "draft_passes_per_s": 1 / 0.084}]}
+    timing = _cpu_like_timing(default_profile("a", "b", "bf16", 5)).timing
+    timing.contention = ContentionProbe(busy=[BusyDraft(draft_rows=1, slowdown=1.5, draft_passes_per_s=1 / 0.0165),
+                                              BusyDraft(draft_rows=16, slowdown=1.2, draft_passes_per_s=1 / 0.084)])
     plain = build_time(timing, 5, 1, 6, 2)
-    timing["step_overhead"] = {"greedy": {"1": 0.0, "16": 0.0}, "sampled": {"1": 0.012, "16": 0.012}}
+    timing.step_overhead = StepOverhead(greedy={"1": 0.0, "16": 0.0}, sampled={"1": 0.012, "16": 0.012})
     assert build_time(timing, 5, 1, 6, 2) == plain
     slow = build_time(timing, 5, 1, 6, 2, sampled=True)
     assert slow.deep_steps < plain.deep_steps and slow.t_v < plain.t_v
-    assert slow.t_v >= timing["target_rows"]["6"]  # never faster than the verification alone
+    assert slow.t_v >= timing.target_rows["6"]  # never faster than the verification alone

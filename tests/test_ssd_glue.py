@@ -67,8 +67,8 @@ def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature, bra
     hits = misses = 0
     for round_ in range(10):
         spec.build()
-        seq, state = spec.seqs[0], spec.jit.states[0]
-        tokens = seq.tokens + spec.sent[0]
+        seq, state = spec.states[0].seq, spec.states[0].draft
+        tokens = seq.tokens + spec.states[0].sent
         assert state.num_cached == len(tokens)
         ref = _reference_kv(draft, tokens)
         got = spec.runner.cache.data[:, :, spec.runner.slots(state.block_table, 0, state.num_cached)]
@@ -78,7 +78,7 @@ def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature, bra
         keys = [key for key in spec.cache._entries if key[0] == 0]
         if round_ % 3 == 2:  # a miss: an outcome the cache did not prepare
             taken = {(kk, t) for _, kk, t in keys}
-            bonus = next(t for t in range(48) if (0, t) not in taken and t != spec.sent[0][0])
+            bonus = next(t for t in range(48) if (0, t) not in taken and t != spec.states[0].sent[0])
             outcome = Outcome(0, 0, bonus)
         else:
             _, kk, bonus = keys[round_ % len(keys)]
@@ -118,13 +118,13 @@ def test_prefill_ahead_of_admission_is_kept_and_exact(draft):
     spec = AsyncSpeculator(runner, 3, [1, 1, 1, 2], "jit")
     prompt = [3, 7, 1, 9, 4, 11, 2]
     spec.prefill(_prefill_request(0, prompt))
-    assert spec.jit.states[0].num_cached == len(prompt) - 1
+    assert spec.states[0].draft.num_cached == len(prompt) - 1
     fed: list[int] = []
     forward = runner.forward
     runner.forward = lambda items: fed.extend(len(i.token_ids) for i in items) or forward(items)
     rows = spec.respond(RoundRequest([], [Admission(0, prompt + [5], SamplingParams(), 0)], [], [0])).rows
     assert fed[0] == 2 and len(rows[0].tokens) == 3
-    state = spec.jit.states[0]
+    state = spec.states[0].draft
     tokens = prompt + [5] + rows[0].tokens
     ref = _reference_kv(draft, tokens[:state.num_cached])
     torch.testing.assert_close(runner.cache.data[:, :, runner.slots(state.block_table, 0, state.num_cached)], ref,
@@ -139,10 +139,11 @@ def test_prefill_that_does_not_match_the_admission_starts_over(draft):
     spec.prefill(_prefill_request(0, [3, 7, 1, 9]))
     spec.prefill(_prefill_request(1, [4, 4, 4]))
     spec.respond(RoundRequest([], [Admission(0, [3, 8, 1, 9, 2], SamplingParams(), 0)], [], [0]))
-    tokens = spec.seqs[0].tokens + spec.sent[0]
-    state = spec.jit.states[0]
+    tokens = spec.states[0].seq.tokens + spec.states[0].sent
+    state = spec.states[0].draft
     ref = _reference_kv(draft, tokens[:state.num_cached])
     torch.testing.assert_close(runner.cache.data[:, :, runner.slots(state.block_table, 0, state.num_cached)], ref,
                                atol=1e-5, rtol=1e-4)
     spec.respond(RoundRequest([], [], [0, 1], []))  # 1 was prefilled and never admitted
-    assert runner.blocks.num_free == runner.blocks.num_blocks and not spec.prefilled
+    prefilled = [i for i, s in spec.states.items() if s.prefilled is not None]
+    assert runner.blocks.num_free == runner.blocks.num_blocks and not prefilled

@@ -68,7 +68,7 @@ def test_every_branch_equals_sequential_drafting(draft, branch_steps, deep):
     prompt = [3, 7, 1, 9, 4, 11]
     spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(max_tokens=64), seed=0)], [], [0]))
     spec.build()
-    sent = spec.sent[0]
+    sent = spec.states[0].sent
     entries = {(kk, t): c for (i, kk, t), c in spec.cache._entries.items() if i == 0}
     assert len(entries) == sum(fan_out)
     lengths = sorted((len(c.tokens) for c in entries.values()), reverse=True)

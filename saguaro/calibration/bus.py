@@ -20,12 +20,12 @@ import torch.multiprocessing as mp
 
 from saguaro.engine.device import pin_process
 from saguaro.engine.model_runner import ModelRunner
+from saguaro.models import kernels
 
 GIB = 1 << 30
 
 
 def _buffer(nbytes: int) -> torch.Tensor:
-    from saguaro.models import kernels
     try:
         raw = kernels.load().alloc_huge(nbytes)
     except kernels.KernelsUnavailable:

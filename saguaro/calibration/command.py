@@ -5,8 +5,12 @@ import argparse
 import json
 import math
 
-from saguaro.calibration.profile import WORKLOADS
+from saguaro.calibration.store import load_profile, profile_path, save_profile
+from saguaro.config import DTYPES, WORKLOADS
+from saguaro.engine.device import pin_process
+from saguaro.loading import check_shared_vocabulary, load_model
 from saguaro.models.kernels import WEIGHT_FORMATS
+from saguaro.spec.draft_format import DraftFormat
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -45,13 +49,9 @@ def _floats(text: str) -> list[float]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # the measuring and planning code loads only for `saguaro calibrate`, not with every command's parser
     from saguaro.calibration.measure import calibrate, measure_timing
     from saguaro.calibration.policy import describe, make_plan, recommended_k
-    from saguaro.calibration.profile import load_profile, profile_path, save_profile
-    from saguaro.config import DTYPES
-    from saguaro.engine.device import pin_process
-    from saguaro.loading import check_shared_vocabulary, load_model
-    from saguaro.spec.draft_format import DraftFormat
     pin_process([args.core] if args.core >= 0 else None, args.threads)
     dtype = DTYPES[args.dtype]
     fmt = DraftFormat(args.draft_weights, args.draft_vocab)
@@ -65,13 +65,14 @@ def run(args: argparse.Namespace) -> int:
         if profile is None:
             path = profile_path(args.target, args.draft, args.dtype, False, fmt.tag, args.workload)
             raise FileNotFoundError(f"no profile at {path}; run `saguaro calibrate` without --timing-only first")
-        args.k = profile["k"]
-        context = profile["timing"].get("context", 256)
-        profile["timing"] = measure_timing(target, draft, args.k, context, args.max_rows, fast=args.compile,
-                                           draft_format=fmt, contention=not args.no_contention)
-        profile["fast"] = bool(args.compile)
-        print(f"timing: verify(K+1) {profile['timing']['verify_s'] * 1e3:.1f} ms, "
-              f"draft step {profile['timing']['draft_step_s'] * 1e3:.1f} ms, T_p {profile['timing']['T_p']:.2f}")
+        args.k = profile.k
+        context = profile.timing.context or 256
+        profile.timing = measure_timing(target, draft, args.k, context, args.max_rows, fast=args.compile,
+                                        draft_format=fmt, contention=not args.no_contention)
+        profile.fast = bool(args.compile)
+        timing = profile.timing
+        print(f"timing: verify(K+1) {timing.verify_s * 1e3:.1f} ms, draft step {timing.draft_step_s * 1e3:.1f} ms, "
+              f"T_p {timing.T_p:.2f}")
     else:
         profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
                             c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
@@ -81,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"profile saved to {save_profile(profile)}")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(profile, f, indent=1)
+            json.dump(profile.to_dict(), f, indent=1)
     vocab = target.config.vocab_size
     plan = make_plan(profile, args.k, "auto", "auto", args.max_batch, vocab)
     print(f"fan_out='auto', saguaro_c='auto', fallback='auto' at K={args.k}: {describe(plan)}")

@@ -28,6 +28,7 @@ import torch
 import torch.multiprocessing as mp
 
 from saguaro.calibration.bus import pass_bytes
+from saguaro.calibration.profile import BusyDraft, ContentionProbe
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.engine.device import load_or_place, pin_process
 from saguaro.spec.draft_format import DraftFormat
@@ -50,7 +51,7 @@ def _busy_draft(ready: Any, stop: Any, passes: Any, nbytes: Any, draft: Any, dty
 def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: torch.dtype = torch.bfloat16,
             fast: bool = False, draft_format: DraftFormat = DraftFormat(), context: int = 256, reps: int = 8,
             target_cores: list[int] | None = None, draft_cores: list[int] | None = None,
-            log=lambda s: None) -> dict[str, Any]:
+            log=lambda s: None) -> ContentionProbe:
     """Target verification time alone and beside a busy draft, for each draft width.
 
     ``target`` / ``draft``: model names (loaded here and in the busy process) or ``LoadedModel``s. The
@@ -67,7 +68,7 @@ def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: tor
 
 
 def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, reps, target_cores, draft_cores,
-             log) -> dict[str, Any]:
+             log) -> ContentionProbe:
     verify = RowTimer(runner_factory(load_or_place(target, "cpu", dtype, progress=False), fast), context, rows)
 
     def verify_times() -> list[float]:
@@ -100,40 +101,22 @@ def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, re
                 proc.kill()
                 proc.join(timeout=5)
         draft_bytes = nbytes.value
-        busy.append({"draft_rows": width, "verify_ms": times, "verify_ms_median": statistics.median(times),
-                     "draft_passes_per_s": rate, "bus_bytes_per_s": target_bytes / (statistics.median(times) / 1e3)
-                     + draft_bytes * rate})
+        median = statistics.median(times)
+        busy.append(BusyDraft(draft_rows=width, slowdown=0.0, draft_passes_per_s=rate, verify_ms=times,
+                              verify_ms_median=median,
+                              bus_bytes_per_s=target_bytes / (median / 1e3) + draft_bytes * rate))
         log(f"contention probe: target {rows} rows beside a busy {width}-row draft: "
             f"{statistics.median(times):.0f} ms ({rate:.1f} draft passes/s)")
     idle_after = verify_times()
     idle = statistics.median(idle_before + idle_after)
     for b in busy:
-        b["slowdown"] = b["verify_ms_median"] / idle
-    return {
-        "description": "target verification pass (1 thread) alone vs beside a busy draft process on the other core",
-        "rows": rows, "context": context, "reps": reps, "fast": bool(fast), "draft_format": draft_format.tag,
-        "target_cores": target_cores, "draft_cores": draft_cores,
-        "target_pass_bytes": target_bytes, "draft_pass_bytes": draft_bytes,
-        "idle_ms_before": idle_before, "idle_ms_after": idle_after, "idle_ms_median": idle,
-        "busy": busy,
-        "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
-    }
+        b.slowdown = b.verify_ms_median / idle
+    return ContentionProbe(
+        description="target verification pass (1 thread) alone vs beside a busy draft process on the other core",
+        rows=rows, context=context, reps=reps, fast=bool(fast), draft_format=draft_format.tag,
+        target_cores=target_cores, draft_cores=draft_cores,
+        target_pass_bytes=target_bytes, draft_pass_bytes=draft_bytes,
+        idle_ms_before=idle_before, idle_ms_after=idle_after, idle_ms_median=idle,
+        busy=busy,
+        loadavg=list(os.getloadavg()) if hasattr(os, "getloadavg") else None)
 
-
-def slowdowns(timing: dict, draft_rows: float) -> tuple[float, float]:
-    """(target, draft) slowdown factors while the draft runs ``draft_rows``-row passes beside a verification.
-
-    Read from the probe stored in a profile's ``timing["contention"]``, interpolated in the draft width
-    (clamped to the widths probed); the draft's factor compares its busy pass rate with its own time
-    alone (``timing["draft_rows"]``). (1, 1) when the profile has no probe."""
-    probe = timing.get("contention")
-    if not probe or not probe.get("busy"):
-        return 1.0, 1.0
-    import numpy as np
-    from saguaro.calibration.timeline import rows_time
-    pts = sorted(probe["busy"], key=lambda b: b["draft_rows"])
-    xs = [b["draft_rows"] for b in pts]
-    target = float(max(1.0, np.interp(draft_rows, xs, [b["slowdown"] for b in pts])))  # clamps at the ends
-    alone = [rows_time(timing["draft_rows"], b["draft_rows"]) for b in pts]
-    draft = [1.0 / (b["draft_passes_per_s"] * a) if b["draft_passes_per_s"] > 0 else 1.0 for b, a in zip(pts, alone)]
-    return target, float(max(1.0, np.interp(draft_rows, xs, draft)))

@@ -1,7 +1,7 @@
 """Outcome laws and cache-hit rates per speculation length, from a profile's calibrated curves.
 
-A *source* is a profile entry measured after one kind of speculation ("primary" or "backup"): its
-acceptance, its outcome law over depths, and its per-depth hit curves p_hit^d(F) (Thm 13's curves).
+A *source* (``profile.Source``) is what a profile measured after one kind of speculation (primary or
+backup): its acceptance, its outcome law over depths, and its per-depth hit curves p_hit^d(F) (Thm 13's curves).
 Depth d < L means d tokens of an L-token speculation were accepted and the bonus token replaced d_{d+1};
 the all-accepted outcome of any length is stored at index K, as the engine's fan-out lists do.
 """
@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import numpy as np
 
+from saguaro.calibration.profile import Source
 from saguaro.theory import accepted_length_pmf
 
 
-def depth_curves(source: dict, k: int) -> list[np.ndarray]:
+def depth_curves(source: Source, k: int) -> list[np.ndarray]:
     """Hit curves for depths 0..k (index k = all accepted) from a profile calibrated at any K."""
-    stored = [np.asarray(c, dtype=float) for c in source["hit_curves"]]
+    stored = [np.asarray(c, dtype=float) for c in source.hit_curves]
     kc = len(stored) - 1
     return [stored[min(d, kc - 1)] for d in range(k)] + [stored[kc]]
 
 
-def depth_weights_for(source: dict, length: int) -> np.ndarray:
+def depth_weights_for(source: Source, length: int) -> np.ndarray:
     """P(outcome at depth d), d = 0..length (d = length: all accepted), for speculations of ``length`` tokens.
 
     From the measured outcome distribution when the profile has one (acceptance is far from geometric in
@@ -27,8 +28,8 @@ def depth_weights_for(source: dict, length: int) -> np.ndarray:
     first L tokens does not depend on later ones) and extended geometrically with a past the calibrated K;
     otherwise the capped geometric law of Thm 2 / Appendix A.
     """
-    a = float(source["acceptance"])
-    pmf = np.asarray(source.get("outcome_pmf") or [], dtype=float)
+    a = float(source.acceptance)
+    pmf = np.asarray(source.outcome_pmf, dtype=float)
     if pmf.size < 2 or pmf.sum() <= 0:
         return accepted_length_pmf(a, length)
     pmf = pmf / pmf.sum()
@@ -39,19 +40,19 @@ def depth_weights_for(source: dict, length: int) -> np.ndarray:
     return np.r_[pmf[:kc], [tail * a ** (j - kc) * (1 - a) for j in range(kc, length)], tail * a ** (length - kc)]
 
 
-def expected_round_tokens(source: dict, length: int) -> float:
+def expected_round_tokens(source: Source, length: int) -> float:
     """E: accepted drafts plus the bonus token per round, sum_d P(d) (d + 1)."""
     w = depth_weights_for(source, length)
     return float(np.dot(w, np.arange(1, length + 2)))
 
 
-def backup_weights(source: dict, k: int) -> np.ndarray:
+def backup_weights(source: Source, k: int) -> np.ndarray:
     """Depth law after a backup speculation (its proposals vary in length): the measured ``depth_pmf``."""
-    w = np.asarray(source.get("depth_pmf") or [], dtype=float)
+    w = np.asarray(source.depth_pmf, dtype=float)
     return w / w.sum() if w.size == k + 1 and w.sum() > 0 else depth_weights_for(source, k)
 
 
-def deep_share(source: dict, fan_out: list[int], length: int, deep: int) -> float:
+def deep_share(source: Source, fan_out: list[int], length: int, deep: int) -> float:
     """The share of the cache's hit probability carried by its ``deep`` likeliest (depth, rank) outcomes."""
     k = len(fan_out) - 1
     curves = depth_curves(source, k)
@@ -64,7 +65,7 @@ def deep_share(source: dict, fan_out: list[int], length: int, deep: int) -> floa
     return float(sum(sorted(scores, reverse=True)[:deep])) / total if total > 0 else 0.0
 
 
-def hit_rate(source: dict, fan_out: list[int], length: int, weights: np.ndarray | None = None) -> float:
+def hit_rate(source: Source, fan_out: list[int], length: int, weights: np.ndarray | None = None) -> float:
     """p_hit = sum_d P(d) p_hit^d(F_d) for speculations of ``length`` tokens (Appendix A, proof of Thm 13)."""
     k = len(fan_out) - 1
     curves = depth_curves(source, k)
@@ -74,7 +75,7 @@ def hit_rate(source: dict, fan_out: list[int], length: int, weights: np.ndarray 
     return float(min(1.0, max(0.0, np.dot(w, hits))))
 
 
-def verified_mix(source: dict, fan_out: list[int], steps: int, deep_steps: int, k: int,
+def verified_mix(source: Source, fan_out: list[int], steps: int, deep_steps: int, k: int,
                  deep: int) -> tuple[float, float]:
     """(p_hit, deep share of the hits) over the lengths of the speculations the target actually verifies.
 

@@ -24,21 +24,30 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import numpy as np
 import torch
 
+from saguaro.bench import datasets
+from saguaro.calibration.contention import measure as measure_contention
 from saguaro.calibration.miss_rounds import follow_ups
-from saguaro.calibration.profile import F_MAX, POWER_LAW_R2, PROFILE_VERSION, ROW_GRID, check_workload, dtype_name
+from saguaro.calibration.policy import make_plan
+from saguaro.calibration.profile import (F_MAX, POWER_LAW_R2, ROW_GRID, Profile, RowTimes, Source, StepOverhead,
+                                         TemperatureEntry, Timing, dtype_name)
 from saguaro.calibration.timer import RowTimer, runner_factory
+from saguaro.config import Config, check_workload
 from saguaro.engine.device import place
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
+from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.params import SamplingParams
+from saguaro.sampling.sampler import sample
 from saguaro.spec.draft_format import DraftFormat
 from saguaro.spec.ngram_proposer import NgramProposer
+from saguaro.spec.types import rank_positions
 from saguaro.ssd.decoder import SSDDecoder
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.ranks import RankRecord, RankRecorder
@@ -49,7 +58,6 @@ from saguaro.theory import fit_power_law
 def calibration_prompts(tokenizer, n: int, workload: str = "mixed") -> list[list[int]]:
     """``n`` chat prompts, held out from the benchmarks (which start at the front of each set): the last
     HumanEval items ("code"), the last MT-Bench questions ("chat"), or both alternating ("mixed")."""
-    from saguaro.bench import datasets
     check_workload(workload)
     n_code = {"mixed": (n + 1) // 2, "code": n, "chat": 0}[workload]
     code = [f"Complete this Python function:\n\n{p}" for p in datasets.humaneval()[::-1][:n_code]]
@@ -59,7 +67,7 @@ def calibration_prompts(tokenizer, n: int, workload: str = "mixed") -> list[list
 
 
 # -- timings -------------------------------------------------------------------------------------------
-def monotone(times: dict[str, float]) -> dict[str, float]:
+def monotone(times: RowTimes) -> RowTimes:
     """More rows never cost less: replace each time by the least time measured at >= as many rows.
 
     On a shared machine a load spike inflates single measurements; the lower envelope discards them.
@@ -71,7 +79,7 @@ def monotone(times: dict[str, float]) -> dict[str, float]:
     return {n: out[n] for n in sorted(out, key=int)}
 
 
-def time_rows(runners: dict, rows: list[int], context: int, repeats: int = 5) -> dict[str, dict[str, float]]:
+def time_rows(runners: dict, rows: list[int], context: int, repeats: int = 5) -> dict[str, RowTimes]:
     """Per model (``runners``: name -> ``make_runner(num_blocks, block_size)``), seconds for one forward over
     n new rows after ``context`` tokens: min over ``repeats`` interleaved rounds (every model and row count
     once per round, so slow spells hit all of them)."""
@@ -101,14 +109,11 @@ CONTENTION_WIDTHS = (1, 4, 8, 16)  # draft pass widths probed beside a verificat
 OVERHEAD_WIDTHS = (1, 4, 8, 16)  # branch-step widths whose per-step sampling work is timed
 
 
-def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> dict[str, dict[str, float]]:
+def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> StepOverhead:
     """Seconds a build step spends on its logits besides the forward, per width: the draft's ranked ids and
     the argmax ("greedy"), or the processed distributions and a seeded draw ("sampled"), as the speculator
     does them (``AsyncSpeculator._decode_branches``)."""
-    from saguaro.sampling.batch import processed_probs
-    from saguaro.sampling.sampler import sample
-    from saguaro.spec.types import rank_positions
-    out: dict[str, dict[str, float]] = {"greedy": {}, "sampled": {}}
+    out: dict[str, RowTimes] = {"greedy": {}, "sampled": {}}
     for n in widths:
         logits = torch.randn(n, vocab)
         seqs = [Sequence([1], SamplingParams(temperature=1.0, seed=i)) for i in range(n)]
@@ -128,12 +133,12 @@ def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> 
                 work()
                 best = min(best, time.perf_counter() - start)
             out[name][str(n)] = best
-    return out
+    return StepOverhead(**out)
 
 
 def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repeats: int = 5,
                    prompt: list[int] | None = None, fast: bool = False,
-                   draft_format: DraftFormat = DraftFormat(), contention: bool = False) -> dict:
+                   draft_format: DraftFormat = DraftFormat(), contention: bool = False) -> Timing:
     """Timings of the target (as the engine runs it) and of the draft in ``draft_format``; with
     ``contention``, also the target's verification beside a busy draft on core 1 (``contention.measure``)."""
     rows = sorted(set([n for n in ROW_GRID if n <= max_rows] + [k + 1]))
@@ -143,13 +148,12 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
     target_rows, draft_rows = monotone(raw["target"]), monotone(raw["draft"])
     ngram = time_ngram(prompt or list(range(context)), k)
     verify, step = target_rows[str(k + 1)], draft_rows["1"]
-    timing = {"target_rows": target_rows, "draft_rows": draft_rows, "ngram_s": ngram, "verify_s": verify,
-              "draft_step_s": step, "T_p": k * step / verify, "T_b": ngram / verify, "context": context,
-              "repeats": repeats, "raw": raw, "step_overhead": time_step_overhead(draft.config.vocab_size)}
+    timing = Timing(target_rows=target_rows, draft_rows=draft_rows, ngram_s=ngram, verify_s=verify, draft_step_s=step,
+                    T_p=k * step / verify, T_b=ngram / verify, context=context, repeats=repeats, raw=raw,
+                    step_overhead=time_step_overhead(draft.config.vocab_size))
     if contention:
-        from saguaro.calibration.contention import measure
-        timing["contention"] = measure(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
-                                       fast=fast, draft_format=draft_format, context=context)
+        timing.contention = measure_contention(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
+                                               fast=fast, draft_format=draft_format, context=context)
     return timing
 
 
@@ -167,11 +171,14 @@ def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingPar
     max_len = max(len(p) for p in prompts) + max(p.max_tokens for p in params) + 2 * (k + 1)
     kv_tokens = (max_len + block_size) * max_num_seqs
     runner = ModelRunner(target.model, math.ceil(kv_tokens / block_size), block_size, fast=fast)
-    dtype = draft_format.dtype(model_dtype(draft))
-    opts = WorkerOptions(k, plan.fan_out(0.0, "p"), plan.fallback_for(1), dtype, "cpu", None, 1, kv_tokens,
-                         block_size, 600.0, 1.0, plan, fast, draft_format)
+    # the engine's SSD settings, with the speculator in this process: on the CPU, unpinned, one thread
+    cfg = Config(target=target.name, draft=draft.name, mode="ssd", num_speculative_tokens=k,
+                 dtype=dtype_name(model_dtype(draft)), draft_cores=None, kv_cache_tokens=kv_tokens,
+                 block_size=block_size, max_num_seqs=max_num_seqs, enforce_eager=not fast,
+                 draft_weights=draft_format.weights, draft_vocab=draft_format.vocab, worker_timeout_s=600.0)
+    opts = WorkerOptions.from_config(cfg, plan)
     recorder = RankRecorder(build_branches=build_branches)
-    decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), k, max_len)
+    decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), plan, max_len)
     engine = LLMEngine(runner, target.tokenizer, decoder, max_len, max_num_seqs, 1 << 14)
     try:
         seqs = [engine.add_request(p, sp) for p, sp in zip(prompts, params)]
@@ -210,8 +217,8 @@ def free_power_law(F: np.ndarray, miss: np.ndarray) -> dict:
     return {"r_free": float(-slope), "prefactor": float(np.exp(intercept)), "r2_free": r2}
 
 
-def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) -> dict:
-    """A profile SOURCE entry from one run's rank records (see ``saguaro.calibration.profile``)."""
+def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) -> Source:
+    """A profile's ``Source`` from one run's rank records (see ``saguaro.calibration.profile``)."""
     ranked = [r for r in records if r.rank >= 0]
     depth = np.array([r.accepted if r.accepted < r.drafted else k for r in ranked], dtype=int)
     ranks = np.array([r.rank for r in ranked], dtype=int)
@@ -236,26 +243,26 @@ def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) ->
     drafted = sum(rec.drafted for rec in records)
     accepted = sum(rec.accepted for rec in records)
     rejections = sum(rec.accepted < rec.drafted for rec in records)
-    return {"rounds": len(records), "ranked_rounds": len(ranked),
-            # a: P(a drafted token is accepted | every earlier one was) -- the capped-geometric MLE
-            "acceptance": accepted / (accepted + rejections) if accepted + rejections else 0.0,
-            "accepted_per_drafted": accepted / drafted if drafted else 0.0,
-            "acceptance_by_position": engine_metrics.get("acceptance_by_position", []),
-            "depth_pmf": all_depths.tolist(),
-            "tokens_per_round": (accepted + len(records)) / max(len(records), 1),
-            "outcome_pmf": pmf.tolist(), "hit_curves": curves, "miss_uniform": miss.tolist(),
-            "r": r, "r2": r2, "power_law": bool(r is not None and r > 0 and r2 >= POWER_LAW_R2), **free}
+    return Source(rounds=len(records), ranked_rounds=len(ranked),
+                  # a: P(a drafted token is accepted | every earlier one was) -- the capped-geometric MLE
+                  acceptance=accepted / (accepted + rejections) if accepted + rejections else 0.0,
+                  accepted_per_drafted=accepted / drafted if drafted else 0.0,
+                  acceptance_by_position=engine_metrics.get("acceptance_by_position", []),
+                  depth_pmf=all_depths.tolist(),
+                  tokens_per_round=(accepted + len(records)) / max(len(records), 1),
+                  outcome_pmf=pmf.tolist(), hit_curves=curves, miss_uniform=miss.tolist(),
+                  r=r, r2=r2, power_law=bool(r is not None and r > 0 and r2 >= POWER_LAW_R2), **free)
 
 
 def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens, batch, plan=None,
-                fast: bool = False, draft_format: DraftFormat = DraftFormat()) -> dict:
+                fast: bool = False, draft_format: DraftFormat = DraftFormat()) -> Source:
     plan = plan or SpecPlan.fixed([0] * (k + 1), 1.0, "jit" if source == "primary" else "ngram")
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
               for i in range(len(prompts))]
     records, metrics = run_ranked(target, draft, prompts, params, k, plan, batch, fast=fast, draft_format=draft_format)
     summary = summarize_source([r for r in records if r.source == ("p" if source == "primary" else "b")], k, metrics)
     if source == "primary":  # what each fallback would deliver after each round (miss_rounds)
-        summary["follow_ups"] = follow_ups(records, metrics["sequences"], k)
+        summary.follow_ups = follow_ups(records, metrics["sequences"], k)
     return summary
 
 
@@ -263,14 +270,13 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
               prompts: int = 8, max_tokens: int = 64, batch: int = 8, max_rows: int = 64,
               prompt_ids: list[list[int]] | None = None, log: Callable[[str], None] = print,
               fast: bool = False, draft_format: DraftFormat = DraftFormat(), contention: bool = False,
-              workload: str = "mixed") -> dict:
+              workload: str = "mixed") -> Profile:
     """Measure the pair (``LoadedModel``s, already on their device and dtype) and return its profile.
 
-    ``fast``: run both models through the bf16 fast path (what ``Config.compile`` selects), so the timings
-    match an engine started with ``compile=True``. ``draft_format``: the draft's weights and head, as the
+    ``fast``: run both models through the bf16 fast path (``Config.fast``, the default), so the timings
+    match an engine started without ``enforce_eager``. ``draft_format``: the draft's weights and head, as the
     engine's ``draft_weights`` / ``draft_vocab``; the profile is keyed by it. ``contention``: probe how much
     the draft on core 1 slows verification on core 0 (the calling process is pinned to core 0 meanwhile)."""
-    from saguaro.calibration.policy import make_plan
     start = time.perf_counter()
     prompt_ids = prompt_ids or calibration_prompts(target.tokenizer, prompts, workload)
     context = int(np.mean([len(p) for p in prompt_ids]))
@@ -279,37 +285,34 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
         f"{max_tokens} tokens each, temperatures {list(temperatures)}")
     timing = measure_timing(target, draft, k, context, max_rows, prompt=prompt_ids[0], fast=fast,
                             draft_format=draft_format, contention=contention)
-    log(f"  timing: verify(K+1) {timing['verify_s'] * 1e3:.1f} ms, draft step {timing['draft_step_s'] * 1e3:.1f} ms, "
-        f"T_p {timing['T_p']:.2f}, T_b {timing['T_b']:.4f}")
-    profile = {"version": PROFILE_VERSION, "target": target.name, "draft": draft.name,
-               "draft_format": draft_format.tag, "workload": workload, "dtype": dtype_name(dtype),
-               "fast": bool(fast), "k": k, "created": time.strftime("%Y-%m-%dT%H:%M:%S"),
-               "settings": {"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
-                            "temperatures": list(temperatures), "c_values": list(c_values),
-                            "threads": torch.get_num_threads(), "torch": torch.__version__},
-               "timing": timing, "temperatures": {}}
+    log(f"  timing: verify(K+1) {timing.verify_s * 1e3:.1f} ms, draft step {timing.draft_step_s * 1e3:.1f} ms, "
+        f"T_p {timing.T_p:.2f}, T_b {timing.T_b:.4f}")
+    profile = Profile(target=target.name, draft=draft.name, draft_format=draft_format.tag, workload=workload,
+                      dtype=dtype_name(dtype), fast=bool(fast), k=k, created=time.strftime("%Y-%m-%dT%H:%M:%S"),
+                      settings={"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
+                                "temperatures": list(temperatures), "c_values": list(c_values),
+                                "threads": torch.get_num_threads(), "torch": torch.__version__},
+                      timing=timing, temperatures={})
     for t in temperatures:
-        entry = {"temperature": float(t)}
+        sources = {}
         for source in ("primary", "backup"):
-            entry[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch, fast=fast,
-                                        draft_format=draft_format)
-            s = entry[source]
-            log(f"  T={t} {source}: acceptance {s['acceptance']:.3f}, {s['rounds']} rounds, "
-                f"p_hit(F=1) {1 - s['miss_uniform'][1]:.2f}, r {s['r'] if s['r'] is None else round(s['r'], 3)} "
-                f"(R^2 {s['r2']:.2f})")
-        entry["c_sweep"] = []
-        profile["temperatures"][str(float(t))] = entry
+            s = sources[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch, fast=fast,
+                                              draft_format=draft_format)
+            log(f"  T={t} {source}: acceptance {s.acceptance:.3f}, {s.rounds} rounds, "
+                f"p_hit(F=1) {1 - s.miss_uniform[1]:.2f}, r {s.r if s.r is None else round(s.r, 3)} "
+                f"(R^2 {s.r2:.2f})")
+        profile.temperatures[str(float(t))] = TemperatureEntry(**sources, temperature=float(t))
     vocab = target.config.vocab_size
     for t in [t for t in temperatures if t > 0]:
         key = str(float(t))
         for c in [c for c in c_values if c < 1.0]:
-            plan = make_plan({**profile, "temperatures": {key: profile["temperatures"][key]}}, k, 1.0, "jit", 1, vocab)
+            plan = make_plan(replace(profile, temperatures={key: profile.temperatures[key]}), k, 1.0, "jit", 1, vocab)
             reweight = plan.primary[0][0]
             s = _source_run(target, draft, prompt_ids, t, k, "primary", max_tokens, batch,
                             SpecPlan.fixed(reweight, c, "jit"), fast=fast, draft_format=draft_format)
-            s.update(c=float(c), fan_out=reweight)
-            profile["temperatures"][key]["c_sweep"].append(s)
-            log(f"  T={t} C={c}: acceptance {s['acceptance']:.3f}, p_hit(F=1) {1 - s['miss_uniform'][1]:.2f} "
+            s.c, s.fan_out = float(c), reweight
+            profile.temperatures[key].c_sweep.append(s)
+            log(f"  T={t} C={c}: acceptance {s.acceptance:.3f}, p_hit(F=1) {1 - s.miss_uniform[1]:.2f} "
                 f"(sigma_F,C with F={reweight})")
-    profile["settings"]["seconds"] = round(time.perf_counter() - start, 1)
+    profile.settings["seconds"] = round(time.perf_counter() - start, 1)
     return profile

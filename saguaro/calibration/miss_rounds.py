@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
+from saguaro.calibration.profile import Source
 from saguaro.spec.ngram import NgramIndex
 
 MIN_MISS_ROUNDS = 8  # fewer misses than this in the calibration run: use the unconditional estimate
@@ -57,10 +58,10 @@ def follow_ups(records: list, sequences: dict[int, list[int]], k: int) -> list[l
     return rows
 
 
-def miss_tokens(source: dict, fan_out: list[int], fallback: str) -> float | None:
+def miss_tokens(source: Source, fan_out: list[int], fallback: str) -> float | None:
     """Mean tokens of the round after a miss with ``fan_out`` (None: no annotated rounds, or too few misses).
     ``fallback``: "jit" or "ngram"."""
-    rows = source.get("follow_ups") or []
+    rows = source.follow_ups
     column = COLUMNS.index(fallback)
     k = len(fan_out) - 1
     missed = [row[column] for row in rows if row[1] >= fan_out[min(row[0], k)]]

@@ -41,29 +41,27 @@ from ``theory.critical_batch_size`` (Thm 18) with the jit and n-gram options' me
 """
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import numpy as np
 
 from saguaro.calibration.hits import (backup_weights, depth_curves, depth_weights_for, expected_round_tokens,
                                       hit_rate, verified_mix)
 from saguaro.calibration.miss_rounds import miss_tokens
-from saguaro.calibration.profile import F_MAX, default_profile, load_profile
+from saguaro.calibration.profile import F_MAX, Profile, Source, TemperatureEntry, Timing
 from saguaro.calibration.timeline import BuildTime, build_time, rows_time
 from saguaro.ssd.plan import SpecPlan
 from saguaro.theory import (choose_fallback, critical_batch_size, expected_tokens,
                             integer_geometric_fanout, optimal_fanout, ssd_speedup_batch, unconditional_hit_rate)
 
-log = logging.getLogger("saguaro.calibration")
 BUDGETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64)
 
 
-def fan_out_for_budget(source: dict, length: int, k: int, budget: int, vocab: int,
+def fan_out_for_budget(source: Source, length: int, k: int, budget: int, vocab: int,
                        weights: np.ndarray | None = None) -> tuple[list[int], str]:
     """F_0..F_K for speculations of ``length`` tokens: Thm 12 if the power law fits, else Thm 13."""
-    a = float(source["acceptance"])
+    a = float(source.acceptance)
     curves = depth_curves(source, k)
     caps = [min(vocab - 1, F_MAX)] * length + [min(vocab, F_MAX)]
     depths = list(range(length)) + [k]
@@ -73,8 +71,8 @@ def fan_out_for_budget(source: dict, length: int, k: int, budget: int, vocab: in
         weights = np.r_[weights[:length], weights[length:].sum()]
     sub = [curves[d][:caps[i] + 1] for i, d in enumerate(depths)]
     budget = int(min(budget, sum(caps)))
-    r = source.get("r")
-    if source.get("power_law") and 0.0 < a < 1.0 and r and r > 0:
+    r = source.r
+    if source.power_law and 0.0 < a < 1.0 and r and r > 0:
         f = integer_geometric_fanout(a, r, length, budget, max_fanout=caps)
         method = "thm12-geometric"
     else:
@@ -110,12 +108,12 @@ class Choice:
     deep_share: float = 0.0  # share of hits that land on a deep branch
 
 
-def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: BuildTime,
+def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, build: BuildTime,
             f_p: list[int], f_b: list[int], fallback: str, method: str = "given", branch_steps: int | None = None,
             deep: int = 1) -> Choice:
     """Thm 2 / Cor. 17 prediction for given fan-outs (see module doc); ``fallback`` is "jit" or "fast"."""
-    timing = profile["timing"]
-    primary, backup = entry["primary"], entry["backup"]
+    timing = profile.timing
+    primary, backup = entry.primary, entry.backup
     steps, t_hit, t_v = build.steps, build.t_hit, build.t_v
     p_p, share = verified_mix(primary, f_p, steps, build.deep_steps, k, deep)
     p_b = hit_rate(backup, f_b, k, backup_weights(backup, k))
@@ -123,48 +121,47 @@ def predict(profile: dict, entry: dict, k: int, batch: int, budget: int, build: 
                                                                                                 build.deep_steps)
     if fallback == "jit":
         e_miss = miss_tokens(primary, f_p, "jit") or expected_round_tokens(primary, k)
-        t_miss = (rows_time(timing["draft_rows"], 2 * batch) + (k - 1) * rows_time(timing["draft_rows"], batch)) / t_v
+        t_miss = (rows_time(timing.draft_rows, 2 * batch) + (k - 1) * rows_time(timing.draft_rows, batch)) / t_v
         p_hit = p_p
     else:
-        e_miss = miss_tokens(primary, f_p, "ngram") or float(backup.get("tokens_per_round")
-                                                               or expected_tokens(float(backup["acceptance"]), k))
-        t_miss = batch * float(timing.get("ngram_s", 0.0)) / t_v
+        e_miss = miss_tokens(primary, f_p, "ngram") or float(backup.tokens_per_round
+                                                               or expected_tokens(float(backup.acceptance), k))
+        t_miss = batch * float(timing.ngram_s) / t_v
         p_hit = float(unconditional_hit_rate(p_p, p_b)) if abs(p_p - p_b) < 1 else p_p
     speedup = float(ssd_speedup_batch(p_hit, e_hit, e_miss, t_hit, t_miss, batch))
     tok_s = speedup / t_v
     return Choice(batch, fallback, budget, steps, list(f_p), list(f_b), method, p_p, p_b, p_hit, e_hit, e_miss,
-                  t_hit, t_miss, t_v, speedup, tok_s, tok_s * rows_time(timing["target_rows"], batch),
+                  t_hit, t_miss, t_v, speedup, tok_s, tok_s * rows_time(timing.target_rows, batch),
                   branch_steps, build.deep_steps, share)
 
 
-def evaluate(profile: dict, entry: dict, k: int, batch: int, budget: int, fallback: str, vocab: int,
+def evaluate(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, fallback: str, vocab: int,
              branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "fast" fallback (see module doc)."""
-    build = build_time(profile["timing"], k, batch, budget, branch_steps, deep,
-                       sampled=float(entry.get("temperature", 0.0)) > 0)
-    f_b, _ = fan_out_for_budget(entry["backup"], k, k, budget, vocab, backup_weights(entry["backup"], k))
+    build = build_time(profile.timing, k, batch, budget, branch_steps, deep, sampled=entry.temperature > 0)
+    f_b, _ = fan_out_for_budget(entry.backup, k, k, budget, vocab, backup_weights(entry.backup, k))
     # the fan-out spreads the budget over one speculation length's outcomes; the verified speculations mix
     # the cached length, a tapered tree's deep length and a miss's K (hits.verified_mix): try each
     lengths = sorted({n for n in (build.steps, build.deep_steps, k) if n >= 1})
-    candidates = {(tuple(f), m) for f, m in (fan_out_for_budget(entry["primary"], n, k, budget, vocab)
+    candidates = {(tuple(f), m) for f, m in (fan_out_for_budget(entry.primary, n, k, budget, vocab)
                                              for n in lengths)}
     return max((predict(profile, entry, k, batch, budget, build, list(f_p), f_b, fallback, method, branch_steps,
                         deep) for f_p, method in candidates), key=lambda c: c.tok_s)
 
 
-def predict_fixed(profile: dict, temperature: float, k: int, batch: int, f_p: list[int], f_b: list[int],
+def predict_fixed(profile: Profile, temperature: float, k: int, batch: int, f_p: list[int], f_b: list[int],
                   fallback: str, c: float = 1.0, branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Prediction for explicit fan-out lists at the nearest calibrated temperature (for measured-vs-theory)."""
     entry = entry_at(profile, temperature, c)
     budget = max(sum(f_p), sum(f_b))
-    build = build_time(profile["timing"], k, batch, sum(f_p), branch_steps, deep, sampled=temperature > 0)
+    build = build_time(profile.timing, k, batch, sum(f_p), branch_steps, deep, sampled=temperature > 0)
     return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, "given", branch_steps, deep)
 
 
-def entry_at(profile: dict, temperature: float, c: float = 1.0) -> dict:
+def entry_at(profile: Profile, temperature: float, c: float = 1.0) -> TemperatureEntry:
     """The profile's entry for the calibrated temperature nearest ``temperature``, at the C nearest ``c``."""
-    key = min(profile["temperatures"], key=lambda t: abs(float(t) - temperature))
-    return _entry_with_c(profile["temperatures"][key], c)
+    key = min(profile.temperatures, key=lambda t: abs(float(t) - temperature))
+    return _entry_with_c(profile.temperatures[key], c)
 
 
 def tree_shapes(k: int, taper: bool) -> list[int | None]:
@@ -172,7 +169,7 @@ def tree_shapes(k: int, taper: bool) -> list[int | None]:
     return [None] + (list(range(1, k)) if taper else [])
 
 
-def best_choice(profile: dict, entry: dict, k: int, batch: int, fallback: str, vocab: int,
+def best_choice(profile: Profile, entry: TemperatureEntry, k: int, batch: int, fallback: str, vocab: int,
                 shapes: list[int | None] = (None,), deep: int = 1) -> Choice:
     """The budget B and tree shape (``branch_steps`` among ``shapes``, ``deep`` branches past them) with the
     best predicted speed (tokens per second: t_v differs per budget, through contention)."""
@@ -180,29 +177,29 @@ def best_choice(profile: dict, entry: dict, k: int, batch: int, fallback: str, v
                key=lambda c: c.tok_s)
 
 
-def _entry_with_c(entry: dict, c: float) -> dict:
+def _entry_with_c(entry: TemperatureEntry, c: float) -> TemperatureEntry:
     """The temperature entry whose primary source is the one calibrated at the C nearest to ``c``."""
-    options = [(1.0, entry["primary"])] + [(float(s["c"]), s) for s in entry.get("c_sweep", [])]
+    options = [(1.0, entry.primary)] + [(float(s.c), s) for s in entry.c_sweep]
     nearest = min(options, key=lambda o: abs(o[0] - c))[1]
-    return entry if nearest is entry["primary"] else {**entry, "primary": nearest}
+    return entry if nearest is entry.primary else replace(entry, primary=nearest)
 
 
-def calibrated_cs(entry: dict) -> list[float]:
-    return [1.0] + sorted(float(s["c"]) for s in entry.get("c_sweep", []))
+def calibrated_cs(entry: TemperatureEntry) -> list[float]:
+    return [1.0] + sorted(float(s.c) for s in entry.c_sweep)
 
 
-def choose_c(profile: dict, temperature: str, k: int, fallback: str, vocab: int) -> float:
+def choose_c(profile: Profile, temperature: str, k: int, fallback: str, vocab: int) -> float:
     """The calibrated C with the best predicted speedup at b = 1 (1 when no C < 1 was calibrated or greedy)."""
-    entry = profile["temperatures"][temperature]
+    entry = profile.temperatures[temperature]
     if float(temperature) <= 0:
         return 1.0
     return max(calibrated_cs(entry),
                key=lambda c: best_choice(profile, _entry_with_c(entry, c), k, 1, fallback, vocab).tok_s)
 
 
-def critical_batch(profile: dict, temperature: str, k: int, vocab: int, c: float = 1.0) -> tuple[float, dict]:
+def critical_batch(profile: Profile, temperature: str, k: int, vocab: int, c: float = 1.0) -> tuple[float, dict]:
     """Thm 18's b* (jit below, n-gram at or above) from the jit option's b = 1 prediction."""
-    entry = _entry_with_c(profile["temperatures"][temperature], c)
+    entry = _entry_with_c(profile.temperatures[temperature], c)
     jit = best_choice(profile, entry, k, 1, "jit", vocab)
     fast = best_choice(profile, entry, k, 1, "fast", vocab)
     args = dict(p_hit=jit.p_hit, E_hit=jit.e_hit, T_p=jit.t_hit, E_miss_fast=fast.e_miss, T_fast=fast.t_miss,
@@ -214,80 +211,54 @@ def critical_batch(profile: dict, temperature: str, k: int, vocab: int, c: float
     return float(b_star), args
 
 
-def sd_tokens_per_s(profile: dict, entry: dict, k: int) -> float:
+def sd_tokens_per_s(profile: Profile, entry: TemperatureEntry, k: int) -> float:
     """SD at b = 1: E(a_p, K) tokens per (K draft steps + one verification over K+1 rows)."""
-    timing = profile["timing"]
-    t = rows_time(timing["target_rows"], k + 1) + k * rows_time(timing["draft_rows"], 1)
-    return expected_round_tokens(entry["primary"], k) / t
+    timing = profile.timing
+    t = rows_time(timing.target_rows, k + 1) + k * rows_time(timing.draft_rows, 1)
+    return expected_round_tokens(entry.primary, k) / t
 
 
-def sd_speedup_vs_ar(profile: dict, temperature: float, k: int) -> float:
+def sd_speedup_vs_ar(profile: Profile, temperature: float, k: int) -> float:
     """Predicted SD speedup over AR at b = 1: ``sd_tokens_per_s`` times one target step."""
-    return sd_tokens_per_s(profile, entry_at(profile, temperature), k) * rows_time(profile["timing"]["target_rows"], 1)
+    return sd_tokens_per_s(profile, entry_at(profile, temperature), k) * rows_time(profile.timing.target_rows, 1)
 
 
-def recommended_k(profile: dict, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9),
+def recommended_k(profile: Profile, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9),
                   mode: str = "ssd", taper: bool = False, deep: int = 1) -> int:
     """K with the best predicted speed at b = 1 (SSD: Cor. 17 per K, with tapered trees if ``taper``;
     SD: E / (1 + T_SD)), summed over the calibrated temperatures."""
     kind = "jit" if fallback in ("jit", "auto") else "fast"
-    entries = list(profile["temperatures"].values())
+    entries = list(profile.temperatures.values())
     if mode == "sd":
         return max(ks, key=lambda k: sum(sd_tokens_per_s(profile, e, k) for e in entries))
     return max(ks, key=lambda k: sum(best_choice(profile, e, k, 1, kind, vocab, tree_shapes(k, taper), deep).tok_s
                                      for e in entries))
 
 
-def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "",
-                    workload: str = "mixed") -> dict:
-    """The stored profile, or the documented defaults (logged).
-
-    Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.compile),
-    with the draft in ``draft_format`` (``DraftFormat.tag``). Failing that, the nearest one that exists
-    (same format eager, then the plain draft), with a warning: its acceptance and hit curves still apply
-    roughly, its timings do not. A ``workload`` ("code", "chat") without its own profile falls back to the
-    "mixed" one, whose acceptance and hit rates are those of both kinds of prompts."""
-    settings = [(fast, draft_format), (False, draft_format), (fast, ""), (False, "")]
-    tried = [(f, fmt, w) for w in dict.fromkeys([workload, "mixed"]) for f, fmt in settings]
-    for i, (f, fmt, w) in enumerate(dict.fromkeys(tried)):
-        profile = load_profile(target, draft, dtype, f, fmt, w)
-        if profile is None:
-            continue
-        if i:
-            log.warning("no calibration profile for %s / %s as configured (fast path %s, draft format %r, workload "
-                        "%s); using the one with fast path %s, draft format %r, workload %s, whose timings or rates "
-                        "differ (run `saguaro calibrate` with the same settings)", target, draft, fast,
-                        draft_format or "bf16", workload, f, fmt or "bf16", w)
-        return profile
-    log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
-                "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)
-    return default_profile(target, draft, dtype, k)
-
-
-def paper_budget(timing: dict, k: int, batch: int = 1) -> int:
+def paper_budget(timing: Timing, k: int, batch: int = 1) -> int:
     """The paper's B: the most branches per sequence whose K steps (after the glue) fit in one verification;
     0 when not even one branch does (then cached speculations are shorter than K, see ``timeline.build_time``)."""
-    t_v = rows_time(timing["target_rows"], batch * (k + 1))
-    t_glue = rows_time(timing["draft_rows"], batch)  # one row per sequence, as in timeline.build_time
-    fits = [b for b in range(1, F_MAX + 1) if t_glue + k * rows_time(timing["draft_rows"], batch * b) <= t_v]
+    t_v = rows_time(timing.target_rows, batch * (k + 1))
+    t_glue = rows_time(timing.draft_rows, batch)  # one row per sequence, as in timeline.build_time
+    fits = [b for b in range(1, F_MAX + 1) if t_glue + k * rows_time(timing.draft_rows, batch * b) <= t_v]
     return max(fits, default=0)
 
 
-def make_plan(profile: dict, k: int, c_setting: float | str, fallback: str, max_batch: int, vocab: int,
+def make_plan(profile: Profile, k: int, c_setting: float | str, fallback: str, max_batch: int, vocab: int,
               taper: bool = False, deep: int = 1) -> SpecPlan:
     """The engine's plan for ``fan_out="auto"``: per temperature C, per batch size F^p and F^b, and b*; with
     ``taper`` also the tree's branch_steps per temperature for ``deep`` deep branches (chosen at b = 1, kept
     for every batch size)."""
-    temps = sorted(profile["temperatures"], key=float)
+    temps = sorted(profile.temperatures, key=float)
     cs = [choose_c(profile, t, k, "jit" if fallback in ("jit", "auto") else "fast", vocab) if c_setting == "auto"
           else float(c_setting) for t in temps]  # greedy rows ignore C
     b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0]) if fallback == "auto" else (math.inf, {})
-    primary, backup, notes = [], [], {"default_profile": bool(profile.get("default")), "b_star": b_star,
+    primary, backup, notes = [], [], {"default_profile": profile.default, "b_star": b_star,
                                       "thm18_inputs": thm18, "temperatures": {},
-                                      "paper_budget": paper_budget(profile["timing"], k)}
+                                      "paper_budget": paper_budget(profile.timing, k)}
     tapers = []
     for t, c in zip(temps, cs):
-        entry = _entry_with_c(profile["temperatures"][t], c)
+        entry = _entry_with_c(profile.temperatures[t], c)
         p_table, b_table, shapes = [], [], tree_shapes(k, taper)
         for b in range(1, max_batch + 1):
             kind = {"jit": "jit", "auto": "jit" if b < b_star else "fast"}.get(fallback, "fast")

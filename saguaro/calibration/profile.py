@@ -1,34 +1,19 @@
-"""The calibration profile of a target/draft pair: what it holds, where it lives, and the defaults.
+"""The calibration profile of a target/draft pair: its schema as typed dataclasses, and the defaults.
 
-Stored as JSON at ``<cache_root>/profiles/<target>__<draft>[@<format>]__<dtype>[__fast].json``
-(``saguaro.loading.cache_root``; ``SAGUARO_CACHE`` moves it; ``__fast``: timed on the bf16 fast path that
-``Config.compile`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g. ``int8-v65536``, since
-its weights and head change both its step time and its ranks). Schema (version 1)::
+``saguaro calibrate`` measures a ``Profile`` (``measure.calibrate``); ``store.py`` keeps it as JSON
+(``Profile.to_dict``: the same fields, nested the same way) and reads it back for the engine's "auto"
+settings; ``policy.py`` plans from it. ``PROFILE_VERSION`` changes whenever the layout does: a stored
+profile of another version, of none, or whose keys do not match these classes is refused with a message
+to re-run ``saguaro calibrate`` (``ProfileError``, logged by ``store.load_profile``).
 
-    {"version": 1, "target", "draft", "draft_format", "dtype", "fast", "k": K used to calibrate, "created",
-     "settings": {...},
-     "timing": {                       # seconds, one process on one core, min over repeats
-        "target_rows": {"n": s},       # one target forward over n new rows (n = K+1 is a verification)
-        "draft_rows": {"n": s},        # one draft forward over n new rows (a branch step of n rows, a glue)
-        "ngram_s": s,                  # one n-gram proposal of K tokens
-        "verify_s", "draft_step_s",    # target over K+1 rows; draft over 1 row
-        "T_p": K draft steps / verify (SD's T_SD), "T_b": n-gram / verify},
-     "temperatures": {"<T>": {
-        "primary": SOURCE, "backup": SOURCE,   # rounds after a primary (draft) / backup (n-gram) speculation
-        "c_sweep": [{"c", "acceptance", "tokens_per_round", "hit_curves", ...}],   # Saguaro C < 1, optional
-     }}}
-
-    SOURCE = {"rounds", "ranked_rounds",
-              "acceptance": a_p or a_b, P(a drafted token is accepted | all earlier ones were), the MLE
-                  accepted / (accepted + rejections) of Thm 2's capped-geometric model,
-              "accepted_per_drafted" (the engine's acceptance_rate), "acceptance_by_position",
-              "tokens_per_round": accepted + bonus per round (E_hit / E_miss as measured),
-              "outcome_pmf": P(k accepted), k = 0..K, over full-length speculations,
-              "depth_pmf": P(the outcome lands at cache depth d), d = 0..K (K: everything accepted), all rounds,
-              "hit_curves": K+1 lists, [k][F] = p_hit^k(F) for F = 0..F_MAX (row K: all accepted, Thm 13),
-              "miss_uniform": [F] = miss rate with the same F at every depth (paper fig. 3),
-              "r": power-law exponent (Def. 11, theory.fit_power_law), "r2": fit quality on log-log axes,
-              "power_law": r2 >= POWER_LAW_R2}
+Glossary:
+  * *source*: what follows one kind of speculation, measured over a calibration run's rounds: after the
+    *primary* (the draft model; jit fallback, empty cache) or the *backup* (the n-gram matcher). Its
+    acceptance a_p / a_b, its outcome law and its per-depth hit curves (``Source``).
+  * *depth* d of an outcome: d drafted tokens accepted (d < K: the bonus token replaced d_{d+1}); the
+    all-accepted outcome of any length is stored at index K, as the engine's fan-out lists do.
+  * *row table* (``RowTimes``): {"n": seconds for one forward over n new rows after a cached context};
+    keys are strings, as in the JSON; ``timeline.rows_time`` interpolates it.
 
 Defaults (no profile; the engine logs that it used them), chosen from shared/MODELS.md's CPU numbers and the
 paper's fits: primary a_p = 0.75 with r_p = 0.6, backup a_b = 0.3 with r_b = 0.4 at every temperature; a
@@ -37,15 +22,13 @@ verification over n rows 1 + 0.02 (n - 1) target rows; n-gram time 0.
 """
 from __future__ import annotations
 
-import json
-import os
-import re
 import time
-from pathlib import Path
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 
-from saguaro.loading.paths import cache_root
+from saguaro.config import DTYPES
 
 PROFILE_VERSION = 1
 F_MAX = 64  # hit curves are stored for fan-outs 0..F_MAX
@@ -54,82 +37,210 @@ DEFAULTS = {"a_p": 0.75, "r_p": 0.6, "a_b": 0.3, "r_b": 0.4, "draft_ratio": 0.38
             "target_slope": 0.02}
 ROW_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
+RowTimes = dict[str, float]  # "n" -> seconds for one forward over n new rows (see the glossary)
 
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(str(name).rstrip("/")) or str(name))
+
+class ProfileError(ValueError):
+    """A stored profile this engine cannot read: another version, or keys that do not match the schema."""
+
+
+@dataclass
+class StepOverhead:
+    """Seconds a build step spends on its logits besides the forward, per step width in rows
+    (``measure.time_step_overhead``)."""
+    greedy: RowTimes  # the draft's ranked ids and the argmax
+    sampled: RowTimes  # ranked ids, the processed distributions and a seeded draw
+
+
+@dataclass
+class BusyDraft:
+    """One phase of the contention probe: the target verifies while the draft runs ``draft_rows``-row passes
+    back to back on the other core."""
+    draft_rows: int
+    slowdown: float  # median verification time / its median with the other core idle
+    draft_passes_per_s: float  # the busy draft's pass rate meanwhile
+    verify_ms: list[float] = field(default_factory=list)  # each verification timed (reps)
+    verify_ms_median: float = 0.0
+    bus_bytes_per_s: float = 0.0  # what the bus carried: target bytes per verification + draft bytes per pass
+
+
+@dataclass
+class ContentionProbe:
+    """How much a busy draft on the other core slows the target's verification (``contention.measure``;
+    ``timeline.slowdowns`` reads it)."""
+    busy: list[BusyDraft]  # one per draft width probed
+    description: str = ""
+    rows: int = 0  # rows of the verification timed (K + 1)
+    context: int = 0  # tokens cached before them
+    reps: int = 0  # verifications timed per phase
+    fast: bool = False  # both models on the bf16 fast path
+    draft_format: str = ""  # DraftFormat.tag of the busy draft
+    target_cores: list[int] | None = None
+    draft_cores: list[int] | None = None
+    target_pass_bytes: int = 0  # weight bytes one pass streams (bus.pass_bytes)
+    draft_pass_bytes: int = 0
+    idle_ms_before: list[float] = field(default_factory=list)  # verifications with the other core idle
+    idle_ms_after: list[float] = field(default_factory=list)
+    idle_ms_median: float = 0.0
+    loadavg: list[float] | None = None  # the machine's load meanwhile (other tenants load the bus too)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> ContentionProbe:
+        d = _fields(cls, data, "timing.contention")
+        d["busy"] = [BusyDraft(**_fields(BusyDraft, b, "timing.contention.busy")) for b in d["busy"]]
+        return cls(**d)
+
+
+@dataclass
+class Timing:
+    """Seconds, one process on one core, min over repeats (``measure.measure_timing``)."""
+    target_rows: RowTimes  # one target forward over n new rows (n = K+1 is a verification)
+    draft_rows: RowTimes  # one draft forward over n new rows (a branch step of n rows, or a glue)
+    ngram_s: float  # one n-gram proposal of K tokens
+    verify_s: float  # target over K+1 rows
+    draft_step_s: float  # draft over 1 row
+    T_p: float  # K draft steps / verification (SD's T_SD, Thm 2)
+    T_b: float  # n-gram proposal / verification
+    context: int | None = None  # tokens cached before the timed rows (the prompts' mean length)
+    repeats: int | None = None
+    raw: dict[str, RowTimes] | None = None  # "target", "draft": the row tables before ``measure.monotone``
+    step_overhead: StepOverhead | None = None  # None: not timed (taken as 0)
+    contention: ContentionProbe | None = None  # None: not probed (no slowdown assumed)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Timing:
+        d = _fields(cls, data, "timing")
+        if d.get("step_overhead") is not None:
+            d["step_overhead"] = StepOverhead(**_fields(StepOverhead, d["step_overhead"], "timing.step_overhead"))
+        if d.get("contention") is not None:
+            d["contention"] = ContentionProbe.from_dict(d["contention"])
+        return cls(**d)
+
+
+@dataclass
+class Source:
+    """What follows one kind of speculation (glossary), from a run's rank records (``measure.summarize_source``).
+    A Saguaro C sweep point is a primary source with ``c`` and ``fan_out`` set."""
+    # a_p or a_b: P(a drafted token is accepted | all earlier ones were), the MLE accepted / (accepted +
+    # rejections) of Thm 2's capped geometric model
+    acceptance: float = 0.0
+    hit_curves: list[list[float]] = field(default_factory=list)  # K+1 lists: [d][F] = p_hit^d(F), F = 0..F_MAX
+    outcome_pmf: list[float] = field(default_factory=list)  # P(k accepted), k = 0..K, full-length speculations
+    depth_pmf: list[float] = field(default_factory=list)  # P(the outcome lands at depth d), d = 0..K, all rounds
+    tokens_per_round: float | None = None  # accepted + bonus per round (E_hit / E_miss as measured)
+    accepted_per_drafted: float | None = None  # the engine's acceptance_rate
+    acceptance_by_position: list[float] = field(default_factory=list)
+    rounds: int = 0
+    ranked_rounds: int = 0  # rounds whose bonus token's rank was known
+    miss_uniform: list[float] = field(default_factory=list)  # [F]: miss rate with F at every depth (paper fig. 3)
+    r: float | None = None  # power-law exponent (Def. 11, theory.fit_power_law); None: no miss at any F >= 1
+    r2: float = 0.0  # its fit on log-log axes
+    power_law: bool = False  # r2 >= POWER_LAW_R2
+    r_free: float | None = None  # the free fit miss = prefactor F^-r_free and its R^2 (measure.free_power_law)
+    prefactor: float | None = None
+    r2_free: float | None = None
+    # primary sources: per ranked round [depth, rank, jit tokens, n-gram tokens] of the round after it
+    # (miss_rounds.follow_ups)
+    follow_ups: list[list[int]] = field(default_factory=list)
+    c: float | None = None  # a C sweep point: the Saguaro C and the fan-out the primary ran with
+    fan_out: list[int] | None = None
+
+
+@dataclass
+class TemperatureEntry:
+    """The sources measured at one temperature."""
+    primary: Source  # rounds after a speculation drafted by the draft model
+    backup: Source  # rounds after one from the n-gram backup
+    c_sweep: list[Source] = field(default_factory=list)  # the primary again at each Saguaro C < 1 (T > 0 only)
+    temperature: float = 0.0
+
+    @classmethod
+    def from_dict(cls, data: dict, where: str) -> TemperatureEntry:
+        d = _fields(cls, data, where)
+        for name in ("primary", "backup"):
+            d[name] = Source(**_fields(Source, d[name], f"{where}.{name}"))
+        d["c_sweep"] = [Source(**_fields(Source, s, f"{where}.c_sweep")) for s in d.get("c_sweep", [])]
+        return cls(**d)
+
+
+@dataclass
+class Profile:
+    """Everything ``saguaro calibrate`` measured for one (target, draft, draft format, dtype, fast path,
+    workload); ``store.profile_path`` keys the file by the same."""
+    target: str
+    draft: str
+    dtype: str  # "float32", "bfloat16", ...
+    k: int  # K used to calibrate
+    timing: Timing
+    temperatures: dict[str, TemperatureEntry]  # keyed str(float(T)): "0.0", "1.0", ...
+    version: int = PROFILE_VERSION
+    default: bool = False  # the documented defaults, not a measurement
+    draft_format: str = ""  # DraftFormat.tag the draft ran as ("": bf16, full head)
+    workload: str = "mixed"  # the held-out prompts (config.WORKLOADS)
+    fast: bool = False  # timed on the bf16 fast path (Config.fast)
+    created: str = ""
+    settings: dict[str, Any] = field(default_factory=dict)  # how calibrate ran: prompts, tokens, batch, ...
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Profile:
+        """The profile in ``data`` (parsed JSON). Raises ``ProfileError`` for another version or layout."""
+        version = data.get("version") if isinstance(data, dict) else None
+        if version is None:
+            raise ProfileError("it has no version (written before profiles had one)")
+        if version != PROFILE_VERSION:
+            raise ProfileError(f"it is version {version}, this engine reads version {PROFILE_VERSION}")
+        d = _fields(cls, data, "profile")
+        d["timing"] = Timing.from_dict(d["timing"])
+        d["temperatures"] = {t: TemperatureEntry.from_dict(e, f"temperatures[{t}]")
+                             for t, e in d["temperatures"].items()}
+        return cls(**d)
+
+
+def _fields(cls: type, data: Any, where: str) -> dict:
+    """``data`` as keyword arguments of ``cls``; ``ProfileError`` naming the keys that do not match."""
+    if not isinstance(data, dict):
+        raise ProfileError(f"{where} is {type(data).__name__}, not an object")
+    known = {f.name for f in fields(cls)}
+    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
+    unknown, missing = sorted(set(data) - known), sorted(required - set(data))
+    if unknown or missing:
+        raise ProfileError(f"{where} " + "; ".join(([f"lacks {missing}"] if missing else [])
+                                                  + ([f"has unknown keys {unknown}"] if unknown else [])))
+    return dict(data)
 
 
 def dtype_name(dtype) -> str:
-    from saguaro.config import DTYPES
     return str(DTYPES.get(dtype, dtype)).replace("torch.", "")
 
 
-WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a profile was calibrated on
-
-
-def check_workload(workload: str, name: str = "calibration workload") -> None:
-    if workload not in WORKLOADS:
-        raise ValueError(f"{name} must be one of {WORKLOADS}, got {workload!r}")
-
-
-def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
-                 workload: str = "mixed") -> Path:
-    """Keyed by target, draft (and its format tag) and dtype; ``fast`` (timed on the bf16 fast path,
-    Config.compile) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
-    check_workload(workload)
-    suffix = ("__fast" if fast else "") + ("" if workload == "mixed" else f"~{workload}")
-    fmt = f"@{_slug(draft_format)}" if draft_format else ""
-    return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
-
-
-def save_profile(profile: dict) -> Path:
-    path = profile_path(profile["target"], profile["draft"], profile["dtype"], bool(profile.get("fast")),
-                        profile.get("draft_format", ""), profile.get("workload", "mixed"))
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(profile, indent=1))
-    tmp.replace(path)
-    return path
-
-
-def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
-                 workload: str = "mixed") -> dict | None:
-    """The stored profile, or None if there is none or it is unreadable / of another version."""
-    path = profile_path(target, draft, dtype, fast, draft_format, workload)
-    try:
-        profile = json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-    return profile if profile.get("version") == PROFILE_VERSION else None
-
-
-def power_law_source(a: float, r: float, k: int) -> dict:
-    """A SOURCE entry whose hit curves follow 1 - F^{-r} at every depth (Def. 11), acceptance a."""
+def power_law_source(a: float, r: float, k: int) -> Source:
+    """A source whose hit curves follow 1 - F^{-r} at every depth (Def. 11), acceptance a."""
     f = np.arange(F_MAX + 1, dtype=float)
     hit = np.where(f > 0, 1.0 - np.maximum(f, 1.0) ** (-r), 0.0)
     pmf = [a ** j * (1 - a) for j in range(k)] + [a ** k]
-    return {"rounds": 0, "ranked_rounds": 0, "acceptance": a, "accepted_per_drafted": None,
-            "acceptance_by_position": [a] * k, "tokens_per_round": float(sum(a ** j for j in range(k + 1))),
-            "outcome_pmf": pmf, "depth_pmf": pmf,
-            "hit_curves": [hit.tolist()] * (k + 1), "miss_uniform": (1.0 - hit).tolist(), "r": r, "r2": 1.0,
-            "power_law": True}
+    return Source(rounds=0, ranked_rounds=0, acceptance=a, accepted_per_drafted=None,
+                  acceptance_by_position=[a] * k, tokens_per_round=float(sum(a ** j for j in range(k + 1))),
+                  outcome_pmf=pmf, depth_pmf=pmf, hit_curves=[hit.tolist()] * (k + 1),
+                  miss_uniform=(1.0 - hit).tolist(), r=r, r2=1.0, power_law=True)
 
 
-def model_timing(k: int, verify_s: float = 1.0) -> dict:
+def model_timing(k: int, verify_s: float = 1.0) -> Timing:
     """The default timing table (relative units, a verification = ``verify_s``)."""
     d = DEFAULTS
     step = verify_s * d["draft_ratio"]
     target = {str(n): verify_s * (1 + d["target_slope"] * (n - 1)) / (1 + d["target_slope"] * k) for n in ROW_GRID}
     draft = {str(n): step * (1 + d["draft_slope"] * (n - 1)) for n in ROW_GRID}
-    return {"target_rows": target, "draft_rows": draft, "ngram_s": 0.0, "verify_s": verify_s,
-            "draft_step_s": step, "T_p": k * step / verify_s, "T_b": 0.0}
+    return Timing(target_rows=target, draft_rows=draft, ngram_s=0.0, verify_s=verify_s, draft_step_s=step,
+                  T_p=k * step / verify_s, T_b=0.0)
 
 
-def default_profile(target: str, draft: str, dtype, k: int = 4) -> dict:
-    """The documented defaults in the profile schema (``"default": True``), for greedy and temperature 1."""
+def default_profile(target: str, draft: str, dtype, k: int = 4) -> Profile:
+    """The documented defaults (``default=True``), for greedy and temperature 1."""
     d = DEFAULTS
-    entry = {"primary": power_law_source(d["a_p"], d["r_p"], k), "backup": power_law_source(d["a_b"], d["r_b"], k),
-             "c_sweep": []}
-    return {"version": PROFILE_VERSION, "default": True, "target": str(target), "draft": str(draft),
-            "dtype": dtype_name(dtype), "k": k, "created": time.strftime("%Y-%m-%dT%H:%M:%S"), "settings": {},
-            "timing": model_timing(k), "temperatures": {"0.0": entry, "1.0": entry}}
+    primary, backup = power_law_source(d["a_p"], d["r_p"], k), power_law_source(d["a_b"], d["r_b"], k)
+    return Profile(target=str(target), draft=str(draft), dtype=dtype_name(dtype), k=k, timing=model_timing(k),
+                   temperatures={t: TemperatureEntry(primary, backup, temperature=float(t)) for t in ("0.0", "1.0")},
+                   default=True, created=time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -1,8 +1,8 @@
 """How long a round's build and verification take side by side, from a profile's measured costs.
 
-``rows_time`` reads a measured cost table (seconds per forward over n rows). ``build_time`` lays the
-draft's build and the target's verification on one timeline, with the memory-bus contention the
-profile's probe measured (``contention.slowdowns``); the policy (``policy.py``) turns its result into
+``rows_time`` reads a measured cost table (seconds per forward over n rows), ``slowdowns`` the memory-bus
+contention the profile's probe measured (``contention.measure``). ``build_time`` lays the draft's build and
+the target's verification on one timeline with both; the policy (``policy.py``) turns its result into
 hit-round times and cached speculation lengths.
 """
 from __future__ import annotations
@@ -11,10 +11,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saguaro.calibration.contention import slowdowns
+from saguaro.calibration.profile import RowTimes, Timing
 
 
-def rows_time(table: dict, n: float) -> float:
+def rows_time(table: RowTimes, n: float) -> float:
     """Seconds for a forward over ``n`` rows: piecewise-linear in the measured points, linear beyond them."""
     pts = sorted((int(k), float(v)) for k, v in table.items())
     xs, ys = [p[0] for p in pts], [p[1] for p in pts]
@@ -26,6 +26,23 @@ def rows_time(table: dict, n: float) -> float:
     return float(np.interp(n, xs, ys))
 
 
+def slowdowns(timing: Timing, draft_rows: float) -> tuple[float, float]:
+    """(target, draft) slowdown factors while the draft runs ``draft_rows``-row passes beside a verification.
+
+    Read from the probe stored in ``timing.contention``, interpolated in the draft width (clamped to the
+    widths probed); the draft's factor compares its busy pass rate with its own time alone
+    (``timing.draft_rows``). (1, 1) when the profile has no probe."""
+    probe = timing.contention
+    if probe is None or not probe.busy:
+        return 1.0, 1.0
+    pts = sorted(probe.busy, key=lambda b: b.draft_rows)
+    xs = [b.draft_rows for b in pts]
+    target = float(max(1.0, np.interp(draft_rows, xs, [b.slowdown for b in pts])))  # clamps at the ends
+    alone = [rows_time(timing.draft_rows, b.draft_rows) for b in pts]
+    draft = [1.0 / (b.draft_passes_per_s * a) if b.draft_passes_per_s > 0 else 1.0 for b, a in zip(pts, alone)]
+    return target, float(max(1.0, np.interp(draft_rows, xs, draft)))
+
+
 @dataclass
 class BuildTime:
     steps: int  # L: build steps that decode every branch
@@ -34,25 +51,26 @@ class BuildTime:
     t_v: float
 
 
-def step_overhead(timing: dict, rows: int, sampled: bool) -> float:
+def step_overhead(timing: Timing, rows: int, sampled: bool) -> float:
     """Seconds a build step spends on its logits besides the forward (ranked ids, and the distributions and
     draw when ``sampled``); 0 for a profile that did not time it."""
-    table = (timing.get("step_overhead") or {}).get("sampled" if sampled else "greedy")
+    overhead = timing.step_overhead
+    table = None if overhead is None else overhead.sampled if sampled else overhead.greedy
     return rows_time(table, rows) if table else 0.0
 
 
-def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | None = None,
+def build_time(timing: Timing, k: int, batch: int, rows: int, branch_steps: int | None = None,
                deep: int = 1, sampled: bool = False) -> BuildTime:
     """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
     ``branch_steps`` of them, then ``deep`` rows: a tapered tree), and how long the verification takes.
 
     The two run side by side: the draft makes its passes (the glue, then the steps), each slowed by the
-    memory bus as the profile measured for its width (``contention.slowdowns``; none without a probe), and
+    memory bus as the profile measured for its width (``slowdowns``; none without a probe), and
     meanwhile the verification advances at 1 / (the target's slowdown beside a pass of that width); once
     the draft stops, or while it works on a step's logits (``step_overhead``, no bus traffic to speak
     of), at full speed. ``sampled``: the steps draw from distributions (temperature > 0). The first step
     always runs, a later one only starts while the verification is still running."""
-    t_alone = rows_time(timing["target_rows"], batch * (k + 1))
+    t_alone = rows_time(timing.target_rows, batch * (k + 1))
     full = k if branch_steps is None else branch_steps
     # the glue: one row per sequence (a speculation from the draft arrives with its k/v and ranked ids;
     # only its last token is fed), then the branch steps
@@ -64,7 +82,7 @@ def build_time(timing: dict, k: int, batch: int, rows: int, branch_steps: int | 
         if i >= 2 and t_v is not None:
             break
         slow_target, slow_draft = slowdowns(timing, width)
-        dur = rows_time(timing["draft_rows"], width) * slow_draft  # the forward, beside the verification
+        dur = rows_time(timing.draft_rows, width) * slow_draft  # the forward, beside the verification
         extra = step_overhead(timing, width, sampled) if i else 0.0  # the step's own logits work (CPU)
         if t_v is None and work + dur / slow_target >= t_alone:
             t_v = clock + (t_alone - work) * slow_target

@@ -15,13 +15,6 @@ def pin_process(cores: list[int] | None, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def describe(device: str, cores: list[int] | None, threads: int) -> str:
-    if device.startswith("cuda"):
-        return f"{device} ({torch.cuda.get_device_name(torch.device(device))})"
-    where = f"cores {cores}" if cores else "all cores"
-    return f"cpu, {where}, {threads} thread(s)"
-
-
 def load_or_place(model, device: str, dtype: torch.dtype, progress: bool = True):
     """A ``LoadedModel`` on ``device``/``dtype`` from a registry name / path (loaded) or a ``LoadedModel``
     (``place``d)."""

@@ -27,8 +27,3 @@ class KVCache:
         dst_index = torch.tensor(dst, dtype=torch.long, device=self.data.device)
         src_index = torch.tensor(src, dtype=torch.long, device=self.data.device)
         self.data.index_copy_(2, dst_index, self.data.index_select(2, src_index))
-
-    @staticmethod
-    def bytes_per_block(config: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return config.num_layers * 2 * block_size * config.num_kv_heads * config.head_dim * itemsize

@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -90,10 +90,6 @@ class GGUFModel:
             heads = self.config.num_heads if "q_proj" in name else self.config.num_kv_heads
             out = unpermute_rope_rows(out, heads)
         return out
-
-    def iter_tensors(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name in self.tensors:
-            yield name, self.tensor(name)
 
 
 def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:

@@ -11,6 +11,9 @@ accepted prefix, so no rejected token's k/v survives and no block leaks.
 records the transformed one: the SSD worker passes Saguaro sampling (Def. 14,
 ``saguaro.ssd.saguaro_sampling``) so just-in-time drafts follow the same law as cached ones.
 ``keep_ranked`` > 0 also records each step's most likely ids and their probabilities (``Proposal.ranked``).
+``state_of`` (optional) finds a sequence's draft cache where its owner keeps it: the SSD speculator keeps
+it with the rest of the sequence's state and frees it itself. By default the proposer keeps one per
+sequence id (``states``), rolled back by ``commit`` and freed by ``release``.
 """
 from __future__ import annotations
 
@@ -37,11 +40,13 @@ Reweight = Callable[[torch.Tensor, int, list[Sequence]], torch.Tensor]  # (probs
 
 
 class DraftModelProposer(Proposer):
-    def __init__(self, runner: ModelRunner, reweight: Reweight | None = None, keep_ranked: int = 0):
+    def __init__(self, runner: ModelRunner, reweight: Reweight | None = None, keep_ranked: int = 0,
+                 state_of: Callable[[Sequence], DraftState] | None = None):
         self.runner = runner
         self.reweight = reweight
         self.keep_ranked = keep_ranked
-        self.states: dict[int, DraftState] = {}
+        self.states: dict[int, DraftState] = {}  # the draft caches this proposer keeps (no ``state_of``)
+        self._state_of = state_of
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
         """Draft ``num_tokens[b]`` tokens for each sequence, one draft pass per step. The drawn tokens stay on
@@ -94,6 +99,8 @@ class DraftModelProposer(Proposer):
             self.runner.forward(items)
 
     def _state(self, seq: Sequence) -> DraftState:
+        if self._state_of is not None:
+            return self._state_of(seq)
         return self.states.setdefault(seq.seq_id, DraftState())
 
     def _feed(self, seq: Sequence, pending: list[int] | torch.Tensor, logits: str = "last") -> ForwardItem:

@@ -90,6 +90,13 @@ class NgramIndex:
             self._unindex_end(end)
         del self.tokens[length:]
 
+    def follow(self, tokens: Sequence[int]) -> None:
+        """Catch up with a sequence's ``tokens`` (it only grew since the last call), or index them afresh
+        when the history was rewritten (a re-admitted sequence)."""
+        if len(self) > len(tokens) or self.tokens[-1:] != list(tokens[len(self) - 1:len(self)]):
+            self.truncate(0)
+        self.extend(tokens[len(self):])
+
     def propose(self, k: int) -> list[int]:
         """Up to ``k`` tokens that followed the longest, most recent earlier match of the suffix."""
         length = len(self.tokens)

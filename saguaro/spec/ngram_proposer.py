@@ -17,10 +17,7 @@ class NgramProposer(Proposer):
             index = self.indexes.get(seq.seq_id)
             if index is None:
                 index = self.indexes[seq.seq_id] = NgramIndex(max_ngram=self.max_ngram, min_ngram=self.min_ngram)
-            all_tokens = seq.tokens
-            if len(index) > len(all_tokens) or index.tokens[-1:] != all_tokens[len(index) - 1:len(index)]:
-                index.truncate(0)  # history was rewritten (re-admission); rebuild
-            index.extend(all_tokens[len(index):])
+            index.follow(seq.tokens)
             tokens.append(index.propose(k))
         return Proposal.deterministic(tokens)
 

@@ -35,10 +35,6 @@ class SpeculationCache:
     def get(self, seq_id: int, k: int, token: int) -> CachedSpeculation | None:
         return self._entries.get((seq_id, k, token))
 
-    def drop(self, seq_id: int) -> None:
-        for key in [key for key in self._entries if key[0] == seq_id]:
-            del self._entries[key]
-
     def clear(self) -> None:
         self._entries.clear()
 

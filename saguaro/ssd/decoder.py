@@ -28,10 +28,10 @@ from saguaro.spec.sd import SDDecoder, draft_budget, verify_round
 from saguaro.spec.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.link import SpeculatorLink
-from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.plan import FallbackChoice, SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
-from saguaro.ssd.placement import open_link
-from saguaro.ssd.worker import WorkerOptions
+from saguaro.ssd.thread_link import ThreadLink
+from saguaro.ssd.worker import WorkerLink, WorkerOptions
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -44,18 +44,19 @@ class RoundTrace:
     build_s: float  # speculator's cache build for this round (overlapping verification)
     build_steps: int
     hits: list[bool] = field(default_factory=list)  # per verified sequence: was its speculation a cache hit
-    fallback: str = ""  # the speculator's cache-miss fallback for this round's batch size (plan.fallback_for)
+    fallback: str = ""  # the cache-miss fallback for this round's batch size (plan.FallbackChoice)
 
 
 class SSDDecoder(Decoder):
     reports_spec = True
     reports_cache = True
 
-    def __init__(self, target: ModelRunner, link: SpeculatorLink, k: int, max_model_len: int):
+    def __init__(self, target: ModelRunner, link: SpeculatorLink, plan: SpecPlan, max_model_len: int):
         self.target = target
         self.link: SpeculatorLink | None = link
-        self.k = k
-        self.lookahead = k + 1
+        self.plan = plan  # what the speculator was told (fan-outs, C, fallback)
+        self.k = plan.k
+        self.lookahead = self.k + 1
         self.max_model_len = max_model_len
         self.pending: dict[int, SpecRow] = {}
         self.prev_hit: dict[int, bool] = {}
@@ -63,8 +64,7 @@ class SSDDecoder(Decoder):
         self.trace: list[RoundTrace] = []
         self.fallback: SDDecoder | None = None
         self.failure: str | None = None
-        self.plan: SpecPlan | None = None  # what the speculator was told (fan-outs, C, fallback)
-        self.fallback_switches: list[tuple[int, str]] = []  # (batch size, fallback) each time "auto" switches
+        self.fallback_choice = FallbackChoice(plan)  # the speculator's, followed here for the trace and the log
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
@@ -92,7 +92,7 @@ class SSDDecoder(Decoder):
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
-                                     response.build_steps, hits, self._fallback_mode(len(seqs))))
+                                     response.build_steps, hits, self.fallback_choice.at(len(seqs))))
         return [out[s.seq_id] for s in seqs]
 
     def prefilling(self, seqs: list[Sequence]) -> None:
@@ -107,17 +107,10 @@ class SSDDecoder(Decoder):
         except ChannelClosed as e:
             self._fail(str(e))
 
-    def _fallback_mode(self, batch: int) -> str:
-        """Mirror of the speculator's choice (same plan, same batch size), logged here where logging is set up."""
-        if self.plan is None:
-            return ""
-        mode = self.plan.fallback_for(batch)
-        last = self.fallback_switches[-1][1] if self.fallback_switches else self.plan.fallback_for(1)
-        if mode != last:
-            log.info("batch size %d: SSD cache-miss fallback %s -> %s (b* = %.2f, Thm 18)", batch, last, mode,
-                     self.plan.b_star)
-            self.fallback_switches.append((batch, mode))
-        return mode
+    @property
+    def fallback_switches(self) -> list[tuple[int, str]]:
+        """(batch size, new fallback) each time fallback "auto" switched."""
+        return self.fallback_choice.switches
 
     def _proposal(self, seqs: list[Sequence]) -> Proposal:
         rows = [self.pending[s.seq_id] for s in seqs]
@@ -181,51 +174,10 @@ def _seed(seq: Sequence) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=seq.generator))
 
 
-def uniform_fan_out(k: int, per_depth: int = 1) -> list[int]:
-    return [per_depth] * (k + 1)
-
-
-def build_plan(cfg: Config, vocab: int) -> SpecPlan:
-    """Fan-outs, Saguaro C and fallback for the speculator.
-
-    Explicit settings (a ``fan_out`` list or None for uniform 1s, a numeric ``saguaro_c``, a named
-    ``fallback``, a ``branch_steps`` count or None) give a fixed plan. Any "auto" loads the calibration
-    profile for (target, draft, dtype) -- or the documented defaults, with a warning -- and lets
-    ``saguaro.calibration.policy.make_plan`` choose (Thm 12 / Thm 13 fan-outs per temperature, batch size and
-    source; C; Thm 18's b*; the tree's taper); explicit settings still override their part of it.
-    """
-    k = cfg.num_speculative_tokens
-    fixed = cfg.fan_out if isinstance(cfg.fan_out, list) else uniform_fan_out(k)
-    autos = [cfg.fan_out, cfg.fallback, cfg.saguaro_c, cfg.branch_steps]
-    if "auto" not in autos:
-        return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback, branch_steps=cfg.branch_steps,
-                              deep_branches=cfg.deep_branches)
-    from saguaro.calibration.policy import describe, make_plan, resolve_profile
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.fast, draft_format=cfg.draft_format.tag,
-                              workload=cfg.calibration_workload)
-    plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab, cfg.branch_steps == "auto",
-                     cfg.deep_branches)
-    if cfg.fan_out != "auto":
-        plan.primary = [[list(fixed)] for _ in plan.temperatures]
-        plan.backup = [[list(fixed)] for _ in plan.temperatures]
-    if cfg.branch_steps != "auto":
-        plan.branch_steps = [cfg.branch_steps] * len(plan.temperatures)
-    log.info("SSD plan (%s): %s", "defaults" if profile.get("default") else "calibrated", describe(plan))
-    return plan
-
-
-def build_ssd_decoder(cfg: Config, target: ModelRunner, target_model: LoadedModel, draft: LoadedModel,
+def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel,
                       max_model_len: int) -> SSDDecoder:
-    vocab = target.config.vocab_size
-    if isinstance(cfg.fan_out, list) and max(cfg.fan_out) > vocab:
-        raise ValueError(f"fan_out entries must not exceed the vocabulary size ({vocab})")
-    plan = build_plan(cfg, vocab)
-    device = cfg.draft_device or cfg.device
-    c = 1.0 if cfg.saguaro_c == "auto" else float(cfg.saguaro_c)
-    opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
-                         cfg.draft_torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
-                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.fast, cfg.draft_format)
-    link = open_link(cfg.speculator_transport, draft, opts)  # Config placed it (saguaro.ssd.placement)
-    decoder = SSDDecoder(target, link, cfg.num_speculative_tokens, max_model_len)
-    decoder.plan = plan
-    return decoder
+    """The verifier side, with the speculator started on ``plan`` (``calibration.resolve.ssd_plan``) over the
+    transport Config placed it on (``saguaro.ssd.placement``)."""
+    opts = WorkerOptions.from_config(cfg, plan)
+    link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
+    return SSDDecoder(target, link, plan, max_model_len)

@@ -17,7 +17,6 @@ the process. A placement that cannot work is refused with the options that can.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 TRANSPORTS = ("auto", "process", "thread")
 
@@ -76,11 +75,3 @@ def place_speculator(device: str, draft_device: str | None, gpu_count: int, tran
             f"CUDA stream), or 'auto'; or {other}")
     return Placement(transport, draft_device)
 
-
-def open_link(transport: str, draft: Any, opts: Any):
-    """Start the speculator over ``transport`` ("process" or "thread", as placed); ``opts``: its ``WorkerOptions``."""
-    if transport == "thread":
-        from saguaro.ssd.thread_link import ThreadLink
-        return ThreadLink(draft, opts)
-    from saguaro.ssd.worker import WorkerLink
-    return WorkerLink(draft, opts)

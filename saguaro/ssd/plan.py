@@ -15,12 +15,16 @@ Every round the speculator asks it, per sequence:
 * ``fallback_for(batch)`` -- "jit" below the critical batch size b* and "ngram" at or above it when the
   fallback is "auto" (Thm 18); the configured fallback otherwise.
 
-Temperatures are matched to the nearest calibrated one (greedy is temperature 0).
+Temperatures are matched to the nearest calibrated one (greedy is temperature 0). ``FallbackChoice`` follows
+``fallback_for`` from round to round and logs each switch.
 """
 from __future__ import annotations
 
+import logging
 import math
 from dataclasses import dataclass, field
+
+log = logging.getLogger("saguaro.ssd")
 
 
 @dataclass
@@ -91,3 +95,26 @@ class SpecPlan:
 
     def max_fan_out(self) -> int:
         return max(max(f) for table in self.primary + self.backup for f in table)
+
+
+class FallbackChoice:
+    """The cache-miss fallback from round to round: ``plan.fallback_for`` at each round's batch size, each
+    switch logged and kept in ``switches`` as (batch size, new fallback).
+
+    The speculator follows it to draft its misses; the verifier's side keeps one too, for its round trace
+    and its log: both see every round's batch size, so the two agree."""
+
+    def __init__(self, plan: SpecPlan):
+        self.plan = plan
+        self.current = plan.fallback_for(1)
+        self.switches: list[tuple[int, str]] = []
+
+    def at(self, batch: int) -> str:
+        """The fallback for a round of ``batch`` sequences."""
+        fallback = self.plan.fallback_for(batch)
+        if fallback != self.current:
+            log.info("batch size %d: SSD cache-miss fallback %s -> %s (b* = %.2f, Thm 18)", batch, self.current,
+                     fallback, self.plan.b_star)
+            self.switches.append((batch, fallback))
+            self.current = fallback
+        return fallback

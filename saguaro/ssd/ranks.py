@@ -8,14 +8,23 @@ t* among those logits at depth k -- excluding d_{k+1} when k < n, exactly as the
     p_hit^k(F) = P(rank < F | k accepted)          (k < K, Thm 13's p_hit^k),
     p_hit^{K,all}(F) = P(rank < F | all accepted), (depth K),
 
-measured separately after a primary (draft model) and a backup (n-gram / random) speculation. Off by default;
-when on it keeps one [n+1, V] logits block per sequence between a build and the next request.
+measured separately after a primary (draft model) and a backup (n-gram / random) speculation. A
+``RecordingSpeculator`` feeds a ``RankRecorder``; it keeps one [n+1, V] logits block per sequence between a
+build and the next request. The engine's own speculator records nothing.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+
+from saguaro.engine.model_runner import ModelRunner
+from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.protocol import Outcome
+from saguaro.ssd.seq_state import SeqState
+from saguaro.ssd.speculator import AsyncSpeculator, BuildStats, seq_temperature
+from saguaro.ssd.tree import BranchLayout
 
 
 @dataclass
@@ -57,3 +66,38 @@ class RankRecorder:
 
     def forget(self, seq_id: int) -> None:
         self._pending.pop(seq_id, None)
+
+
+class RecordingSpeculator(AsyncSpeculator):
+    """The speculator with a ``RankRecorder`` attached, as calibration runs it: in the engine's process
+    (``worker.InProcessLink``), every build complete. Each build ranks every depth of every speculation from
+    its own glue (not from the ranked ids a speculation came with), and decodes the branches only with
+    ``recorder.build_branches``: the ranks need only the glue's logits."""
+
+    def __init__(self, runner: ModelRunner, k: int, plan: SpecPlan, recorder: RankRecorder):
+        super().__init__(runner, k, plan)
+        self.recorder = recorder
+
+    def build(self, interrupted: Callable[[], bool] = lambda: False) -> BuildStats:
+        for state in self.states.values():
+            state.ranked = None  # the glue feeds, and so ranks, every depth
+        return super().build()  # every glue and every step: never interrupted
+
+    def _verified(self, state: SeqState, outcome: Outcome, hit: bool) -> None:
+        self.recorder.observe(outcome.seq_id, state.source, len(state.sent), outcome.num_accepted, outcome.bonus,
+                              seq_temperature(state.seq))
+        record = self.recorder.records[-1]
+        record.hit, record.seq_id, record.length = hit, outcome.seq_id, len(state.seq)
+
+    def _glued(self, state: SeqState, logits: torch.Tensor) -> None:
+        self.recorder.remember(state.seq.seq_id, logits, state.sent)
+
+    def _decode_branches(self, states: list[SeqState], layouts: list[BranchLayout],
+                         interrupted: Callable[[], bool]) -> BuildStats:
+        if not self.recorder.build_branches:
+            return BuildStats()
+        return super()._decode_branches(states, layouts, interrupted)
+
+    def _forget(self, seq_id: int) -> None:
+        super()._forget(seq_id)
+        self.recorder.forget(seq_id)

@@ -32,7 +32,6 @@ receives, so the output stays exact.
 """
 from __future__ import annotations
 
-import logging
 import random
 import time
 from dataclasses import dataclass
@@ -44,18 +43,15 @@ from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.sampler import sample
-from saguaro.spec.draft_model import DraftModelProposer, DraftState
-from saguaro.spec.ngram_proposer import NgramProposer
-from saguaro.spec.types import Ranked, RankTable, rank_positions, rank_table
+from saguaro.spec.draft_model import DraftModelProposer
+from saguaro.spec.types import RankTable, rank_positions, rank_table
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
-from saguaro.ssd.plan import SpecPlan
-from saguaro.ssd.protocol import Admission, RoundRequest, RoundResponse, SpecRow
-from saguaro.ssd.ranks import RankRecorder
+from saguaro.ssd.plan import FallbackChoice, SpecPlan
+from saguaro.ssd.protocol import Admission, Outcome, RoundRequest, RoundResponse, SpecRow
 from saguaro.ssd.saguaro_sampling import SaguaroSampling
+from saguaro.ssd.seq_state import SeqState
 from saguaro.ssd.tree import BranchLayout
-
-log = logging.getLogger("saguaro.ssd")
 
 
 @dataclass
@@ -65,7 +61,7 @@ class BuildStats:
     branches: int = 0
 
 
-def _temperature(seq: Sequence) -> float:
+def seq_temperature(seq: Sequence) -> float:
     return 0.0 if seq.params.greedy else float(seq.params.temperature)
 
 
@@ -73,46 +69,43 @@ class AsyncSpeculator:
     """``fan_out`` is a ``SpecPlan`` or one F_0..F_K list (then ``fallback`` and ``saguaro_c`` apply to all)."""
 
     def __init__(self, runner: ModelRunner, k: int, fan_out: list[int] | SpecPlan, fallback: str = "jit",
-                 saguaro_c: float = 1.0, recorder: RankRecorder | None = None):
+                 saguaro_c: float = 1.0):
         self.plan = fan_out if isinstance(fan_out, SpecPlan) else SpecPlan.fixed(list(fan_out), saguaro_c, fallback)
         if self.plan.k != k:
             raise ValueError(f"plan is for K={self.plan.k}, speculator for K={k}")
         self.runner = runner
         self.k = k
         self.batch = 1  # size of the batch in the last request
-        self.fallback = self.plan.fallback_for(self.batch)
-        self.fallback_switches: list[tuple[int, str]] = []  # (batch size, new fallback) for fallback "auto"
+        self.fallback_choice = FallbackChoice(self.plan)  # follows the batch size (fallback "auto", Thm 18)
         self.saguaro = None  # Def. 14 sampling, only when some temperature uses C < 1
         if min(self.plan.c) < 1.0:
-            self.saguaro = SaguaroSampling(lambda s: self.plan.fan_out(_temperature(s), "p", self.batch),
-                                           lambda s: self.plan.c_for(_temperature(s)))
+            self.saguaro = SaguaroSampling(lambda s: self.plan.fan_out(seq_temperature(s), "p", self.batch),
+                                           lambda s: self.plan.c_for(seq_temperature(s)))
         self.width = self.plan.max_fan_out() + 1  # ranked ids kept per draft position (top-F_k plus the drafted)
-        # the jit drafter also owns each sequence's draft KV state
-        self.jit = DraftModelProposer(runner, self.saguaro.apply if self.saguaro else None, keep_ranked=self.width)
-        self.ngram = NgramProposer()
-        self.recorder = recorder
-        self.seqs: dict[int, Sequence] = {}
-        self.sent: dict[int, list[int]] = {}  # speculation under verification, per sequence
-        self.source: dict[int, str] = {}  # who drafted it: "p" (primary draft) or "b" (fast backup)
-        self.ranked: dict[int, list[Ranked]] = {}  # the draft's ranked ids at each position of it (primary only)
-        self.scratch: dict[int, list[int]] = {}  # per sequence, the last build's branch blocks (until respond)
-        self.prefilled: dict[int, list[int]] = {}  # tokens already in the draft cache of sequences not yet admitted
+        self.states: dict[int, SeqState] = {}  # per sequence id, from its prefill or admission to its release
+        # the just-in-time drafter works on each sequence's own draft cache (SeqState.draft)
+        self.jit = DraftModelProposer(runner, self.saguaro.apply if self.saguaro else None, keep_ranked=self.width,
+                                      state_of=lambda seq: self.states[seq.seq_id].draft)
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
         self._rng = random.Random(0)
 
-    def fan_out_for(self, seq: Sequence) -> list[int]:
-        """F_0..F_K for the cache of ``seq``'s speculation under verification."""
-        return self.plan.fan_out(_temperature(seq), self.source.get(seq.seq_id, "p"), self.batch)
+    def fan_out_for(self, state: SeqState) -> list[int]:
+        """F_0..F_K for the cache of a sequence's speculation under verification."""
+        return self.plan.fan_out(seq_temperature(state.seq), state.source, self.batch)
+
+    @property
+    def fallback(self) -> str:
+        """The cache-miss fallback for the current batch size: "jit", "ngram" or "random"."""
+        return self.fallback_choice.current
+
+    @property
+    def fallback_switches(self) -> list[tuple[int, str]]:
+        return self.fallback_choice.switches
 
     def _set_batch(self, batch: int) -> None:
         self.batch = max(1, batch)
-        fallback = self.plan.fallback_for(self.batch)
-        if fallback != self.fallback:
-            log.info("batch size %d: cache-miss fallback %s -> %s (b* = %.2f)", self.batch, self.fallback, fallback,
-                     self.plan.b_star)
-            self.fallback_switches.append((self.batch, fallback))
-            self.fallback = fallback
+        self.fallback_choice.at(self.batch)
 
     # -- prefill -----------------------------------------------------------------
     def prefill(self, req: RoundRequest) -> None:
@@ -124,12 +117,12 @@ class AsyncSpeculator:
         for adm in req.admissions:
             self._forget(adm.seq_id)
             cached = list(adm.tokens[:-1])
-            state = self.jit.states[adm.seq_id] = DraftState()
-            self.runner.blocks.reserve(state.block_table, len(cached))
+            self.states[adm.seq_id] = SeqState(prefilled=cached)
+            draft = self.states[adm.seq_id].draft
+            self.runner.blocks.reserve(draft.block_table, len(cached))
             if cached:
-                items.append(ForwardItem(cached, 0, state.block_table, "none"))
-            state.num_cached = len(cached)
-            self.prefilled[adm.seq_id] = cached
+                items.append(ForwardItem(cached, 0, draft.block_table, "none"))
+            draft.num_cached = len(cached)
         if items:
             self.runner.forward(items)
 
@@ -143,104 +136,97 @@ class AsyncSpeculator:
         self._set_batch(len(req.order))
         hits: dict[int, CachedSpeculation] = {}
         for out in req.outcomes:
-            seq, sent = self.seqs[out.seq_id], self.sent.get(out.seq_id, [])
-            if self.recorder is not None:
-                self.recorder.observe(out.seq_id, self.source.get(out.seq_id, "p"), len(sent), out.num_accepted,
-                                      out.bonus, _temperature(seq))
-            accepted = sent[:out.num_accepted] + [out.bonus]
-            state = self.jit.states.get(seq.seq_id)
-            if state is not None:  # the draft cache stays valid up to the accepted drafts
-                state.num_cached = min(state.num_cached, len(seq) + out.num_accepted)
-                self.runner.blocks.truncate(state.block_table, state.num_cached)
+            state = self.states[out.seq_id]
+            seq, draft = state.seq, state.draft
+            accepted = state.sent[:out.num_accepted] + [out.bonus]
+            # the draft cache stays valid up to the accepted drafts
+            draft.num_cached = min(draft.num_cached, len(seq) + out.num_accepted)
+            self.runner.blocks.truncate(draft.block_table, draft.num_cached)
             seq.output_ids += accepted
             cached = self.cache.get(out.seq_id, out.num_accepted, out.bonus)
             if cached is not None:
                 hits[out.seq_id] = cached
-                self._adopt_kv(seq, state, cached)
-            if self.recorder is not None:
-                record = self.recorder.records[-1]
-                record.hit, record.seq_id, record.length = cached is not None, out.seq_id, len(seq)
+                self._adopt_kv(state, cached)
+            self._verified(state, out, cached is not None)
         self.cache.clear()
         self._free_scratch()
-        order = [self.seqs[i] for i in req.order]
-        misses = [s for s in order if s.seq_id not in hits]
-        fallback_rows = self._fallback(misses)
+        order = [self.states[i] for i in req.order]
+        fallback_rows = self._fallback([s for s in order if s.seq.seq_id not in hits])
         rows = []
-        for seq in order:
-            if seq.seq_id in hits:
-                c = hits[seq.seq_id]
+        for state in order:
+            seq_id = state.seq.seq_id
+            if seq_id in hits:
+                c = hits[seq_id]
                 row = SpecRow(True, c.tokens, c.probs)
-                self.ranked[seq.seq_id] = c.ranked()
+                state.ranked = c.ranked()
             else:
-                row = fallback_rows[seq.seq_id]
-            self.sent[seq.seq_id] = row.tokens
-            self.source[seq.seq_id] = "b" if row.point_mass else "p"
+                row = fallback_rows[seq_id]
+            state.sent = row.tokens
+            state.source = "b" if row.point_mass else "p"
             rows.append(row)
         return RoundResponse(rows, self.last_build.seconds, time.perf_counter() - start, self.last_build.steps)
 
     def _admit(self, adm: Admission) -> None:
         """Start tracking a sequence; keep the draft cache ``prefill`` filled for it if that holds a strict
         prefix of its tokens (else start over)."""
-        prefilled = self.prefilled.get(adm.seq_id)
-        keep = prefilled is not None and len(prefilled) < len(adm.tokens) and adm.tokens[:len(prefilled)] == prefilled
-        state = self.jit.states.pop(adm.seq_id, None) if keep else None
-        self._forget(adm.seq_id)  # frees a prefill that does not match
-        seq = Sequence(adm.tokens, adm.params)
+        state = self.states.get(adm.seq_id)
+        done = state.prefilled if state is not None else None
+        if done is None or len(done) >= len(adm.tokens) or adm.tokens[:len(done)] != done:
+            self._forget(adm.seq_id)  # frees a prefill that does not match
+            state = self.states[adm.seq_id] = SeqState()
+        state.prefilled = None
+        seq = state.seq = Sequence(adm.tokens, adm.params)
         seq.seq_id = adm.seq_id
         if seq.generator is not None:
             seq.generator.manual_seed(adm.seed)
-        self.seqs[adm.seq_id] = seq
-        if state is not None:
-            self.jit.states[adm.seq_id] = state
 
-    def _adopt_kv(self, seq: Sequence, state: DraftState | None, cached: CachedSpeculation) -> None:
+    def _adopt_kv(self, state: SeqState, cached: CachedSpeculation) -> None:
         """Copy a hit branch's k/v (its bonus token and every drafted token but the last) from the build's
         scratch into the sequence's draft cache, right after the verified prefix, where the glue would
         otherwise recompute it."""
-        if state is None or not cached.kv_slots or state.num_cached != len(seq) - 1:
+        draft = state.draft
+        if not cached.kv_slots or draft.num_cached != len(state.seq) - 1:
             return
-        end = state.num_cached + len(cached.kv_slots)
-        self.runner.blocks.reserve(state.block_table, end)
-        self.runner.cache.copy_slots(cached.kv_slots, self.runner.slots(state.block_table, state.num_cached, end))
-        state.num_cached = end
+        end = draft.num_cached + len(cached.kv_slots)
+        self.runner.blocks.reserve(draft.block_table, end)
+        self.runner.cache.copy_slots(cached.kv_slots, self.runner.slots(draft.block_table, draft.num_cached, end))
+        draft.num_cached = end
 
-    def _free_scratch(self, seq_id: int | None = None) -> None:
-        for i in ([seq_id] if seq_id is not None else list(self.scratch)):
-            table = self.scratch.pop(i, None)
-            if table:
-                self.runner.blocks.free(table)
+    def _free_scratch(self) -> None:
+        for state in self.states.values():
+            self.runner.blocks.free(state.scratch)
 
-    def _fallback(self, seqs: list[Sequence]) -> dict[int, SpecRow]:
-        for s in seqs:
-            self.ranked.pop(s.seq_id, None)
-        if not seqs:
+    def _fallback(self, states: list[SeqState]) -> dict[int, SpecRow]:
+        """Speculations for the sequences whose outcome the cache missed (or that are new), by sequence id."""
+        for s in states:
+            s.ranked = None
+        if not states:
             return {}
+        seqs = [s.seq for s in states]
         if self.fallback == "jit":
             proposal = self.jit.propose(seqs, [self.k] * len(seqs))
-            for s, ranked in zip(seqs, proposal.ranked):
-                self.ranked[s.seq_id] = ranked
+            for s, ranked in zip(states, proposal.ranked):
+                s.ranked = ranked
             return {s.seq_id: SpecRow(False, toks, None if s.params.greedy else proposal.probs[b, :len(toks)].clone())
                     for b, (s, toks) in enumerate(zip(seqs, proposal.tokens))}
         if self.fallback == "ngram":
-            proposal = self.ngram.propose(seqs, [self.k] * len(seqs))
-            tokens = proposal.tokens
+            tokens = []
+            for s in states:
+                s.ngram.follow(s.seq.tokens)
+                tokens.append(s.ngram.propose(self.k))
         else:
             vocab = self.runner.config.vocab_size
             tokens = [[self._rng.randrange(vocab) for _ in range(self.k)] for _ in seqs]
         return {s.seq_id: SpecRow(False, toks, None, point_mass=True) for s, toks in zip(seqs, tokens)}
 
     def _forget(self, seq_id: int) -> None:
-        seq = self.seqs.pop(seq_id, None)
-        self.prefilled.pop(seq_id, None)
-        self.jit.drop(seq_id)  # its draft cache, admitted or only prefilled
-        if seq is not None:
-            self.ngram.release(seq)
-        self.sent.pop(seq_id, None)
-        self.source.pop(seq_id, None)
-        self.ranked.pop(seq_id, None)
-        self._free_scratch(seq_id)
-        if self.recorder is not None:
-            self.recorder.forget(seq_id)
+        state = self.states.pop(seq_id, None)
+        if state is not None:
+            state.free(self.runner.blocks)
+
+    def _verified(self, state: SeqState, outcome: Outcome, hit: bool) -> None:
+        """Called once the outcome of ``state``'s speculation is applied (``state.sent`` and ``state.source``
+        are still the verified speculation's); calibration records it (``ranks.RecordingSpeculator``)."""
 
     # -- build -------------------------------------------------------------------
     def build(self, interrupted: Callable[[], bool] = lambda: False) -> BuildStats:
@@ -248,75 +234,73 @@ class AsyncSpeculator:
         start = time.perf_counter()
         stats = BuildStats()
         self._free_scratch()
-        seqs = [self.seqs[i] for i, spec in self.sent.items() if spec and i in self.seqs]
-        if seqs and (self.recorder is not None or not interrupted()):  # calibration needs every glue
-            layouts = self._glue(seqs)
-            scratch: list[list[int]] = [[] for _ in seqs]
-            try:
-                stats = self._decode_branches(seqs, layouts, scratch, interrupted)
+        states = [s for s in self.states.values() if s.sent and s.seq is not None]
+        if states and not interrupted():
+            layouts = self._glue(states)
+            try:  # the scratch is kept until the next respond: a hit adopts its branch's k/v from there
+                stats = self._decode_branches(states, layouts, interrupted)
             except BaseException:
-                for table in scratch:
-                    self.runner.blocks.free(table)
+                self._free_scratch()
                 raise
-            # kept until the next respond: a hit adopts its branch's k/v from here
-            self.scratch = {seq.seq_id: table for seq, table in zip(seqs, scratch) if table}
         stats.seconds = time.perf_counter() - start
         self.last_build = stats
         return stats
 
-    def _glue(self, seqs: list[Sequence]) -> list[BranchLayout]:
+    def _glue(self, states: list[SeqState]) -> list[BranchLayout]:
         """Extend each draft cache with the speculation under verification; pick the branches.
 
         Depth j's guesses come from the draft's distribution after the verified prefix and d_1..d_j,
         i.e. from feeding position ``base + j`` (``base``: the last verified token). Positions whose
         k/v is cached and whose ranked ids came with the speculation are not fed again."""
         items, known = [], []
-        for seq in seqs:
-            state = self.jit.states.setdefault(seq.seq_id, DraftState())
-            spec, base = self.sent[seq.seq_id], len(seq) - 1
-            ranked = self.ranked.get(seq.seq_id) if self.recorder is None else None  # calibration ranks every depth
-            start = min(state.num_cached, base)  # else re-feed the last verified token for its logits
-            if ranked is not None and state.num_cached >= base:
-                start = min(state.num_cached, base + len(ranked), base + len(spec))
+        for state in states:
+            seq, draft, spec = state.seq, state.draft, state.sent
+            base = len(seq) - 1
+            start = min(draft.num_cached, base)  # else re-feed the last verified token for its logits
+            if state.ranked is not None and draft.num_cached >= base:
+                start = min(draft.num_cached, base + len(state.ranked), base + len(spec))
             known.append(max(start - base, 0))
-            self.runner.blocks.truncate(state.block_table, start)
+            self.runner.blocks.truncate(draft.block_table, start)
             tokens = (seq.tokens + spec)[start:]
-            self.runner.blocks.reserve(state.block_table, start + len(tokens))
-            items.append(ForwardItem(tokens, start, state.block_table, "all"))
-            state.num_cached = start + len(tokens)
+            self.runner.blocks.reserve(draft.block_table, start + len(tokens))
+            items.append(ForwardItem(tokens, start, draft.block_table, "all"))
+            draft.num_cached = start + len(tokens)
         logits = self.runner.forward(items)
-        depth_logits = [rows[-(len(self.sent[seq.seq_id]) + 1 - j0):] for seq, rows, j0 in zip(seqs, logits, known)]
+        depth_logits = [rows[-(len(s.sent) + 1 - j0):] for s, rows, j0 in zip(states, logits, known)]
         fresh = iter(rank_positions(torch.cat(depth_logits), self.width))  # depths j0..n of each, in one call
         layouts = []
-        for seq, rows, j0 in zip(seqs, depth_logits, known):
-            spec = self.sent[seq.seq_id]
-            if self.recorder is not None:
-                self.recorder.remember(seq.seq_id, rows, spec)
-            ranked = (self.ranked.get(seq.seq_id) or [])[:j0] + [next(fresh) for _ in range(len(rows))]
-            outcomes = predict_outcomes(ranked, spec, self.fan_out_for(seq))
-            if self.recorder is not None and not self.recorder.build_branches:
-                outcomes = []
-            state = self.jit.states[seq.seq_id]
-            layouts.append(BranchLayout(self.runner.slots(state.block_table, 0, state.num_cached), len(seq),
+        for state, rows, j0 in zip(states, depth_logits, known):
+            seq, draft = state.seq, state.draft
+            self._glued(state, rows)
+            ranked = (state.ranked or [])[:j0] + [next(fresh) for _ in range(len(rows))]
+            outcomes = predict_outcomes(ranked, state.sent, self.fan_out_for(state))
+            layouts.append(BranchLayout(self.runner.slots(draft.block_table, 0, draft.num_cached), len(seq),
                                         [k for k, _ in outcomes], [t for _, t in outcomes],
-                                        self.plan.branch_widths(len(outcomes), _temperature(seq)),
-                                        block_table=list(state.block_table)))
+                                        self.plan.branch_widths(len(outcomes), seq_temperature(seq)),
+                                        block_table=list(draft.block_table)))
         return layouts
 
-    def _decode_branches(self, seqs, layouts, scratch, interrupted) -> BuildStats:
+    def _glued(self, state: SeqState, logits: torch.Tensor) -> None:
+        """Called with the draft's logits at each depth of ``state``'s speculation (``logits[j]``: after the
+        verified prefix and d_1..d_j; the depths the glue fed); calibration records them."""
+
+    def _decode_branches(self, states: list[SeqState], layouts: list[BranchLayout],
+                         interrupted: Callable[[], bool]) -> BuildStats:
         """Decode the branches of every sequence together, one tree-masked pass per step; step j decodes
-        each sequence's ``width(j)`` likeliest branches."""
+        each sequence's ``width(j)`` likeliest branches (``layouts[i]``: those of ``states[i]``), their k/v
+        in each sequence's scratch blocks."""
         live = [i for i, lay in enumerate(layouts) if lay.num_branches]
         if not live:
             return BuildStats()
+        seqs = [s.seq for s in states]
         for i in live:
             size = layouts[i].scratch_size(self.k)
-            self.runner.blocks.reserve(scratch[i], size)
-            layouts[i].scratch_slots = self.runner.slots(scratch[i], 0, size)
+            self.runner.blocks.reserve(states[i].scratch, size)
+            layouts[i].scratch_slots = self.runner.slots(states[i].scratch, 0, size)
         # per live sequence and branch: the drafted tokens, and the rows (over all steps' passes) whose
         # distributions and ranked ids the tokens were drawn from
-        tokens = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
-        rows_of = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        tokens: dict[int, list[list[int]]] = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        rows_of: dict[int, list[list[int]]] = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
         all_probs: list[torch.Tensor] = []
         tables: list[RankTable] = []
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
@@ -360,7 +344,8 @@ class AsyncSpeculator:
         return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
 
     @staticmethod
-    def _branch_probs(seqs, rows_of, all_probs) -> dict[tuple[int, int], torch.Tensor]:
+    def _branch_probs(seqs: list[Sequence], rows_of: dict[int, list[list[int]]],
+                      all_probs: list[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
         """[len(tokens), V] distributions of every sampled (non-greedy) branch: one gather per branch length."""
         by_length: dict[int, list[tuple[int, int]]] = {}
         for i, branches in rows_of.items():
@@ -377,6 +362,5 @@ class AsyncSpeculator:
         return out
 
     def close(self) -> None:
-        for seq_id in list(self.seqs):
+        for seq_id in list(self.states):
             self._forget(seq_id)
-        self._free_scratch()

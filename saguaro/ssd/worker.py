@@ -20,38 +20,50 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
+from saguaro.config import Config
 from saguaro.engine.device import load_or_place, pin_process, place
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.channel import Channel, ChannelClosed, free_port, make_counters
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import (CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse, pack_request,
                                   pack_response, unpack_request, unpack_response)
-from saguaro.ssd.ranks import RankRecorder
+from saguaro.ssd.ranks import RankRecorder, RecordingSpeculator
 from saguaro.ssd.speculator import AsyncSpeculator
 from saguaro.spec.draft_format import DraftFormat
 
 log = logging.getLogger("saguaro.ssd")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerOptions:
-    k: int
-    fan_out: list[int]
-    fallback: str
-    dtype: torch.dtype
+    """What the speculator process needs: its plan, and where and how its draft runs (``from_config``)."""
+    plan: SpecPlan  # K, fan-outs, Saguaro C, the fallback and the tree's taper
+    dtype: torch.dtype  # the draft's
     device: str
-    cores: list[int] | None
+    cores: list[int] | None  # CPU affinity of the speculator process
     threads: int
     kv_cache_tokens: int
     block_size: int
-    timeout_s: float
-    saguaro_c: float = 1.0  # Saguaro sampling C (Def. 14) when no plan is given
-    plan: SpecPlan | None = None  # overrides fan_out / fallback / saguaro_c (fan_out="auto", fallback="auto")
-    fast: bool = False  # run the draft through the bf16 fast path (Config.compile), like the target
+    timeout_s: float  # a side silent this long is declared dead
+    fast: bool = False  # run the draft through the device's fast path (Config.fast), like the target
     draft_format: DraftFormat = field(default_factory=DraftFormat)  # int8 weights / reduced head
 
+    @classmethod
+    def from_config(cls, cfg: Config, plan: SpecPlan) -> WorkerOptions:
+        return cls(plan=plan, dtype=cfg.draft_torch_dtype, device=cfg.draft_device or cfg.device,
+                   cores=cfg.draft_cores, threads=cfg.threads, kv_cache_tokens=cfg.kv_cache_tokens,
+                   block_size=cfg.block_size, timeout_s=cfg.worker_timeout_s, fast=cfg.fast,
+                   draft_format=cfg.draft_format)
+
+    @property
+    def k(self) -> int:
+        return self.plan.k
+
     def make_speculator(self, runner: ModelRunner, recorder: RankRecorder | None = None) -> AsyncSpeculator:
-        return AsyncSpeculator(runner, self.k, self.plan or self.fan_out, self.fallback, self.saguaro_c, recorder)
+        """The engine's speculator, or with ``recorder`` calibration's, which records bonus-token ranks."""
+        if recorder is None:
+            return AsyncSpeculator(runner, self.k, self.plan)
+        return RecordingSpeculator(runner, self.k, self.plan, recorder)
 
     def draft_blocks(self) -> int:
         """Room for every sequence's context plus the branch scratch of a full batch."""

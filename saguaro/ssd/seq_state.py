@@ -1,0 +1,31 @@
+"""What the SSD speculator keeps for one sequence, from its prefill or admission to its release.
+
+One object per sequence: admitting, answering, building and forgetting a sequence touch this one place,
+and ``free`` gives back every block it holds (its draft cache and its branch scratch).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from saguaro.engine.sequence import Sequence
+from saguaro.kv.block_manager import BlockManager
+from saguaro.spec.draft_model import DraftState
+from saguaro.spec.ngram import NgramIndex
+from saguaro.spec.types import Ranked
+
+
+@dataclass
+class SeqState:
+    seq: Sequence | None = None  # the speculator's copy of the sequence; None while it is only prefilled
+    draft: DraftState = field(default_factory=DraftState)  # its draft KV cache: block table, tokens cached
+    prefilled: list[int] | None = None  # the tokens a prefill put in the draft cache, until its admission
+    sent: list[int] = field(default_factory=list)  # the speculation under verification
+    source: str = "p"  # who drafted it: "p" (the primary draft) or "b" (the fast backup)
+    ranked: list[Ranked] | None = None  # the draft's ranked ids at each position of it (primary only)
+    scratch: list[int] = field(default_factory=list)  # blocks of the last build's branches, until the next respond
+    ngram: NgramIndex = field(default_factory=NgramIndex)  # the n-gram backup's index of its tokens
+
+    def free(self, blocks: BlockManager) -> None:
+        """Give back the draft cache and the scratch."""
+        blocks.free(self.draft.block_table)
+        blocks.free(self.scratch)
