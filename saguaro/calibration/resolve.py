@@ -10,6 +10,8 @@ from __future__ import annotations
 import dataclasses
 import logging
 
+import torch
+
 from saguaro.calibration.policy import describe, make_plan, recommended_k
 from saguaro.calibration.store import resolve_profile
 from saguaro.config import Config
@@ -18,12 +20,18 @@ from saguaro.ssd.plan import SpecPlan
 log = logging.getLogger("saguaro.ssd")
 
 
+def _timed_fast(cfg: Config) -> bool:
+    """Whether the engine runs the bf16 kernels the ``__fast`` profiles were timed on: the fast path applies to
+    bf16 models only (an fp32 engine runs the eager reference whatever ``enforce_eager`` says)."""
+    return cfg.fast and cfg.torch_dtype == torch.bfloat16
+
+
 def resolve_k(cfg: Config) -> Config:
     """``cfg`` with K = "auto" replaced by the K with the best predicted speedup for this pair (validated
     again, now against K); ``cfg`` itself when K is given."""
     if cfg.num_speculative_tokens != "auto":
         return cfg
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, 4, fast=cfg.fast,
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, 4, fast=_timed_fast(cfg),
                               draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
     k = recommended_k(profile, cfg.fallback, mode=cfg.mode, taper=cfg.branch_steps == "auto",
                       deep=cfg.deep_branches)
@@ -47,7 +55,8 @@ def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
     if "auto" not in autos:
         return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback, branch_steps=cfg.branch_steps,
                               deep_branches=cfg.deep_branches)
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.fast, draft_format=cfg.draft_format.tag,
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=_timed_fast(cfg),
+                              draft_format=cfg.draft_format.tag,
                               workload=cfg.calibration_workload)
     plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab, cfg.branch_steps == "auto",
                      cfg.deep_branches)
