@@ -83,8 +83,8 @@ class ModelRunner:
         feeding the tokens it just sampled, which the host has not read)."""
         if not any(isinstance(item.token_ids, torch.Tensor) for item in items):
             return torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long)
-        return torch.cat([item.token_ids if isinstance(item.token_ids, torch.Tensor)
-                          else to_device(torch.tensor(item.token_ids, dtype=torch.long), self.device)
+        return torch.cat([to_device(item.token_ids if isinstance(item.token_ids, torch.Tensor)
+                                    else torch.tensor(item.token_ids, dtype=torch.long), self.device)
                           for item in items])
 
     def close(self) -> None:

@@ -39,6 +39,7 @@ from typing import Callable
 
 import torch
 
+from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
@@ -306,12 +307,21 @@ class AsyncSpeculator:
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
         greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro is None
         done = steps = 0  # rows in the passes so far, passes so far
+        # each step's drawn tokens stay on the draft's device and feed the next step there; the host reads
+        # them all once, after the build (on a GPU the steps queue up without waiting for each other)
+        drawn_steps: list[torch.Tensor] = []
+        step_rows: list[list[tuple[int, int]]] = []
         for step in range(self.k):
             if step > 0 and interrupted():
                 break
             rows = [(i, q) for i in live for q in range(layouts[i].width(step))]
             row_seqs = [seqs[i] for i, _ in rows]
-            inputs = [tokens[i][q][-1] if step else layouts[i].roots[q] for i, q in rows]
+            if step == 0:
+                inputs = torch.tensor([layouts[i].roots[q] for i, q in rows], dtype=torch.long)
+            else:  # every branch of this step was decoded by the last one (widths never grow)
+                last = {row: r for r, row in enumerate(step_rows[-1])}
+                index = torch.tensor([last[row] for row in rows])
+                inputs = drawn_steps[-1][to_device(index, drawn_steps[-1].device)]
             items, first = [], 0
             for i in live:
                 width = layouts[i].width(step)
@@ -320,19 +330,25 @@ class AsyncSpeculator:
             logits = self.runner.forward_flat(items)[0]
             tables.append(rank_table(logits, self.width))
             if greedy_only:
-                drawn = logits.argmax(dim=-1).tolist()
+                drawn = logits.argmax(dim=-1)
             else:
                 step_probs = processed_probs(logits, row_seqs)
                 if self.saguaro is not None:
                     step_probs = self.saguaro.apply(step_probs, step, row_seqs)  # Def. 14 for index ``step``
                 greedy = torch.tensor([s.params.greedy for s in row_seqs])
-                drawn = sample(step_probs, [s.generator for s in row_seqs], greedy).tolist()
+                drawn = sample(step_probs, [s.generator for s in row_seqs], greedy)
                 all_probs.append(step_probs)
+            drawn_steps.append(drawn)
+            step_rows.append(rows)
             for r, (i, q) in enumerate(rows):
-                tokens[i][q].append(drawn[r])
                 rows_of[i][q].append(done + r)
             done += len(rows)
             steps += 1
+        if drawn_steps:
+            values = iter(torch.cat(drawn_steps).tolist())  # the build's one read from the device
+            for rows in step_rows:
+                for i, q in rows:
+                    tokens[i][q].append(next(values))
         probs = self._branch_probs(seqs, rows_of, all_probs)
         table = RankTable.cat(tables) if tables else None
         for i in live:
@@ -357,7 +373,8 @@ class AsyncSpeculator:
         flat = torch.cat(all_probs)
         out = {}
         for members in by_length.values():
-            gathered = flat[torch.tensor([rows_of[i][q] for i, q in members])]  # [branches, length, V]
+            index = to_device(torch.tensor([rows_of[i][q] for i, q in members]), flat.device)
+            gathered = flat[index]  # [branches, length, V]
             out.update(zip(members, gathered))
         return out
 
