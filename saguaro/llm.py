@@ -40,6 +40,8 @@ class LLM:
                       if draft is not None and cfg.mode != "ar" else None)
         if self.draft is not None:
             check_shared_vocabulary(self.target.tokenizer, self.draft.tokenizer)
+        # the SSD speculator loads a named draft itself (mapping the same cached file) rather than receiving a copy
+        self._draft_source = draft if isinstance(draft, str) else self.draft
         self.max_model_len = min(cfg.max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
         num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
@@ -55,7 +57,7 @@ class LLM:
             from saguaro.spec.sd import build_sd_decoder
             return build_sd_decoder(cfg, runner, self.draft, num_blocks, self.max_model_len)
         from saguaro.ssd.decoder import build_ssd_decoder
-        return build_ssd_decoder(cfg, runner, self.target, self.draft, self.max_model_len)
+        return build_ssd_decoder(cfg, runner, self.target, self._draft_source, self.max_model_len)
 
     # -- generation ----------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
