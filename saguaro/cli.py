@@ -139,7 +139,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="SSD: build steps that decode every branch (default K); past them only the likeliest "
                         "--deep-branches go on, up to K tokens (a tapered tree); or 'auto'")
     p.add_argument("--deep-branches", type=int, default=1, help="SSD: branches extended past --branch-steps")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (the checkpoint's own)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--compile", action="store_true", help="compile the decode path (faster bf16 on CPU)")
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",

@@ -28,7 +28,7 @@ class Config:
     saguaro_c: float | str = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1], or "auto"
     branch_steps: int | str | None = None  # SSD: steps decoding every branch (None: K; fewer: tapered), or "auto"
     deep_branches: int = 1  # SSD: the likeliest branches that go on past branch_steps, up to K tokens
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's own dtype (saguaro.loading.dtype), e.g. bf16 for the Qwen files
     device: str = "cpu"  # "cpu" or "cuda:N" for the target
     draft_device: str | None = None  # SSD worker device; default "cpu" or the next GPU
     threads: int = 1  # torch threads per process
@@ -48,14 +48,17 @@ class Config:
     def __post_init__(self) -> None:
         from saguaro.calibration.profile import check_workload
         check_workload(self.calibration_workload, "calibration_workload")
+        if self.dtype == "auto":
+            from saguaro.loading.dtype import checkpoint_dtype
+            self.dtype = checkpoint_dtype(self.target)
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.num_speculative_tokens == "auto":
             self.num_speculative_tokens = self._profile_k()
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.speculator not in SPECULATORS:
             raise ValueError(f"speculator must be one of {SPECULATORS}, got {self.speculator!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.mode != "ar" and self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens (K) must be >= 1, got {self.num_speculative_tokens}")
         needs_draft = self.mode == "ssd" or (self.mode == "sd" and self.speculator == "draft")

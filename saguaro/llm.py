@@ -18,6 +18,7 @@ from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.outputs import RequestOutput, SpecMetrics, StreamChunk
 from saguaro.loading import LoadedModel
+from saguaro.loading.dtype import checkpoint_dtype
 from saguaro.loading.tokenizer import check_shared_vocabulary
 from saguaro.sampling.params import SamplingParams
 
@@ -30,6 +31,8 @@ class LLM:
         target = target if target is not None else model
         if target is None:
             raise ValueError("LLM needs a model: LLM('qwen2.5-coder-1.5b') or LLM(target=..., draft=...)")
+        if options.get("dtype", "auto") == "auto" and not isinstance(target, str):
+            options["dtype"] = checkpoint_dtype(target)  # a model in memory keeps its own dtype
         self.config = Config(target=_name(target), draft=_name(draft) if draft is not None else None, **options)
         cfg = self.config
         if cfg.device == "cpu":
