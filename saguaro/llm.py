@@ -12,6 +12,7 @@ from typing import Any
 
 from saguaro.config import Config
 from saguaro.engine.decoder import ARDecoder, Decoder
+from saguaro.engine.detokenizer import StreamText
 from saguaro.engine.device import load_or_place, pin_process
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
@@ -94,16 +95,15 @@ class LLM:
         """Yield tokens of one request as rounds produce them."""
         ids, text = self._encode(prompt)
         seq = self.engine.add_request(ids, params or SamplingParams(), text)
-        shown = ""
+        shown = StreamText(self.tokenizer, seq.params.stop)  # decodes only the new tokens of each chunk
         try:
             while not seq.finished:
                 for s, tokens in self.engine.step():
                     if s is not seq or not tokens:
                         continue
-                    full = self.engine.output(seq).text
-                    delta, shown = full[len(shown):], full
-                    yield StreamChunk(seq.seq_id, tokens, delta, seq.finished, seq.finish_reason,
-                                      self.engine.output(seq) if seq.finished else None)
+                    final = self.engine.output(seq) if seq.finished else None
+                    delta = shown.delta(tokens, final.text if final else None)
+                    yield StreamChunk(seq.seq_id, tokens, delta, seq.finished, seq.finish_reason, final)
         finally:
             self.engine.abort(seq)
 
