@@ -100,8 +100,9 @@ class WorkerProcess:
         payload.close()  # the child holds its own copy of the descriptor
         self.pid = self.proc.pid
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        threading.Thread(target=self._forward, name="saguaro-speculator-stderr", daemon=True).start()
-        self._finalizer = weakref.finalize(self, _kill, self.proc)  # never outlive the engine
+        self._forwarder = threading.Thread(target=self._forward, name="saguaro-speculator-stderr", daemon=True)
+        self._forwarder.start()
+        weakref.finalize(self, _kill, self.proc)  # at interpreter exit at the latest, the worker goes too
 
     def _forward(self) -> None:
         for raw in self.proc.stderr:
@@ -135,8 +136,9 @@ class WorkerProcess:
 
     def failure(self, stage: str, hint: str | None = None) -> WorkerStartError:
         """A start-up error that says what happened, shows the child's last words and what to do."""
-        time.sleep(0.1)  # let the stderr forwarder catch the last lines
         code = self.proc.poll()
+        if code is not None:
+            self._forwarder.join(1.0)  # its stderr ends with it: take its last lines
         if hint is None:
             if code is not None and code < 0:
                 hint = ("if nothing killed it on purpose, the machine is probably out of memory: use a smaller "
