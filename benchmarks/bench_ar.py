@@ -62,7 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="first CPU core to pin to (cores core..core+threads-1; default 0). On a shared machine "
                         "pick a core nobody else is pinned to")
     p.add_argument("--skip-hf", action="store_true", help="skip the transformers baseline")
-    p.add_argument("--eager", action="store_true", help="also time our eager path (compile=False; slow)")
+    p.add_argument("--eager", action="store_true", help="also time our eager path (enforce_eager=True; slow)")
     p.add_argument("--no-step-costs", dest="step_costs", action="store_false",
                    help="skip the per-forward costs of 1..9 rows and tree steps (target and draft)")
     p.add_argument("--bandwidth-gb", type=float, default=2.4, help="size of the bandwidth probe (default 2.4 GB)")
@@ -146,10 +146,9 @@ def step_costs(runner: Any, rows: list[int], tree_rows: list[int], reps: int = 5
 
     ``rows``: n new tokens of one sequence under the causal mask (decode, K+1 verification);
     ``tree_rows``: n branch tokens that all sit at the same position, each seeing the context
-    and itself (an SSD tree-branch step), through ``build_metadata`` with masks as SSD does.
+    and itself (an SSD tree-branch step), as tree rows like SSD's.
     """
-    from saguaro.engine.model_runner import ForwardItem
-    from saguaro.kv.metadata import build_metadata
+    from saguaro.engine.model_runner import ForwardItem, TreeRows
     table_: list[int] = []
     runner.blocks.reserve(table_, CONTEXT + max(rows + tree_rows))
     runner.forward([ForwardItem(list(range(100, 100 + CONTEXT)), 0, table_, "none")])  # real k/v in the context
@@ -159,16 +158,11 @@ def step_costs(runner: Any, rows: list[int], tree_rows: list[int], reps: int = 5
         wall, cpu = timed(lambda: runner.forward([item]), reps)
         out.append({"kind": "rows", "rows": n, "wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu})
     for n in tree_rows:
-        slots = runner.slots(table_, 0, CONTEXT + n)
-        mask = torch.zeros(n, CONTEXT + n, dtype=torch.bool)
-        mask[:, :CONTEXT] = True
-        mask[torch.arange(n), CONTEXT + torch.arange(n)] = True
-        ids, positions = list(range(2000, 2000 + n)), [CONTEXT] * n
-        item = ForwardItem(ids, 0, [], "all")
-
-        def tree_step() -> None:
-            runner.run(ids, positions, build_metadata([slots], [n], [mask]), [item])
-        wall, cpu = timed(tree_step, reps)
+        # n branches at one position, each seeing the context and itself: the SSD tree step's shape
+        scratch = runner.slots(table_, CONTEXT, CONTEXT + n)
+        rows_ = TreeRows([CONTEXT] * n, scratch, [CONTEXT] * n, [[slot] for slot in scratch])
+        item = ForwardItem(list(range(2000, 2000 + n)), CONTEXT, table_, "all", tree=rows_)
+        wall, cpu = timed(lambda: runner.forward([item]), reps)
         out.append({"kind": "tree", "rows": n, "wall_ms": 1e3 * wall, "cpu_ms": 1e3 * cpu})
     runner.blocks.free(table_)
     base = out[0]["cpu_ms"] if out and out[0]["rows"] == 1 else None
@@ -297,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
     probes = [measure_bandwidth(args.bandwidth_gb)]
     log(f"bandwidth probe: {probes[-1]}")
 
-    options = dict(dtype="bfloat16", compile=True, threads=args.threads, target_cores=cores,
+    options = dict(dtype="bfloat16", threads=args.threads, target_cores=cores,
                    max_model_len=4096, kv_cache_tokens=8192)
     t = time.perf_counter()
     llm = LLM(TARGET, **options)
@@ -336,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     probes.append(measure_bandwidth(args.bandwidth_gb))
     log(f"bandwidth probe: {probes[-1]}")
     if args.eager:
-        with LLM(TARGET, **(options | {"compile": False})) as eager:
+        with LLM(TARGET, **(options | {"enforce_eager": True})) as eager:
             decode_one(eager, prompts[0].ids, 2)
             results["runs"]["saguaro eager"] = [decode_one(eager, p.ids, args.max_tokens) for p in prompts]
         gc.collect()

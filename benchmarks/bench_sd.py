@@ -51,7 +51,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def sd_options(args: argparse.Namespace, k: int) -> dict[str, Any]:
-    return dict(engine_options(args.compile, threads=1, target_cores=[0]), mode="sd", draft=DRAFT,
+    return dict(engine_options(args.enforce_eager, threads=1, target_cores=[0]), mode="sd", draft=DRAFT,
                 num_speculative_tokens=k, **draft_options(args))
 
 
@@ -61,7 +61,7 @@ def sweep_temperatures(args: argparse.Namespace) -> list[float]:
 
 def plan(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], list[float]]]:
     """(name, LLM options, temperatures) of the engine configurations, AR first."""
-    base = engine_options(args.compile, threads=1, target_cores=[0])
+    base = engine_options(args.enforce_eager, threads=1, target_cores=[0])
     sweep = sweep_temperatures(args)
     configs = [(AR, dict(base, mode="ar"), args.temperatures)]
     configs += [(f"SD K={k}", sd_options(args, k), sweep) for k in args.ks]
@@ -118,7 +118,7 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
     equal = {name: same_tokens(recs, records[AR]) for name, recs in records.items() if name != AR}
     lines = [f"# SD vs AR: {TARGET} target, {DRAFT} draft, bf16, one core, one thread, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, "
-             f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
+             f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
              f"temperatures {', '.join(f'{t:g}' for t in args.temperatures)} "
              f"(sampling seeded: prompt i uses seed {args.seed}+i).", ""]
     lines += [f"- `{name}`: {label}" for name, label in labels.items()]

@@ -4,7 +4,9 @@ Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct, bf16, bat
 real prompts for every configuration, in one run:
   - AR and SD (draft collocated) on one core, one thread: the paper's baselines;
   - AR and SD with two threads over both cores: the extra hardware SSD uses, given to them;
-  - SSD with the target on core 0 and the speculator process on core 1, for several fan-outs.
+  - SSD with the target on core 0 and the speculator process on core 1, for several fan-outs
+    (``--transport process,thread`` also runs each with the speculator in a thread of the
+    target's process pinned to core 1, and compares the two transports in a table).
 Reported: decode tok/s (median over prompts), ratios against AR and SD of this run, acceptance,
 tokens per round, p_hit (and after a hit / after a miss), and per round: verification time,
 the target's wait for the speculator, the speculator's cache-build time. The memory-bus
@@ -17,6 +19,7 @@ results/ssd_timeline.png.
 
     python -m benchmarks.bench_ssd                         # defaults: 2+2 prompts, 64 tokens, greedy, K=4
     python -m benchmarks.bench_ssd --fan-out-sweep 1,2,3,4,6  # adds F=[1,..,1,F_K] for each F_K
+    python -m benchmarks.bench_ssd --transport process,thread  # the thread transport against the process
     saguaro bench ssd --prompts 1 --max-tokens 8 --probe-reps 2   # smoke test
 """
 from __future__ import annotations
@@ -30,6 +33,9 @@ from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, data
                                engine_options, environment, fmt, group_records, int_list, log, mean, parse_fan_out,
                                prepare_prompts, ratio, run_engine, same_tokens, settings, table, temp_key,
                                write_results)
+
+
+TRANSPORT_LABELS = {"process": "2 cores", "thread": "thread, 2 cores"}  # SSD name suffix per speculator transport
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +60,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--saguaro-c", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=["1"],
                    help="Saguaro sampling C for SSD, comma separated (each SSD run once per value; 'auto' reads the "
                         "profile; default 1)")
+    p.add_argument("--transport", type=transports, default=["process"],
+                   help="SSD speculator transport(s), comma separated: process (its own process on core 1), thread "
+                        "(a thread of the target's process, pinned to core 1); with both, every SSD configuration "
+                        "runs on each and a table compares them (default process)")
     p.add_argument("--skip-two-threads", action="store_true", help="skip AR and SD with two threads")
     p.add_argument("--skip-probe", action="store_true",
                    help="skip the controlled contention probe and the bus probe (and so the bus ceiling)")
@@ -77,6 +87,14 @@ def fallbacks(text: str) -> list[str]:
     return names
 
 
+def transports(text: str) -> list[str]:
+    names = [t.strip() for t in text.split(",") if t.strip()]
+    bad = [t for t in names if t not in TRANSPORT_LABELS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(f"unknown transport(s) {bad}: choose from {', '.join(TRANSPORT_LABELS)}")
+    return list(dict.fromkeys(names))
+
+
 def fan_outs(args: argparse.Namespace) -> list[tuple[list[int] | str, int | None]]:
     """(fan-out, branch_steps) of every SSD run; a spec ending in '@S' tapers its tree after S steps."""
     k = args.k
@@ -96,8 +114,8 @@ def fan_out_label(f: list[int] | str) -> str:
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     k, sd_ks = args.k, args.sd_k or [args.k]
     sd_k = sd_ks[0]
-    one = engine_options(args.compile, threads=1, target_cores=[0])
-    two = engine_options(args.compile, threads=2, target_cores=[0, 1])
+    one = engine_options(args.enforce_eager, threads=1, target_cores=[0])
+    two = engine_options(args.enforce_eager, threads=2, target_cores=[0, 1])
     names = {"ar1": "AR (1 core)", "sd1": f"SD K={sd_k} (1 core)", "ar2": "AR (2 threads)",
              "sd2": f"SD K={sd_k} (2 threads)"}
     fmt_ = draft_options(args)
@@ -112,20 +130,50 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     if not args.skip_two_threads:
         configs += [(names["ar2"], dict(two, mode="ar")),
                     (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
-    ssd, ssd_k = [], {}
+    ssd, ssd_k, by_transport = [], {}, {}
     for fallback, c, (f, steps) in itertools.product(args.fallback, args.saguaro_c, fan_outs(args)):
         k_f = len(f) - 1 if isinstance(f, list) else k
         tag = f", {fallback}" if len(args.fallback) > 1 else ""
         tag += f", tapered {steps}+{args.deep_branches}" if steps else ""
         tag += f", C={c}" if len(args.saguaro_c) > 1 or c != "1" else ""
-        name = f"SSD K={k_f} F={fan_out_label(f)}{tag} (2 cores)"
-        ssd.append(name)
-        ssd_k[name] = k_f
-        configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
-                                   fallback=fallback, draft_cores=[1], branch_steps=steps,
-                                   deep_branches=args.deep_branches, saguaro_c=c if c == "auto" else float(c),
-                                   **fmt_)))
-    return {"configs": configs, "names": names, "ssd": ssd, "ssd_k": ssd_k, "sd_one": sd_one}
+        base = f"SSD K={k_f} F={fan_out_label(f)}{tag}"
+        for transport in args.transport:  # one after the other, on the same prompts
+            name = f"{base} ({TRANSPORT_LABELS[transport]})"
+            ssd.append(name)
+            ssd_k[name] = k_f
+            by_transport.setdefault(base, {})[transport] = name
+            configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
+                                       fallback=fallback, draft_cores=[1], branch_steps=steps,
+                                       deep_branches=args.deep_branches, saguaro_c=c if c == "auto" else float(c),
+                                       speculator_transport=transport, **fmt_)))
+    return {"configs": configs, "names": names, "ssd": ssd, "ssd_k": ssd_k, "sd_one": sd_one,
+            "by_transport": by_transport}
+
+
+def transport_comparison(plan_, summaries) -> tuple[list[str], dict[str, Any]]:
+    """The thread transport against the process, per SSD configuration and temperature (Markdown lines, JSON)."""
+    pairs = {base: names for base, names in plan_["by_transport"].items() if len(names) > 1}
+    if not pairs:
+        return [], {}
+    keys = ["tok_s_median", "p_hit", "verify_ms_median", "wait_ms_median", "build_ms_median", "build_steps_mean"]
+    payload = {base: {tk: {t: {key: summaries[name][tk][ALL].get(key) for key in keys} for t, name in names.items()}
+                      for tk in summaries[names["process"]]} for base, names in pairs.items()}
+    lines = ["", "## SSD transports: the speculator thread against the speculator process", "",
+             "Same prompts, same run, one after the other. process: the speculator in its own process pinned to core "
+             "1, messages packed into tensors over Gloo. thread: the same speculator in a thread of the target's "
+             "process pinned to core 1, messages passed as objects; it shares the interpreter lock with the target, "
+             "so the Python parts of a build and of a verification take turns. Medians over rounds (ms).", ""]
+    rows = []
+    for base, by_t in payload.items():
+        for tk, by_tr in by_t.items():
+            p, t = by_tr["process"], by_tr["thread"]
+            rows.append([f"{base}, {tk}", fmt(p["tok_s_median"]), fmt(t["tok_s_median"]),
+                         fmt(ratio(t["tok_s_median"], p["tok_s_median"])), fmt(p["p_hit"]), fmt(t["p_hit"])]
+                        + [fmt(x[key], ".0f") for key in ("verify_ms_median", "wait_ms_median", "build_ms_median")
+                           for x in (p, t)])
+    lines.append(table(["config", "tok/s process", "tok/s thread", "thread/process", "p_hit process", "p_hit thread",
+                        "verify ms p", "verify ms t", "wait ms p", "wait ms t", "build ms p", "build ms t"], rows))
+    return lines, payload
 
 
 def fastest_sd_bases(plan_, summaries) -> dict[str, dict[str, Any]]:
@@ -156,12 +204,13 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
                   for name in plan_["ssd"]}
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
-             f"compile={args.compile}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
+             f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
              f"calibration profile {args.calibration_workload}, fallback={','.join(args.fallback)}, temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
              "", "Hardware: '1 core' = target (and a collocated draft) pinned to core 0, one thread; '2 threads' = "
              "pinned to cores 0-1, two threads; SSD '2 cores' = target on core 0 (one thread), speculator process "
-             "on core 1 (one thread).", ""]
+             "on core 1 (one thread); SSD 'thread, 2 cores' = the same with the speculator in a thread of the "
+             "target's process.", ""]
     lines += [f"- `{name}`: {label}" for name, label in labels.items()]
     lines += ["", "tok/s: decode tokens per second, median over prompts; ratios are ratios of medians from this run. "
               "accept: acceptance rate; tok/rnd: tokens per round (accepted + bonus), pooled over prompts. "
@@ -230,6 +279,8 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
                    for tk, base in bases.items()}
         ceiling = ceiling_rows(plan_, summaries, contention, bus, sd_best)
         lines += ceiling_section(ceiling, contention, bus)
+    transport_lines, transports_ = transport_comparison(plan_, summaries)
+    lines += transport_lines
     equal = {name: same_tokens(recs, records[names["ar1"]]) for name, recs in records.items() if name != names["ar1"]}
     if any(b for _, b in equal.values()):
         lines += ["", "Greedy outputs equal to AR (1 core), token for token: " +
@@ -248,6 +299,7 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
                                           (b or {}).get(tk, {}).get(ALL, {}).get("tok_s_median"))
                                for key, b in bases[tk].items()} for tk in by_t} for name, by_t in summaries.items()},
         "ssd_builds": ssd_builds,
+        "transports": transports_,
         "contention_probe": contention,
         "bus_probe": bus,
         "bus_ceiling": ceiling,
@@ -286,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
         from saguaro.calibration.contention import measure
         from saguaro.spec.draft_format import DraftFormat
         widths = sorted({1} | {sum(f) for f, _ in fan_outs(args) if isinstance(f, list)})
-        contention = measure(TARGET, DRAFT, args.k + 1, widths, fast=args.compile, context=args.probe_context,
+        contention = measure(TARGET, DRAFT, args.k + 1, widths, fast=not args.enforce_eager, context=args.probe_context,
                              reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab),
                              log=log)
         from saguaro.calibration.bus import measure_bus

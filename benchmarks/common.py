@@ -92,7 +92,8 @@ def add_common_args(p: argparse.ArgumentParser, *, prompts: int = 2, max_tokens:
     p.add_argument("--temperatures", type=float_list, default=float_list(temperatures),
                    help=f"comma separated; 0 is greedy, >0 is seeded sampling (default {temperatures})")
     p.add_argument("--seed", type=int, default=1234, help="base seed of sampled requests (prompt i uses seed+i)")
-    p.add_argument("--compile", action="store_true", help="pass compile=True to the engine (faster bf16 path)")
+    p.add_argument("--enforce-eager", action="store_true", help="run the engine's eager reference (slow)")
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # deprecated: the fast path is default
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="draft weight format for SD and SSD (default bf16)")
     p.add_argument("--draft-vocab", type=int, default=None,
@@ -127,10 +128,10 @@ def dataset_labels(names: Iterable[str]) -> dict[str, str]:
     return {n: ds.SUBSTITUTES.get(n, n) for n in names}
 
 
-def engine_options(compile: bool = False, threads: int = 1, target_cores: Iterable[int] = (0,),
+def engine_options(enforce_eager: bool = False, threads: int = 1, target_cores: Iterable[int] = (0,),
                    draft_cores: Iterable[int] = (1,)) -> dict[str, Any]:
     """LLM options shared by every configuration: bf16, pinned cores, a 4k context."""
-    return dict(dtype="bfloat16", compile=compile, threads=threads, target_cores=list(target_cores),
+    return dict(dtype="bfloat16", enforce_eager=enforce_eager, threads=threads, target_cores=list(target_cores),
                 draft_cores=list(draft_cores), max_model_len=4096, kv_cache_tokens=8192)
 
 

@@ -1,6 +1,6 @@
 """Saguaro figures (paper Sec. 4): PNGs under results/, their numbers in results/saguaro_plots.json.
 
-    python -m benchmarks.plots_saguaro --compile --draft-weights int8 --draft-vocab 65536   # every figure
+    python -m benchmarks.plots_saguaro --draft-weights int8 --draft-vocab 65536   # every figure
                                                                # (a quiet machine; calibrate the same pair first)
     python -m benchmarks.plots_saguaro --prompts 1 --max-tokens 16 --batch-sizes 1,2 --c-values 1,0.5  # smoke
     python -m benchmarks.plots_saguaro --only fanout           # just the calibration figure (no decoding)
@@ -61,7 +61,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "or '@auto' tapers the tree)")
     p.add_argument("--only", default=",".join(FIGURES), help=f"comma separated subset of {', '.join(FIGURES)}")
     p.add_argument("--out", default="results")
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--enforce-eager", action="store_true", help="the engine's eager reference (slow)")
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # deprecated: the fast path is default
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="the draft's weight format in SD and SSD (the profile for this format is used)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
@@ -81,7 +82,7 @@ def run(args, mode: str, prompts: list[list[int]], temperature: float = 0.0, bat
     """Decode ``prompts`` (repeated to fill ``batch``) in one engine; speeds and speculation metrics."""
     from saguaro import LLM, SamplingParams
     draft = None if mode == "ar" else args.draft
-    common = dict(dtype=args.dtype, compile=args.compile, max_num_seqs=batch, kv_cache_tokens=16384,
+    common = dict(dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=batch, kv_cache_tokens=16384,
                   max_model_len=4096)
     if mode != "ar":
         common.update(num_speculative_tokens=args.k, draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
@@ -258,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from saguaro.spec.draft_format import DraftFormat
-    profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=args.compile,
+    profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=not args.enforce_eager,
                               draft_format=DraftFormat(args.draft_weights, args.draft_vocab).tag,
                               workload=args.workload)
     if profile.get("default"):

@@ -25,7 +25,7 @@ def _int_list(text: str) -> list[int]:
 
 
 def _engine_options(args: argparse.Namespace) -> dict:
-    opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, compile=args.compile,
+    opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, enforce_eager=args.enforce_eager,
                 draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
                 calibration_workload=args.calibration_workload)
     if args.mode != "ar":
@@ -144,7 +144,10 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deep-branches", type=int, default=1, help="SSD: branches extended past --branch-steps")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (the checkpoint's own)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--compile", action="store_true", help="compile the decode path (faster bf16 on CPU)")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="run the exact eager reference instead of the device's fast path (CUDA graphs on a GPU, "
+                        "the bf16 kernels on a CPU)")
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # deprecated: the fast path is default
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="draft weight format; int8/int4 cut the draft's step cost and stay lossless")
     p.add_argument("--draft-vocab", type=int, help="the draft head keeps token ids below this (plus special tokens)")
@@ -185,7 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
                         f"(default {DEMO_BRANCH_STEPS}; 0: every branch K steps)")
     d.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
     d.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
-    d.add_argument("--no-compile", dest="compile", action="store_false")
+    d.add_argument("--enforce-eager", action="store_true", help="the exact eager reference (slow)")
     d.set_defaults(func=cmd_demo)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--model")

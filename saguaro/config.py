@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -30,7 +31,8 @@ class Config:
     deep_branches: int = 1  # SSD: the likeliest branches that go on past branch_steps, up to K tokens
     dtype: str = "auto"  # "auto": the checkpoint's own dtype (saguaro.loading.dtype), e.g. bf16 for the Qwen files
     device: str = "cpu"  # "cpu" or "cuda:N" for the target
-    draft_device: str | None = None  # SSD worker device; default "cpu" or the next GPU
+    draft_device: str | None = None  # SSD: the draft's device; default the CPU, else the next GPU, else the target's
+    speculator_transport: str = "auto"  # SSD: "process", "thread" (in the target's process) or "auto" (placement.py)
     threads: int = 1  # torch threads per process
     target_cores: list[int] | None = field(default_factory=lambda: [0])  # CPU affinity of the target process
     draft_cores: list[int] | None = field(default_factory=lambda: [1])  # CPU affinity of the SSD worker
@@ -39,13 +41,19 @@ class Config:
     max_num_seqs: int = 16
     max_prefill_tokens: int = 4096
     max_model_len: int | None = None  # defaults to the model's context length
-    compile: bool = False  # torch.compile the decode path (bf16 speed); off for tests
+    enforce_eager: bool = False  # run the exact eager reference instead of the device's fast path (tests)
+    compile: bool | None = None  # deprecated alias: compile=True is the default, compile=False is enforce_eager
     draft_weights: str = "bf16"  # "int8"/"int4": the draft runs W8A8/W4A8 on the fast path (cheaper, still lossless)
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
 
     def __post_init__(self) -> None:
+        if self.compile is not None:
+            warnings.warn("Config(compile=...) is deprecated: the fast path is the default and enforce_eager=True "
+                          "turns it off", DeprecationWarning, stacklevel=3)
+            self.enforce_eager = not self.compile
+            self.compile = None
         from saguaro.calibration.profile import check_workload
         check_workload(self.calibration_workload, "calibration_workload")
         if self.dtype == "auto":
@@ -90,21 +98,38 @@ class Config:
         check_device(self.device)
         if self.draft_device is not None:
             check_device(self.draft_device)
+        self._place_speculator()
         for cores in (self.target_cores, self.draft_cores):
             if cores is not None:
                 bad = [c for c in cores if not 0 <= c < (os.cpu_count() or 1)]
                 if bad:
                     raise ValueError(f"CPU cores {bad} do not exist (this machine has {os.cpu_count()})")
 
+    def _place_speculator(self) -> None:
+        """SSD: resolve draft_device and speculator_transport (saguaro.ssd.placement), or refuse what cannot work."""
+        from saguaro.ssd.placement import check_transport, gpu_index, place_speculator
+        check_transport(self.speculator_transport)
+        if self.mode != "ssd":
+            return
+        on_gpu = any(d is not None and gpu_index(d) is not None for d in (self.device, self.draft_device))
+        placement = place_speculator(self.device, self.draft_device, torch.cuda.device_count() if on_gpu else 0,
+                                     self.speculator_transport)
+        self.draft_device, self.speculator_transport = placement.draft_device, placement.transport
+
     def _profile_k(self) -> int:
         """K = "auto": the K with the best predicted speedup for this pair (saguaro.calibration.policy)."""
         if not self.draft:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         from saguaro.calibration.policy import recommended_k, resolve_profile
-        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.compile,
+        profile = resolve_profile(self.target, self.draft, self.dtype, 4, fast=self.fast,
                                   draft_format=self.draft_format.tag, workload=self.calibration_workload)
         return recommended_k(profile, self.fallback, mode=self.mode, taper=self.branch_steps == "auto",
                              deep=self.deep_branches)
+
+    @property
+    def fast(self) -> bool:
+        """The device's fast path: CUDA graphs over fused kernels on a GPU, the bf16 kernels on a CPU."""
+        return not self.enforce_eager
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,7 +32,7 @@ def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    common = dict(dtype="bfloat16", compile=args.compile, max_model_len=4096, kv_cache_tokens=8192)
+    common = dict(dtype="bfloat16", enforce_eager=args.enforce_eager, max_model_len=4096, kv_cache_tokens=8192)
     draft_fmt = dict(draft_weights=args.draft_weights, draft_vocab=args.draft_vocab or None)
     print(f"Loading {TARGET} (target, bf16) and {DRAFT} (draft, {args.draft_weights}) ...", flush=True)
     t0 = time.perf_counter()

@@ -44,12 +44,14 @@ class LLM:
                       if draft is not None and cfg.mode != "ar" else None)
         if self.draft is not None:
             check_shared_vocabulary(self.target.tokenizer, self.draft.tokenizer)
-        # the SSD speculator loads a named draft itself (mapping the same cached file) rather than receiving a copy
-        self._draft_source = draft if isinstance(draft, str) else self.draft
+        # a speculator process loads a named draft itself (mapping the same cached file) rather than receiving a copy
+        by_name = isinstance(draft, str) and cfg.speculator_transport == "process"
+        self._draft_source = draft if by_name else self.draft
         self.max_model_len = min(cfg.max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
         num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
-        runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device, fast=cfg.compile)
+        runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device, fast=cfg.fast,
+                             max_seq_len=self.max_model_len)
         self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
                                 self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
 

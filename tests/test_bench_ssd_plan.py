@@ -76,3 +76,21 @@ def test_bus_ceiling_per_ssd_configuration_from_sd_at_its_k():
     assert r["measured_of_ceiling"] == pytest.approx(30.0 / (4.4 / floor))
     assert r["bus_cap"] == pytest.approx(((3.0 + 4 * 0.25) / 30) / max(3.0 / 30, (3.0 + 5 * 0.25) / 36))
     assert any("B_2/B_1 = 1.20" in line for line in ceiling_section(rows, contention, bus))
+
+
+def test_each_transport_runs_every_ssd_configuration_and_a_table_compares_them():
+    from benchmarks.bench_ssd import transport_comparison
+    p = plan(parse_args(["--k", "3", "--fan-outs", "last2", "--transport", "process,thread", "--skip-two-threads"]))
+    process, thread = "SSD K=3 F=[1,1,1,2] (2 cores)", "SSD K=3 F=[1,1,1,2] (thread, 2 cores)"
+    opts = dict(p["configs"])
+    assert p["ssd"] == [process, thread]
+    assert (opts[process]["speculator_transport"], opts[thread]["speculator_transport"]) == ("process", "thread")
+    summaries = {process: {"T=0": {ALL: {"tok_s_median": 20.0, "p_hit": 0.8}}},
+                 thread: {"T=0": {ALL: {"tok_s_median": 15.0, "p_hit": 0.8}}}}
+    lines, payload = transport_comparison(p, summaries)
+    assert payload["SSD K=3 F=[1,1,1,2]"]["T=0"]["thread"]["tok_s_median"] == 15.0
+    assert any("| 0.75" in line for line in lines)  # thread / process
+    alone = plan(parse_args(["--k", "3", "--fan-outs", "last2", "--skip-two-threads"]))
+    assert alone["ssd"] == [process] and transport_comparison(alone, {process: summaries[process]}) == ([], {})
+    with pytest.raises(SystemExit):
+        parse_args(["--transport", "nccl"])

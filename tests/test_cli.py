@@ -4,10 +4,10 @@ from saguaro.cli import DEMO_DRAFT_WEIGHTS, DEMO_FAN_OUT, DEMO_SD_K, _engine_opt
 
 def test_generate_flags_reach_the_engine_options():
     args = build_parser().parse_args(["generate", "--target", "a", "--draft", "b", "--mode", "ssd", "--k", "3",
-                                      "--fan-out", "1,1,1,2", "--compile", "--draft-weights", "int8",
+                                      "--fan-out", "1,1,1,2", "--enforce-eager", "--draft-weights", "int8",
                                       "--draft-vocab", "65536", "--prompt", "x"])
     opts = _engine_options(args)
-    assert opts["fan_out"] == [1, 1, 1, 2] and opts["num_speculative_tokens"] == 3 and opts["compile"]
+    assert opts["fan_out"] == [1, 1, 1, 2] and opts["num_speculative_tokens"] == 3 and opts["enforce_eager"]
     assert opts["draft_weights"] == "int8" and opts["draft_vocab"] == 65536
 
 

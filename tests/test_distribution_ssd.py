@@ -10,6 +10,10 @@ variation over 50,000 seeded requests (threshold derivation: tests/dist_harness.
 - all misses: fan-out 0 prepares nothing, so every round takes the fallback;
 - mixed: fan-out [1, 2], with top-p, gives both in one batch.
 The negative control plants a wrong verifier and must fail the same check.
+
+The mixed case and the negative control also run through the thread transport (the
+speculator in a thread of the engine's process, messages passed as objects); the others
+through the process only, to keep the suite's time down.
 """
 import pytest
 import torch
@@ -42,13 +46,14 @@ def run(pair, fan_out, params, n=50_000, positions=POSITIONS, **options):
     return tv, threshold, sum(hits) / len(hits)
 
 
-@pytest.mark.parametrize("fan_out, params, hit_range", [
-    ([8, 8], SamplingParams(temperature=1.0), (0.6, 1.0)),
-    ([0, 0], SamplingParams(temperature=1.0), (0.0, 0.0)),
-    ([1, 2], SamplingParams(temperature=0.8, top_p=0.9), (0.1, 0.9)),
-], ids=["all-hits", "all-misses", "mixed"])
-def test_ssd_distribution(pair, fan_out, params, hit_range):
-    tv, threshold, hit_rate = run(pair, fan_out, params)
+@pytest.mark.parametrize("fan_out, params, hit_range, transport", [
+    ([8, 8], SamplingParams(temperature=1.0), (0.6, 1.0), "process"),
+    ([0, 0], SamplingParams(temperature=1.0), (0.0, 0.0), "process"),
+    ([1, 2], SamplingParams(temperature=0.8, top_p=0.9), (0.1, 0.9), "process"),
+    ([1, 2], SamplingParams(temperature=0.8, top_p=0.9), (0.1, 0.9), "thread"),
+], ids=["all-hits", "all-misses", "mixed", "mixed-thread"])
+def test_ssd_distribution(pair, fan_out, params, hit_range, transport):
+    tv, threshold, hit_rate = run(pair, fan_out, params, speculator_transport=transport)
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
     assert hit_range[0] <= hit_rate <= hit_range[1], f"hit rate {hit_rate:.3f} outside {hit_range}"
 
@@ -71,7 +76,8 @@ def test_all_hits_after_the_first_round(pair):
     assert metrics.hit_rate_after_hit == 1.0 and metrics.hit_rate_after_miss == 1.0
 
 
-def test_negative_control_wrong_verifier_fails(pair, monkeypatch):
+@pytest.mark.parametrize("transport", ["process", "thread"])
+def test_negative_control_wrong_verifier_fails(pair, monkeypatch, transport):
     monkeypatch.setattr(sd_module, "rejection_sample", wrong_verifier)
-    tv, threshold, _ = run(pair, [1, 2], SamplingParams(temperature=1.0), n=20_000)
+    tv, threshold, _ = run(pair, [1, 2], SamplingParams(temperature=1.0), n=20_000, speculator_transport=transport)
     assert tv > threshold, f"the check did not catch a wrong verifier (TV {tv:.4f} < {threshold:.4f})"

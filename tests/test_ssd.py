@@ -1,12 +1,22 @@
-"""Lossless SSD: greedy equality with AR across hits and misses, batching, worker death."""
+"""Lossless SSD: greedy equality with AR across hits and misses, batching, worker death.
+
+Every case runs through both transports: the speculator process and the speculator thread
+(saguaro/ssd/thread_link.py), which must give the same tokens.
+"""
+import itertools
 import os
 import signal
+import threading
 
 import pytest
 
 from saguaro import LLM, SamplingParams
-from tests.tiny import PROMPTS, greedy_tokens, weak_pair
+from saguaro.models import kernels
+from saguaro.ssd.speculator import AsyncSpeculator
+from saguaro.ssd.worker import WorkerOptions
+from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated, weak_pair
 
+TRANSPORTS = ["process", "thread"]
 
 
 @pytest.fixture(scope="module")
@@ -25,12 +35,14 @@ def ssd(pair, **kw):
     return LLM(target=pair[0], draft=pair[1], **options)
 
 
+@pytest.mark.parametrize("transport", TRANSPORTS)
 @pytest.mark.parametrize("fan_out, fallback, taper", [
     ([2, 2, 2, 4], "jit", {}), ([0, 0, 0, 0], "jit", {}), ([1, 1, 1, 2], "ngram", {}), ([1, 1, 1, 1], "random", {}),
     ([2, 2, 2, 4], "jit", dict(branch_steps=1, deep_branches=2)),  # tapered tree: hits of 1 and 3 tokens
 ])
-def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper):
-    with ssd(pair, fan_out=fan_out, fallback=fallback, **taper) as llm:
+def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper, transport):
+    with ssd(pair, fan_out=fan_out, fallback=fallback, speculator_transport=transport, **taper) as llm:
+        link = llm.engine.decoder.link
         single = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24))[0]
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
         metrics = llm.spec_metrics(outs)
@@ -45,10 +57,13 @@ def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper):
         assert metrics.cache_hit_rate > 0
     assert any(t.build_steps for t in trace) or sum(fan_out) == 0
     assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
+    if transport == "thread":
+        assert not link.thread.is_alive()  # close() stopped and joined it
 
 
-def test_request_joining_mid_flight(pair, ar_outputs):
-    with ssd(pair, fan_out=[2, 2, 2, 3]) as llm:
+@pytest.mark.parametrize("transport", TRANSPORTS)
+def test_request_joining_mid_flight(pair, ar_outputs, transport):
+    with ssd(pair, fan_out=[2, 2, 2, 3], speculator_transport=transport) as llm:
         engine = llm.engine
         params = SamplingParams(max_tokens=24)
         first = engine.add_request(PROMPTS[1], params)
@@ -78,6 +93,65 @@ def test_worker_kill_mid_generation(pair, ar_outputs):
     llm.close()
 
 
+def _fault_at(monkeypatch, method: str, call: int, fault) -> None:
+    """Make the speculator thread's ``call``-th call of ``AsyncSpeculator.method`` run ``fault()`` first."""
+    real, calls = getattr(AsyncSpeculator, method), itertools.count()
+
+    def faulty(self, *args, **kwargs):
+        if next(calls) == call:
+            fault()
+        return real(self, *args, **kwargs)
+    monkeypatch.setattr(AsyncSpeculator, method, faulty)
+
+
+def _finish_after_failure(llm, ar_outputs) -> str:
+    engine = llm.engine
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=24)) for p in PROMPTS]
+    while engine.has_unfinished:
+        engine.step()
+    assert [s.output_ids for s in seqs] == ar_outputs
+    assert engine.target.blocks.num_free == engine.target.blocks.num_blocks
+    return engine.decoder.failure
+
+
+@pytest.mark.worker_failure
+@pytest.mark.parametrize("method", ["respond", "build"])
+def test_speculator_thread_raising(pair, ar_outputs, monkeypatch, method):
+    def fail():
+        raise RuntimeError("injected speculator fault")
+    _fault_at(monkeypatch, method, 3, fail)
+    with ssd(pair, fan_out=[1, 1, 1, 2], speculator_transport="thread") as llm:
+        link = llm.engine.decoder.link
+        failure = _finish_after_failure(llm, ar_outputs)
+    assert "injected speculator fault" in failure
+    link.thread.join(10)
+    assert not link.thread.is_alive()
+
+
+@pytest.mark.worker_failure
+def test_speculator_thread_silent(pair, ar_outputs, monkeypatch):
+    """A thread that stops answering is given up on after worker_timeout_s; the target never waits longer."""
+    release = threading.Event()
+    _fault_at(monkeypatch, "respond", 3, lambda: release.wait(60))
+    with ssd(pair, fan_out=[1, 1, 1, 2], speculator_transport="thread", worker_timeout_s=2) as llm:
+        link = llm.engine.decoder.link
+        try:
+            failure = _finish_after_failure(llm, ar_outputs)
+        finally:
+            release.set()
+    assert "no response" in failure
+    link.thread.join(10)  # once released, it sees the stop request and ends
+    assert not link.thread.is_alive()
+
+
+def test_speculator_thread_start_up_failure(pair, monkeypatch):
+    def broken(self, runner, recorder=None):
+        raise RuntimeError("no draft here")
+    monkeypatch.setattr(WorkerOptions, "make_speculator", broken)
+    with pytest.raises(RuntimeError, match="speculator thread failed during start-up.*no draft here"):
+        ssd(pair, speculator_transport="thread")
+
+
 @pytest.mark.parametrize("bad, message", [
     (dict(fan_out=[1, -1, 1, 1]), "fan_out"),
     (dict(fan_out=[1, 1]), "K\\+1"),
@@ -87,7 +161,22 @@ def test_worker_kill_mid_generation(pair, ar_outputs):
     (dict(branch_steps=4), "branch_steps"),  # K = 3
     (dict(branch_steps=0), "branch_steps"),
     (dict(branch_steps=2, deep_branches=0), "deep_branches"),
+    (dict(speculator_transport="threads"), "speculator_transport"),
 ])
 def test_bad_ssd_config(pair, bad, message):
     with pytest.raises(ValueError, match=message):
         ssd(pair, **bad)
+
+
+@pytest.mark.skipif(not kernels.cpu_supports_bf16(), reason="CPU lacks AVX512-BF16")
+def test_fast_path_through_the_speculator_thread():
+    """The bf16 kernels release the interpreter lock, so the target's and the draft's passes run at the same time in
+    one process; each keeps its own results (greedy output equals the same engine's AR, as over the process)."""
+    target = tiny_model(seed=4, sharpness=8.0, layers=3)
+    prompts, params = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7, 8]], SamplingParams(max_tokens=24)
+    common = dict(dtype="bfloat16", block_size=4, kv_cache_tokens=512, compile=True)
+    with LLM(target, **common) as llm:
+        expected = [o.token_ids for o in llm.generate(prompts, params)]
+    with LLM(target=target, draft=truncated(target, 1), mode="ssd", num_speculative_tokens=3, fan_out=[1, 1, 1, 2],
+             speculator_transport="thread", **common) as llm:
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected

@@ -9,22 +9,15 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from tokenizers import Tokenizer as HFTokenizer
-from tokenizers.models import WordLevel
-from tokenizers.pre_tokenizers import WhitespaceSplit
 
 from saguaro.loading import LoadedModel
-from saguaro.loading.tokenizer import Tokenizer
+from saguaro.loading.tokenizer import Tokenizer, numbered_tokenizer
 from saguaro.models.config import ModelConfig
 from saguaro.models.transformer import CausalLM
 
 
 def tiny_tokenizer(vocab: int, eos: int | None = None) -> Tokenizer:
-    backend = HFTokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
-    backend.pre_tokenizer = WhitespaceSplit()
-    from tokenizers.decoders import WordPiece  # joins with spaces; good enough for tests
-    backend.decoder = WordPiece(prefix="##")
-    return Tokenizer(backend, [eos] if eos is not None else [])
+    return numbered_tokenizer(vocab, eos)
 
 
 def tiny_model(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 64, arch: str = "qwen2",

@@ -9,8 +9,6 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-import torch
-
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import sample_next
@@ -44,7 +42,7 @@ class ARDecoder(Decoder):
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         items = [ForwardItem([seq.last_token], seq.num_cached, seq.block_table) for seq in seqs]
-        logits = torch.cat(self.target.forward(items))
+        logits, _ = self.target.forward_flat(items)
         for seq in seqs:
             seq.num_cached += 1
         return [[t] for t in sample_next(logits, seqs)]

@@ -42,3 +42,20 @@ def place(loaded, device: str, dtype: torch.dtype):
         return loaded
     model = copy.deepcopy(loaded.model).to(device=target, dtype=dtype)
     return dataclasses.replace(loaded, model=model)
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``t`` (a host tensor) on ``device`` without blocking the host: a CUDA copy from pageable memory
+    waits for every kernel queued before it, so host data goes through pinned memory, asynchronously
+    (the caching host allocator keeps the pinned buffer alive until the copy has run)."""
+    if device.type != "cuda" or t.device.type == "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` that does not block the host when ``src`` is host data bound for a GPU."""
+    if dst.device.type == "cuda" and src.device.type == "cpu":
+        dst.copy_(src.pin_memory(), non_blocking=True)
+    else:
+        dst.copy_(src)

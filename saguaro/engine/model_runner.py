@@ -1,47 +1,49 @@
 """Runs one model on one device over its own paged KV cache.
 
-Callers describe each sequence's slice of a forward pass as a ``ForwardItem`` (new tokens,
-where they start, the sequence's block table, which logits they want). The runner turns
-those into flat input ids, positions and attention metadata, runs the model once, and
-hands back float32 logits per item. Target and draft each own one runner.
+Callers describe each sequence's slice of a forward pass as a ``ForwardItem`` (new tokens, where
+they start, the sequence's block table, which logits they want; or an SSD tree step's rows). The
+runner flattens the items into input ids, positions and the rows whose logits are wanted, and hands
+the pass to its backend (``saguaro/backends``), which prepares the attention metadata its model
+reads and runs it. Target and draft each own one runner.
 
-With ``fast=True`` (``Config.compile``) a bf16 model on a CPU with AVX512-BF16 runs through
-``FastCausalLM`` (packed weights, C++ kernels; see saguaro/models/fast_forward.py) instead
-of the eager module; anything else (fp32, other CPUs) stays eager, so fp32 results are
-exactly the eager ones either way.
+Logits come back as float32 tensors on the model's device: sampling and verification run there
+too, and the engine reads the new tokens back once per round.
+
+``fast`` (the opposite of ``enforce_eager``) takes the fastest exact path the device supports: CUDA
+graphs over fused kernels on a GPU, the bf16 C++ kernels on an AVX512-BF16 CPU; without it, and for
+fp32 models on the CPU, the exact eager reference runs.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from saguaro.backends import ForwardItem, TreeRows, make_backend
+from saguaro.engine.device import to_device
 from saguaro.kv.block_manager import BlockManager, slots_for
 from saguaro.kv.kv_cache import KVCache
-from saguaro.kv.metadata import AttentionMetadata, build_metadata
-from saguaro.models.fast_forward import fast_or_eager
 from saguaro.models.transformer import CausalLM
 
-
-@dataclass
-class ForwardItem:
-    token_ids: list[int]  # new tokens, written to the cache at positions start..start+n-1
-    start: int
-    block_table: list[int]  # must already cover start + n positions
-    logits: str = "last"  # "last", "all" or "none"
+__all__ = ["ForwardItem", "ModelRunner", "TreeRows"]
 
 
 class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str = "cpu", fast: bool = False,
-                 weights: str = "bf16", head_ids: torch.Tensor | None = None):
+                 weights: str = "bf16", head_ids: torch.Tensor | None = None, backend: str = "auto",
+                 graphs: bool = True, max_seq_len: int | None = None):
         self.model = model
-        # what forward passes run through; quantized weights and a reduced head are for drafts only
-        self.net = fast_or_eager(model, weights, head_ids) if fast else model
         self.config = model.config
         self.device = torch.device(device)
         dtype = next(model.parameters()).dtype
         self.cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         self.blocks = BlockManager(num_blocks, block_size)
+        longest = (max_seq_len or self.config.max_position_embeddings) + 64  # + a round's lookahead
+        self.backend = make_backend(model, self.cache, self.device, fast, weights, head_ids, backend, graphs,
+                                    max_table_blocks=min(num_blocks, -(-longest // block_size)))
+
+    @property
+    def net(self):
+        """The model the backend runs (eager ``CausalLM``, ``FastCausalLM`` or ``PagedCausalLM``)."""
+        return self.backend.net
 
     @property
     def block_size(self) -> int:
@@ -53,32 +55,37 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
         """One batched forward pass; returns per item logits [rows, V] (None for "none")."""
-        ids: list[int] = []
-        positions: list[int] = []
-        contexts: list[list[int]] = []
-        for item in items:
-            n = len(item.token_ids)
-            ids += item.token_ids
-            positions += range(item.start, item.start + n)
-            contexts.append(self.slots(item.block_table, 0, item.start + n))
-        meta = build_metadata(contexts, [len(i.token_ids) for i in items])
-        return self.run(ids, positions, meta, items)
+        logits, counts = self.forward_flat(items)
+        if logits is None:
+            return [None] * len(items)
+        parts = iter(logits.split(counts))
+        return [next(parts) if item.logits != "none" else None for item in items]
 
-    def run(self, ids: list[int], positions: list[int], meta: AttentionMetadata,
-            items: list[ForwardItem]) -> list[torch.Tensor | None]:
-        hidden = self.net(torch.tensor(ids, device=self.device), torch.tensor(positions, device=self.device),
-                          self.cache, meta.to(self.device))
+    @torch.inference_mode()
+    def forward_flat(self, items: list[ForwardItem]) -> tuple[torch.Tensor | None, list[int]]:
+        """The pass's wanted logits as one tensor [R, V] (items in order), with each wanting item's row count."""
+        positions: list[int] = []
         rows: list[int] = []
-        spans: list[tuple[int, int] | None] = []
-        offset = 0
+        counts: list[int] = []
         for item in items:
-            n = len(item.token_ids)
-            if item.logits == "none":
-                spans.append(None)
-            else:
-                first = offset + n - 1 if item.logits == "last" else offset
-                spans.append((len(rows), len(rows) + offset + n - first))
-                rows += range(first, offset + n)
-            offset += n
-        logits = self.net.logits(hidden[rows]).cpu() if rows else None
-        return [None if s is None else logits[s[0]:s[1]] for s in spans]
+            wanted = item.logit_rows()
+            rows += [len(positions) + r for r in wanted]
+            if item.logits != "none":
+                counts.append(len(wanted))
+            positions += item.positions
+        meta = self.backend.prepare(items, self.block_size)
+        logits = self.backend.run(self._input_ids(items), torch.tensor(positions, dtype=torch.long), meta,
+                                  self.cache, torch.tensor(rows, dtype=torch.long))
+        return logits, counts
+
+    def _input_ids(self, items: list[ForwardItem]) -> torch.Tensor:
+        """[N] token ids: a host tensor, or on the device when an item brings its ids there (a draft step
+        feeding the tokens it just sampled, which the host has not read)."""
+        if not any(isinstance(item.token_ids, torch.Tensor) for item in items):
+            return torch.tensor([t for item in items for t in item.token_ids], dtype=torch.long)
+        return torch.cat([item.token_ids if isinstance(item.token_ids, torch.Tensor)
+                          else to_device(torch.tensor(item.token_ids, dtype=torch.long), self.device)
+                          for item in items])
+
+    def close(self) -> None:
+        self.backend.close()

@@ -163,6 +163,18 @@ class Tokenizer:
                            add_special_tokens=False)
 
 
+def numbered_tokenizer(vocab: int, eos: int | None = None) -> Tokenizer:
+    """A word-level tokenizer over the words "t0" .. "t{vocab-1}": for random-weight models of any vocabulary
+    (tests, and benchmarks on random weights of real shapes), which have no tokenizer of their own."""
+    from tokenizers.decoders import WordPiece
+    from tokenizers.models import WordLevel
+    from tokenizers.pre_tokenizers import WhitespaceSplit
+    backend = _HFTokenizer(WordLevel({f"t{i}": i for i in range(vocab)}, unk_token="t0"))
+    backend.pre_tokenizer = WhitespaceSplit()
+    backend.decoder = WordPiece(prefix="##")  # joins words with spaces
+    return Tokenizer(backend, [eos] if eos is not None else [])
+
+
 def check_shared_vocabulary(a: Tokenizer, b: Tokenizer, names: tuple[str, str] = ("draft", "target")) -> None:
     """Raise VocabularyMismatchError unless ``a`` and ``b`` map every token to the same id."""
     if a.vocab_fingerprint() == b.vocab_fingerprint():

@@ -27,6 +27,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from saguaro.engine.device import to_device
 from saguaro.sampling.params import SamplingParams
 
 
@@ -76,16 +77,21 @@ def probs_from_logits(
     logits = logits.float()
     n, vocab = logits.shape
     device = logits.device
-    temperature = temperature.to(device=device, dtype=torch.float32).reshape(n)
-    top_k = top_k.to(device=device, dtype=torch.int64).reshape(n)
-    top_p = top_p.to(device=device, dtype=torch.float64).reshape(n)
+    # which filters any row needs is decided on the settings' own device (the host, for the engine), so that
+    # logits on a GPU are never waited for here
+    greedy_rows = temperature <= 0
+    any_k = bool(((top_k > 0) & (top_k < vocab) & ~greedy_rows).any())
+    any_p = bool(((top_p < 1) & ~greedy_rows).any())
+    any_greedy = bool(greedy_rows.any())
+    temperature = to_device(temperature.to(torch.float32).reshape(n), device)
+    top_k = to_device(top_k.to(torch.int64).reshape(n), device)
+    top_p = to_device(top_p.to(torch.float64).reshape(n), device)
 
     greedy = temperature <= 0
     x = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
 
     use_k = (top_k > 0) & (top_k < vocab) & ~greedy
     use_p = (top_p < 1) & ~greedy
-    any_k, any_p = bool(use_k.any()), bool(use_p.any())
 
     if any_k:
         sorted_x = x.sort(dim=-1, descending=True).values
@@ -107,7 +113,7 @@ def probs_from_logits(
         probs = probs.masked_fill(probs < cutoff, 0.0)
         probs = probs / probs.sum(dim=-1, keepdim=True)
 
-    if bool(greedy.any()):
+    if any_greedy:
         one_hot = torch.zeros_like(probs)
         one_hot.scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
         probs = torch.where(greedy.unsqueeze(1), one_hot, probs)

@@ -5,9 +5,13 @@ Randomness model
 Every row draws its random numbers from *its own* ``torch.Generator`` when it has one (a request with a
 seed), so the tokens a seeded request gets do not depend on which other requests share the batch, on
 their order, or on the batch size. Rows without a generator (``None`` entries, or ``generators=None``
-for the whole batch) share one generator, ``shared_generator`` (the device's default generator when
+for the whole batch) share one generator, ``shared_generator`` (the host's default generator when
 that is ``None`` as well); they draw in one call, in row order. The shared mode is what unseeded
 requests use, and it lets tests run tens of thousands of independent trials as one batch.
+
+Uniforms are drawn on the host, where the requests' generators live, whatever device the
+probabilities are on, and reach it by an asynchronous copy: a request's stream is the same on every
+device, and drawing never waits for the GPU.
 
 Greedy rows take the argmax and consume no randomness at all.
 
@@ -25,6 +29,8 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+
+from saguaro.engine.device import to_device
 
 Generators = Sequence[torch.Generator | None] | None
 
@@ -49,7 +55,7 @@ def row_uniforms(
     width = max(counts, default=0)
     out = torch.zeros(n, width, dtype=torch.float64)
     if width == 0:
-        return out.to(device)
+        return out if device is None else out.to(device)
     counts_t = torch.tensor(list(counts), dtype=torch.int64)
     own = torch.zeros(n, dtype=torch.bool)
     if generators is not None:
@@ -58,7 +64,7 @@ def row_uniforms(
     shared_mask = drawn & ~own.unsqueeze(1)
     total = int(shared_mask.sum())
     if total:
-        shared_device = shared_generator.device if shared_generator is not None else device
+        shared_device = shared_generator.device if shared_generator is not None else "cpu"
         flat = torch.rand(total, generator=shared_generator, dtype=torch.float64, device=shared_device)
         out[shared_mask] = flat.cpu()  # boolean-mask assignment fills in row-major order
     if generators is not None:
@@ -66,7 +72,7 @@ def row_uniforms(
                      for b, g in enumerate(generators) if g is not None and counts[b] > 0]
         if own_draws:  # one assignment for every row with its own generator, in row order as drawn
             out[drawn & own.unsqueeze(1)] = torch.cat(own_draws)
-    return out.to(device)
+    return out if device is None else to_device(out, torch.device(device))
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
@@ -103,16 +109,15 @@ def sample(
         generators: per-row generators (``None`` entries use the shared stream), or ``None`` to put
             every row on the shared stream.
         greedy: [N] bool; these rows return ``argmax(probs)`` and draw no random numbers.
-        shared_generator: the shared stream; ``None`` means the default generator of ``probs``' device.
+        shared_generator: the shared stream; ``None`` means the host's default generator.
 
     Returns:
         [N] int64 token ids.
     """
     n = probs.shape[0]
-    greedy = greedy.to(probs.device).reshape(n)
+    counts = [0 if g else 1 for g in greedy.reshape(n).tolist()]  # greedy lives on the host: no GPU wait
     tokens = probs.argmax(dim=-1)
-    counts = [0 if g else 1 for g in greedy.tolist()]
     if any(counts):
         u = row_uniforms(counts, generators, shared_generator, device=probs.device)[:, 0]
-        tokens = torch.where(greedy, tokens, inverse_cdf(probs, u))
+        tokens = torch.where(to_device(greedy.reshape(n), probs.device), tokens, inverse_cdf(probs, u))
     return tokens

@@ -19,11 +19,12 @@ from typing import Callable
 
 import torch
 
+from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.sampler import sample
-from saguaro.spec.types import Proposal, Proposer, Ranked, rank_positions
+from saguaro.spec.types import Proposal, Proposer, Ranked, RankTable, rank_table
 
 
 @dataclass
@@ -43,32 +44,44 @@ class DraftModelProposer(Proposer):
         self.states: dict[int, DraftState] = {}
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+        """Draft ``num_tokens[b]`` tokens for each sequence, one draft pass per step. The drawn tokens stay on
+        the draft's device: each step feeds the last step's tokens straight back in, and the host reads them
+        all once, after the last step (on a GPU the steps then queue up without waiting for each other)."""
         k_max = max(num_tokens, default=0)
         vocab = self.runner.config.vocab_size
-        tokens: list[list[int]] = [[] for _ in seqs]
-        ranked: list[list[Ranked]] = [[] for _ in seqs]
-        probs = torch.zeros(len(seqs), max(k_max, 1), vocab)
+        probs = torch.zeros(len(seqs), max(k_max, 1), vocab, device=self.runner.device)
+        steps: list[tuple[list[int], torch.Tensor]] = []  # per step: the rows drafting, their tokens [rows]
+        tables: list[RankTable] = []
         active = [b for b, k in enumerate(num_tokens) if k > 0]
+        drawn = None
         for step in range(k_max):
-            active = [b for b in active if num_tokens[b] > step]
-            items = []
-            for b in active:
-                seq = seqs[b]
-                items.append(self._feed(seq, seq.tokens[self._state(seq).num_cached:] if step == 0
-                                        else [tokens[b][-1]]))
+            keep = [i for i, b in enumerate(active) if num_tokens[b] > step]
+            active = [active[i] for i in keep]
+            if step == 0:
+                items = [self._feed(seqs[b], seqs[b].tokens[self._state(seqs[b]).num_cached:]) for b in active]
+            else:  # the last step's tokens, fed back where they were drawn
+                items = [self._feed(seqs[b], drawn[i:i + 1]) for b, i in zip(active, keep)]
             logits = torch.cat(self.runner.forward(items))
             rows = [seqs[b] for b in active]
             step_probs = processed_probs(logits, rows)
             if self.reweight is not None:
                 step_probs = self.reweight(step_probs, step, rows)
             greedy = torch.tensor([s.params.greedy for s in rows])
-            drawn = sample(step_probs, [s.generator for s in rows], greedy).tolist()
-            top = rank_positions(logits, self.keep_ranked) if self.keep_ranked else None
-            for i, b in enumerate(active):
-                tokens[b].append(drawn[i])
-                probs[b, step] = step_probs[i]
-                if top is not None:
-                    ranked[b].append(top[i])
+            drawn = sample(step_probs, [s.generator for s in rows], greedy)
+            probs[to_device(torch.tensor(active), probs.device), step] = step_probs
+            steps.append((active, drawn))
+            if self.keep_ranked:
+                tables.append(rank_table(logits, self.keep_ranked))
+        tokens: list[list[int]] = [[] for _ in seqs]
+        ranked: list[list[Ranked]] = [[] for _ in seqs]
+        if steps:
+            values = iter(torch.cat([d for _, d in steps]).tolist())  # the one read from the device
+            for step, (rows_, _) in enumerate(steps):
+                top = tables[step].rows() if tables else None
+                for i, b in enumerate(rows_):
+                    tokens[b].append(next(values))
+                    if top is not None:
+                        ranked[b].append(top[i])
         return Proposal(tokens, probs, torch.zeros(len(seqs), dtype=torch.bool),
                         ranked if self.keep_ranked else None)
 
@@ -83,7 +96,7 @@ class DraftModelProposer(Proposer):
     def _state(self, seq: Sequence) -> DraftState:
         return self.states.setdefault(seq.seq_id, DraftState())
 
-    def _feed(self, seq: Sequence, pending: list[int], logits: str = "last") -> ForwardItem:
+    def _feed(self, seq: Sequence, pending: list[int] | torch.Tensor, logits: str = "last") -> ForwardItem:
         """The forward item writing ``pending`` after the draft's cached tokens (blocks reserved, counted)."""
         state = self._state(seq)
         self.runner.blocks.reserve(state.block_table, state.num_cached + len(pending))

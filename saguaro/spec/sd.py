@@ -13,6 +13,7 @@ import torch
 
 from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
+from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
@@ -31,18 +32,19 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
     """Score the drafts with one target pass, rejection-sample, and roll the target cache back."""
     items = [ForwardItem([seq.last_token] + drafts, seq.num_cached, seq.block_table, "all")
              for seq, drafts in zip(seqs, proposal.tokens)]
-    logits = target.forward(items)
+    logits, counts = target.forward_flat(items)  # [sum of k_b + 1, V] on the target's device
     k_max = max(len(t) for t in proposal.tokens)
-    vocab = logits[0].shape[-1]
-    counts = [rows.shape[0] for rows in logits]
-    flat = processed_probs(torch.cat(logits), [s for s, n in zip(seqs, counts) for _ in range(n)])
-    target_probs = torch.zeros(len(seqs), k_max + 1, vocab)
-    for b, rows in enumerate(flat.split(counts)):
-        target_probs[b, :rows.shape[0]] = rows
+    flat = processed_probs(logits, [s for s, n in zip(seqs, counts) for _ in range(n)])
+    # [B, K+1, V]: row b's positions past its own k_b + 1 repeat its last row (the verifier never reads them)
+    starts = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
+    index = starts[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], torch.tensor(counts)[:, None] - 1)
+    target_probs = flat[to_device(index, flat.device)]
     draft_tokens = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long)
     for b, drafts in enumerate(proposal.tokens):
         draft_tokens[b, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)
     draft_probs = proposal.probs[:, :max(k_max, 1)] if proposal.probs is not None else None
+    if draft_probs is not None:
+        draft_probs = to_device(draft_probs, flat.device)
     result = rejection_sample(
         target_probs, draft_tokens[:, :k_max], None if draft_probs is None else draft_probs[:, :k_max],
         torch.tensor([len(t) for t in proposal.tokens]), proposal.point_mass,
@@ -85,5 +87,5 @@ def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None
         from saguaro.spec.ngram_proposer import NgramProposer
         return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
     from saguaro.spec.draft_model import DraftModelProposer
-    runner = cfg.draft_format.runner(draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device, cfg.compile)
+    runner = cfg.draft_format.runner(draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device, cfg.fast)
     return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)

@@ -2,8 +2,9 @@
 
 Gloo on CPU, NCCL on CUDA. Built on its own ``TCPStore`` and process group object rather
 than the global default group, so several engines can live in one process (tests) and
-nothing leaks between them. A message is one tensor; its length travels in a fixed
-header frame so the receiver can size its buffer.
+nothing leaks between them. A message is a short list of flat tensors (at most
+``MAX_FRAMES``); their dtypes and lengths travel first in one fixed-size header frame, so the
+receiver can size its buffers.
 """
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ import torch.distributed as dist
 from saguaro.ssd.shared_file import SharedFile
 
 _DTYPES = [torch.int64, torch.float32]
+MAX_FRAMES = 4
+_HEADER = 1 + 2 * MAX_FRAMES  # [frame count, (dtype code, length) per frame]
 
 
 class ChannelClosed(RuntimeError):
@@ -49,12 +52,19 @@ class Channel:
         else:
             raise ValueError(f"unknown backend {backend!r}")
 
-    def send(self, tensor: torch.Tensor) -> None:
-        header = torch.tensor([tensor.numel(), _DTYPES.index(tensor.dtype)], dtype=torch.int64, device=self.device)
+    def send(self, message: torch.Tensor | list[torch.Tensor]) -> None:
+        frames = [message] if isinstance(message, torch.Tensor) else list(message)
+        if not 1 <= len(frames) <= MAX_FRAMES:
+            raise ValueError(f"a message holds 1 to {MAX_FRAMES} tensors, got {len(frames)}")
+        header = [len(frames)] + [0] * (2 * MAX_FRAMES)
+        for i, f in enumerate(frames):
+            header[1 + 2 * i:3 + 2 * i] = [_DTYPES.index(f.dtype), f.numel()]
         self.counters.bump(self.rank)
         try:
-            self.pg.send([header], self.peer, 0).wait()
-            self.pg.send([tensor.to(self.device).contiguous()], self.peer, 1).wait()
+            self.pg.send([torch.tensor(header, dtype=torch.int64, device=self.device)], self.peer, 0).wait()
+            for i, f in enumerate(frames):
+                if f.numel():
+                    self.pg.send([f.to(self.device).contiguous().reshape(-1)], self.peer, 1 + i).wait()
         except RuntimeError as e:
             raise ChannelClosed(f"send failed: {e}") from e
 
@@ -62,8 +72,9 @@ class Channel:
         """Is a message from the peer waiting?"""
         return self.counters.count(self.peer) > self.received
 
-    def recv(self, timeout_s: float | None = None, alive=lambda: True) -> torch.Tensor:
-        """Wait for the next message; raise ``ChannelClosed`` on timeout or if ``alive()`` turns false."""
+    def recv(self, timeout_s: float | None = None, alive=lambda: True) -> list[torch.Tensor]:
+        """Wait for the next message (its tensors, on the CPU); raise ``ChannelClosed`` on timeout or if
+        ``alive()`` turns false."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         while not self.poll():
             if deadline is not None and time.monotonic() > deadline:
@@ -72,15 +83,20 @@ class Channel:
                 raise ChannelClosed("peer process is gone")
             time.sleep(0.0002)
         self.received += 1
-        header = torch.zeros(2, dtype=torch.int64, device=self.device)
+        header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+        frames = []
         try:
             self.pg.recv([header], self.peer, 0).wait()
-            numel, code = header.tolist()
-            buf = torch.empty(numel, dtype=_DTYPES[code], device=self.device)
-            self.pg.recv([buf], self.peer, 1).wait()
+            count, *sizes = header.tolist()
+            for i in range(count):
+                code, numel = sizes[2 * i:2 * i + 2]
+                buf = torch.empty(numel, dtype=_DTYPES[code], device=self.device)
+                if numel:
+                    self.pg.recv([buf], self.peer, 1 + i).wait()
+                frames.append(buf.cpu())
         except RuntimeError as e:
             raise ChannelClosed(f"receive failed: {e}") from e
-        return buf.cpu()
+        return frames
 
     def close(self) -> None:
         self.pg = None

@@ -19,6 +19,7 @@ import torch
 
 from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
+from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
@@ -26,9 +27,11 @@ from saguaro.spec.ngram_proposer import NgramProposer
 from saguaro.spec.sd import SDDecoder, draft_budget, verify_round
 from saguaro.spec.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
+from saguaro.ssd.link import SpeculatorLink
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
-from saguaro.ssd.worker import WorkerLink, WorkerOptions
+from saguaro.ssd.placement import open_link
+from saguaro.ssd.worker import WorkerOptions
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -48,9 +51,9 @@ class SSDDecoder(Decoder):
     reports_spec = True
     reports_cache = True
 
-    def __init__(self, target: ModelRunner, link: WorkerLink, k: int, max_model_len: int):
+    def __init__(self, target: ModelRunner, link: SpeculatorLink, k: int, max_model_len: int):
         self.target = target
-        self.link: WorkerLink | None = link
+        self.link: SpeculatorLink | None = link
         self.k = k
         self.lookahead = k + 1
         self.max_model_len = max_model_len
@@ -118,15 +121,22 @@ class SSDDecoder(Decoder):
 
     def _proposal(self, seqs: list[Sequence]) -> Proposal:
         rows = [self.pending[s.seq_id] for s in seqs]
+        for s, r in zip(seqs, rows):
+            # a sampled row without its q could only be verified as a point mass: exact, but it would hide a
+            # speculation whose distributions went astray, so it is an error here
+            if not s.params.greedy and r.tokens and r.probs is None and not r.point_mass:
+                raise RuntimeError(f"sequence {s.seq_id}: sampled speculation arrived without its distributions")
         budgets = [draft_budget(s, len(r.tokens), self.max_model_len) for s, r in zip(seqs, rows)]
         tokens = [r.tokens[:n] for r, n in zip(rows, budgets)]
         vocab = self.target.config.vocab_size
         probs = None
         if any(r.probs is not None for r in rows):
-            probs = torch.zeros(len(rows), max(max(budgets), 1), vocab)
+            # on the target's device: a colocated speculator's rows arrive there already, and a CPU speculator's
+            # are copied in without the host waiting on the GPU
+            probs = torch.zeros(len(rows), max(max(budgets), 1), vocab, device=self.target.device)
             for b, (r, n) in enumerate(zip(rows, budgets)):
                 if r.probs is not None and n:
-                    probs[b, :n] = r.probs[:n]
+                    probs[b, :n] = to_device(r.probs[:n], self.target.device)
         point_mass = torch.tensor([r.point_mass or r.probs is None for r in rows])
         return Proposal(tokens, probs, point_mass)
 
@@ -191,7 +201,7 @@ def build_plan(cfg: Config, vocab: int) -> SpecPlan:
         return SpecPlan.fixed(fixed, float(cfg.saguaro_c), cfg.fallback, branch_steps=cfg.branch_steps,
                               deep_branches=cfg.deep_branches)
     from saguaro.calibration.policy import describe, make_plan, resolve_profile
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.compile, draft_format=cfg.draft_format.tag,
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=cfg.fast, draft_format=cfg.draft_format.tag,
                               workload=cfg.calibration_workload)
     plan = make_plan(profile, k, cfg.saguaro_c, cfg.fallback, cfg.max_num_seqs, vocab, cfg.branch_steps == "auto",
                      cfg.deep_branches)
@@ -214,7 +224,8 @@ def build_ssd_decoder(cfg: Config, target: ModelRunner, target_model: LoadedMode
     c = 1.0 if cfg.saguaro_c == "auto" else float(cfg.saguaro_c)
     opts = WorkerOptions(cfg.num_speculative_tokens, plan.fan_out(0.0, "p"), plan.fallback_for(1),
                          cfg.draft_torch_dtype, device, cfg.draft_cores, cfg.threads, cfg.kv_cache_tokens,
-                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.compile, cfg.draft_format)
-    decoder = SSDDecoder(target, WorkerLink(draft, opts), cfg.num_speculative_tokens, max_model_len)
+                         cfg.block_size, cfg.worker_timeout_s, c, plan, cfg.fast, cfg.draft_format)
+    link = open_link(cfg.speculator_transport, draft, opts)  # Config placed it (saguaro.ssd.placement)
+    decoder = SSDDecoder(target, link, cfg.num_speculative_tokens, max_model_len)
     decoder.plan = plan
     return decoder

@@ -1,18 +1,38 @@
-"""The two messages of an SSD round, as typed dataclasses packed into one tensor each.
+"""The two messages of an SSD round, as typed dataclasses, and their wire format.
 
-Verifier -> speculator (``RoundRequest``, int64): per sequence the verification outcome
-(sequence id, accepted count k, bonus token), plus admissions of new sequences (their
-tokens and sampling settings) and releases of finished ones.
+Verifier -> speculator (``RoundRequest``): per sequence the verification outcome (sequence id,
+accepted count k, bonus token), plus admissions of new sequences (their tokens and sampling
+settings) and releases of finished ones.
 
-Speculator -> verifier (``RoundResponse``, float32): per requested sequence a hit flag,
-up to K tokens, and for sampled (non-greedy) rows the K draft distributions the tokens
-were drawn from. Token ids travel as float32, exact below 2**24 (any real vocabulary).
-Distributions follow the per-row header, one [K, V] block for each row that carries one.
+Speculator -> verifier (``RoundResponse``): per requested sequence one ``SpecRow``: a hit flag,
+up to K tokens, and for sampled rows the distributions the tokens were drawn from.
+
+Wire format
+-----------
+Only the process transport packs messages (in-process transports pass the objects). A packed
+message is a short list of flat tensors (``Channel`` sends each with its dtype and length):
+
+* request:  ``[int64 fields]``;
+* response: ``[int64 fields, float32 probs]``.
+
+Every row of a response carries explicit flags in the columns of ``RowColumns``, the one table
+both sides index: ``HAS_PROBS`` says whether a [K, V] block for this row follows in ``probs``
+(blocks come in row order), ``POINT_MASS`` whether the row was drafted deterministically. No
+field's meaning is inferred from another one: a greedy row (no block, not a point mass), a
+sampled row (a block), a point-mass row and an empty row (no tokens, with or without a block)
+all round-trip as they were sent, in any order. Unpacking checks that the number of blocks
+matches the flags.
+
+What crosses the process boundary per request, and why nothing else needs to: the speculator
+drafts from ``temperature``, ``top_k`` and ``top_p`` (the processed distribution it samples
+from, which the verifier must receive) and from its own generator, seeded per sequence by
+``Admission.seed``. ``max_tokens`` (the draft budget), stop strings and ``ignore_eos`` stay with
+the verifier: it truncates each speculation to the request's budget before verifying.
 """
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass, field
+from enum import IntEnum
 
 import torch
 
@@ -35,7 +55,7 @@ class Outcome:
 class Admission:
     seq_id: int
     tokens: list[int]  # every token so far (prompt and generated)
-    params: SamplingParams
+    params: SamplingParams  # only temperature, top_k and top_p cross the wire (see the module docstring)
     seed: int  # seeds the speculator's own generator for this sequence
 
 
@@ -50,10 +70,18 @@ class RoundRequest:
 
 @dataclass
 class SpecRow:
+    """One sequence's next speculation. Kinds: greedy (``probs`` None), sampled (``probs`` given),
+    point mass (an n-gram / random backup: ``point_mass`` and no ``probs``); any of them may be empty."""
     hit: bool
     tokens: list[int]
-    probs: torch.Tensor | None  # [len(tokens), V]; None for greedy rows and point-mass rows
+    probs: torch.Tensor | None  # [len(tokens), V]: the distributions the tokens were drawn from
     point_mass: bool = False  # drafted deterministically (n-gram/random fallback): no distribution
+
+    def __post_init__(self) -> None:
+        if self.point_mass and self.probs is not None:
+            raise ValueError("a point-mass row carries no distributions")
+        if self.probs is not None and self.probs.shape[0] != len(self.tokens):
+            raise ValueError(f"{len(self.tokens)} tokens but {self.probs.shape[0]} distributions")
 
 
 @dataclass
@@ -64,28 +92,44 @@ class RoundResponse:
     build_steps: int = 0  # branch steps the previous cache build completed
 
 
-def _f2i(x: float) -> int:
-    return struct.unpack("<q", struct.pack("<d", float(x)))[0]
+class RowColumns(IntEnum):
+    """Columns of one response row in the packed int64 fields; token ids follow from ``TOKENS`` on."""
+    HIT = 0
+    POINT_MASS = 1
+    HAS_PROBS = 2  # a [K, V] block of ``probs`` belongs to this row
+    NUM_TOKENS = 3
+    TOKENS = 4  # K columns, zero padded past NUM_TOKENS
 
 
-def _i2f(x: int) -> float:
-    return struct.unpack("<d", struct.pack("<q", int(x)))[0]
+def _bits(x: float) -> int:
+    """A float64 carried exactly in an int64 field."""
+    return int(torch.tensor([x], dtype=torch.float64).view(torch.int64))
 
 
-def pack_request(req: RoundRequest) -> torch.Tensor:
+def _float(bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64))
+
+
+# -- request ------------------------------------------------------------------------
+# int64 fields: [command, #outcomes, #admissions, #releases, #order]
+#               + per outcome [seq_id, k, bonus]
+#               + per admission [seq_id, #tokens, temperature bits, top_k, top_p bits, seed, tokens...]
+#               + releases + order
+
+def pack_request(req: RoundRequest) -> list[torch.Tensor]:
     out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order)]
     for o in req.outcomes:
         out += [o.seq_id, o.num_accepted, o.bonus]
     for a in req.admissions:
         p = a.params
-        out += [a.seq_id, len(a.tokens), _f2i(p.temperature), p.top_k, _f2i(p.top_p), a.seed, *a.tokens]
+        out += [a.seq_id, len(a.tokens), _bits(p.temperature), p.top_k, _bits(p.top_p), a.seed, *a.tokens]
     out += req.releases
     out += req.order
-    return torch.tensor(out, dtype=torch.int64)
+    return [torch.tensor(out, dtype=torch.int64)]
 
 
-def unpack_request(t: torch.Tensor) -> RoundRequest:
-    v = t.tolist()
+def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
+    v = frames[0].tolist()
     command, n_out, n_adm, n_rel, n_ord = v[:5]
     i = 5
     outcomes = []
@@ -95,46 +139,65 @@ def unpack_request(t: torch.Tensor) -> RoundRequest:
     admissions = []
     for _ in range(n_adm):
         seq_id, n_tok, temp, top_k, top_p, seed = v[i:i + 6]
-        params = SamplingParams(temperature=_i2f(temp), top_k=top_k, top_p=_i2f(top_p))
+        params = SamplingParams(temperature=_float(temp), top_k=top_k, top_p=_float(top_p))
         admissions.append(Admission(seq_id, v[i + 6:i + 6 + n_tok], params, seed))
         i += 6 + n_tok
     releases = v[i:i + n_rel]
     order = v[i + n_rel:i + n_rel + n_ord]
+    if i + n_rel + n_ord != len(v):
+        raise ValueError(f"request holds {len(v)} fields, its counts describe {i + n_rel + n_ord}")
     return RoundRequest(outcomes, admissions, releases, order, command)
 
 
-def pack_response(resp: RoundResponse, k: int) -> torch.Tensor:
-    """Layout: [build_s, respond_s, build_steps, n_rows] + per row [hit, point_mass, n, tok*K]
-    + a [K, V] block (zero padded past n) for each row that carries probabilities."""
-    head = [resp.build_s, resp.respond_s, float(resp.build_steps), float(len(resp.rows))]
-    meta = []
-    probs = []
-    for row in resp.rows:
-        meta += [float(row.hit), float(row.point_mass), float(len(row.tokens))]
-        meta += [float(t) for t in row.tokens] + [0.0] * (k - len(row.tokens))
+# -- response -----------------------------------------------------------------------
+# int64 fields: [build_s bits, respond_s bits, build_steps, #rows, K, V] + #rows x RowColumns (K tokens)
+# float32 probs: one [K, V] block per row with HAS_PROBS, in row order, zero padded past NUM_TOKENS
+_HEAD = 6
+
+
+def pack_response(resp: RoundResponse, k: int) -> list[torch.Tensor]:
+    blocks = [row.probs for row in resp.rows if row.probs is not None]
+    vocab = blocks[0].shape[-1] if blocks else 0
+    meta = torch.zeros(len(resp.rows), RowColumns.TOKENS + k, dtype=torch.int64)
+    probs = torch.zeros(len(blocks), k, vocab, dtype=torch.float32)
+    b = 0
+    for r, row in enumerate(resp.rows):
+        n = len(row.tokens)
+        if n > k:
+            raise ValueError(f"row {r} holds {n} tokens, more than K = {k}")
+        meta[r, RowColumns.HIT] = int(row.hit)
+        meta[r, RowColumns.POINT_MASS] = int(row.point_mass)
+        meta[r, RowColumns.HAS_PROBS] = int(row.probs is not None)
+        meta[r, RowColumns.NUM_TOKENS] = n
+        meta[r, RowColumns.TOKENS:RowColumns.TOKENS + n] = torch.tensor(row.tokens, dtype=torch.int64)
         if row.probs is not None:
-            pad = torch.zeros(k, row.probs.shape[-1])
-            pad[:row.probs.shape[0]] = row.probs
-            probs.append(pad.reshape(-1))
-    return torch.cat([torch.tensor(head + meta, dtype=torch.float32), *probs])
+            probs[b, :n] = row.probs
+            b += 1
+    head = torch.tensor([_bits(resp.build_s), _bits(resp.respond_s), resp.build_steps, len(resp.rows), k, vocab],
+                        dtype=torch.int64)
+    return [torch.cat([head, meta.reshape(-1)]), probs.reshape(-1)]
 
 
-def unpack_response(t: torch.Tensor, k: int, vocab: int) -> RoundResponse:
-    build_s, respond_s, steps, n = t[:4].tolist()
-    n = int(n)
-    meta = t[4:4 + n * (3 + k)].view(n, 3 + k).tolist()
-    probs = t[4 + n * (3 + k):]
-    rows, offset = [], 0
-    for m in meta:
-        count = int(m[2])
-        tokens = [int(x) for x in m[3:3 + count]]
+def unpack_response(frames: list[torch.Tensor], k: int, vocab: int) -> RoundResponse:
+    fields, flat_probs = frames
+    build_s, respond_s, steps, n, sent_k, sent_vocab = fields[:_HEAD].tolist()
+    if sent_k != k:
+        raise ValueError(f"response packed for K = {sent_k}, expected K = {k}")
+    meta = fields[_HEAD:].view(n, RowColumns.TOKENS + k)
+    has_probs = meta[:, RowColumns.HAS_PROBS].bool()
+    num_blocks = int(has_probs.sum())
+    if num_blocks and sent_vocab != vocab:
+        raise ValueError(f"response distributions have {sent_vocab} entries, expected the vocabulary {vocab}")
+    if flat_probs.numel() != num_blocks * k * sent_vocab:
+        raise ValueError(f"{num_blocks} rows flag distributions but {flat_probs.numel()} values follow")
+    probs = flat_probs.view(num_blocks, k, sent_vocab)
+    rows, b = [], 0
+    for m in meta.tolist():
+        count = m[RowColumns.NUM_TOKENS]
         row_probs = None
-        if offset < probs.numel() and _has_probs(m):
-            row_probs = probs[offset:offset + k * vocab].view(k, vocab)[:count]
-            offset += k * vocab
-        rows.append(SpecRow(bool(m[0]), tokens, row_probs, bool(m[1])))
-    return RoundResponse(rows, build_s, respond_s, int(steps))
-
-
-def _has_probs(meta_row: list[float]) -> bool:
-    return meta_row[1] == 0.0 and meta_row[2] > 0
+        if m[RowColumns.HAS_PROBS]:
+            row_probs = probs[b, :count]
+            b += 1
+        tokens = m[RowColumns.TOKENS:RowColumns.TOKENS + count]
+        rows.append(SpecRow(bool(m[RowColumns.HIT]), tokens, row_probs, bool(m[RowColumns.POINT_MASS])))
+    return RoundResponse(rows, _float(build_s), _float(respond_s), steps)

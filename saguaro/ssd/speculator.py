@@ -42,7 +42,6 @@ import torch
 
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
-from saguaro.kv.metadata import build_metadata
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.sampler import sample
 from saguaro.spec.draft_model import DraftModelProposer, DraftState
@@ -300,7 +299,8 @@ class AsyncSpeculator:
             state = self.jit.states[seq.seq_id]
             layouts.append(BranchLayout(self.runner.slots(state.block_table, 0, state.num_cached), len(seq),
                                         [k for k, _ in outcomes], [t for _, t in outcomes],
-                                        self.plan.branch_widths(len(outcomes), _temperature(seq))))
+                                        self.plan.branch_widths(len(outcomes), _temperature(seq)),
+                                        block_table=list(state.block_table)))
         return layouts
 
     def _decode_branches(self, seqs, layouts, scratch, interrupted) -> BuildStats:
@@ -328,14 +328,12 @@ class AsyncSpeculator:
             rows = [(i, q) for i in live for q in range(layouts[i].width(step))]
             row_seqs = [seqs[i] for i, _ in rows]
             inputs = [tokens[i][q][-1] if step else layouts[i].roots[q] for i, q in rows]
-            contexts, masks, positions = [], [], []
+            items, first = [], 0
             for i in live:
-                context, pos, mask = layouts[i].step_inputs(step)
-                contexts.append(context)
-                masks.append(mask)
-                positions += pos
-            meta = build_metadata(contexts, [layouts[i].width(step) for i in live], masks)
-            logits = self.runner.run(inputs, positions, meta, [ForwardItem(inputs, 0, [], "all")])[0]
+                width = layouts[i].width(step)
+                items.append(layouts[i].step_item(step, inputs[first:first + width]))
+                first += width
+            logits = self.runner.forward_flat(items)[0]
             tables.append(rank_table(logits, self.width))
             if greedy_only:
                 drawn = logits.argmax(dim=-1).tolist()

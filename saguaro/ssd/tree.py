@@ -10,7 +10,9 @@ speculations for the price of a few narrow steps). Branch tokens live in scratch
 out step-major: step j of branch q (q < widths[j]) is ``scratch[offsets[j] + q]`` with
 ``offsets[j] = widths[0] + ... + widths[j-1]``. At step j every decoded branch reads the prefix
 up to its fork (positions < L+k) and its own steps 0..j; this is the paper's custom tree
-mask (Appendix D).
+mask (Appendix D). ``step_item`` states it per row for the runner (each row sees the block table up
+to its fork, then its own scratch slots); ``step_inputs`` spells the same visibility out as a dense
+mask over one context.
 """
 from __future__ import annotations
 
@@ -18,6 +20,8 @@ from dataclasses import dataclass, field
 from itertools import accumulate
 
 import torch
+
+from saguaro.backends.batch import ForwardItem, TreeRows
 
 
 @dataclass
@@ -28,6 +32,7 @@ class BranchLayout:
     roots: list[int]  # the guessed bonus token t of each branch q
     widths: list[int] = field(default_factory=list)  # branches decoded at each step; [] = all, every step
     scratch_slots: list[int] = field(default_factory=list)  # len >= scratch_size(steps), step-major
+    block_table: list[int] = field(default_factory=list)  # the draft's table; prefix_slots are its first slots
 
     def __post_init__(self) -> None:
         if any(w < 1 for w in self.widths) or any(a < b for a, b in zip(self.widths, self.widths[1:])):
@@ -65,3 +70,13 @@ class BranchLayout:
             mask[rows, prefix + self.offset(j) + rows] = True
         positions = (self.verified_len + depths + step).tolist()
         return context, positions, mask
+
+    def step_item(self, step: int, tokens: list[int]) -> ForwardItem:
+        """The forward item decoding step ``step`` of the first ``width(step)`` branches, fed ``tokens``."""
+        n = self.width(step)
+        if len(tokens) != n:
+            raise ValueError(f"step {step} decodes {n} branches, got {len(tokens)} tokens")
+        forks = [self.verified_len + k for k in self.fork_depths[:n]]
+        own = [[self.scratch_slots[self.offset(j) + q] for j in range(step + 1)] for q in range(n)]
+        rows = TreeRows([f + step for f in forks], [slots[-1] for slots in own], forks, own)
+        return ForwardItem(tokens, self.verified_len, self.block_table, "all", tree=rows)

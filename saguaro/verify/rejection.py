@@ -55,6 +55,7 @@ from dataclasses import dataclass
 
 import torch
 
+from saguaro.engine.device import to_device
 from saguaro.sampling.sampler import Generators, inverse_cdf, row_uniforms
 
 
@@ -92,21 +93,25 @@ def rejection_sample_tensors(
         raise ValueError(f"draft_tokens must be [{batch}, {k_max}], got {tuple(draft_tokens.shape)}")
     if draft_probs is not None and tuple(draft_probs.shape) != (batch, k_max, vocab):
         raise ValueError(f"draft_probs must be [{batch}, {k_max}, {vocab}], got {tuple(draft_probs.shape)}")
-    num_draft = num_draft.to(device=device, dtype=torch.int64).reshape(batch)
+    # the per-row settings are checked, and the random draws counted, where the caller holds them (the host,
+    # for the engine) before they join the probabilities' device: nothing here waits for a GPU
+    num_draft = num_draft.to(torch.int64).reshape(batch)
     if batch and (int(num_draft.min()) < 0 or int(num_draft.max()) > k_max):
         raise ValueError(f"num_draft must lie in [0, {k_max}]")
-    greedy = greedy.to(device=device, dtype=torch.bool).reshape(batch)
+    greedy = greedy.to(torch.bool).reshape(batch)
     if point_mass is None:
-        point_mass = torch.full((batch,), draft_probs is None, dtype=torch.bool, device=device)
-    point_mass = point_mass.to(device=device, dtype=torch.bool).reshape(batch)
+        point_mass = torch.full((batch,), draft_probs is None, dtype=torch.bool)
+    point_mass = point_mass.to(torch.bool).reshape(batch)
     if draft_probs is None and not bool(point_mass.all()):
         raise ValueError("rows without point_mass need draft_probs")
+    counts = torch.where(greedy, 0, num_draft + 1).tolist()
+    num_draft, greedy, point_mass = (to_device(t, device) for t in (num_draft, greedy, point_mass))
 
     rows = torch.arange(batch, device=device)
     p = _normalize(target_probs)  # [B, K+1, V]
     p_argmax = p.argmax(dim=-1)  # [B, K+1]
     valid = torch.arange(k_max, device=device).unsqueeze(0) < num_draft.unsqueeze(1)  # [B, K]
-    d = torch.where(valid, draft_tokens.to(device=device, dtype=torch.int64), 0)  # padding -> token 0
+    d = torch.where(valid, to_device(draft_tokens.to(torch.int64), device), 0)  # padding -> token 0
 
     # Probabilities of each drafted token under the target and under the draft.
     p_d = p[:, :k_max].gather(2, d.unsqueeze(2)).squeeze(2)  # [B, K]
@@ -114,7 +119,6 @@ def rejection_sample_tensors(
     q_d = q.gather(2, d.unsqueeze(2)).squeeze(2) if q is not None else torch.ones_like(p_d)
     q_d = torch.where(point_mass.unsqueeze(1), torch.ones_like(q_d), q_d)
 
-    counts = torch.where(greedy, 0, num_draft + 1).tolist()
     u = torch.zeros(batch, k_plus_1, dtype=torch.float64, device=device)
     drawn = row_uniforms(counts, generators, shared_generator, device=device)
     u[:, : drawn.shape[1]] = drawn
@@ -173,8 +177,7 @@ def rejection_sample(
     num_accepted, bonus = rejection_sample_tensors(
         target_probs, draft_tokens, draft_probs, num_draft, point_mass, generators, greedy, shared_generator
     )
-    k_list = num_accepted.tolist()
-    bonus_list = bonus.tolist()
+    k_list, bonus_list = torch.stack([num_accepted, bonus]).tolist()  # the round's one read from the device
     drafts = draft_tokens.tolist()
     outputs = [drafts[b][:k] + [bonus_list[b]] for b, k in enumerate(k_list)]
     return VerifyResult(num_accepted=k_list, bonus_tokens=bonus_list, output_tokens=outputs)

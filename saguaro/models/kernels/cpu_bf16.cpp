@@ -581,15 +581,22 @@ at::Tensor forward_layers(at::Tensor x, const at::Tensor& cos, const at::Tensor&
 
 }  // namespace
 
+// The forward-pass kernels release the interpreter lock: a speculator thread in the same process
+// (saguaro/ssd/thread_link.py) then runs its draft passes while the target's pass runs.
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("alloc_huge", &alloc_huge, "uint8 tensor of nbytes in 2 MB-aligned memory advised for huge pages");
   m.def("pack", &pack, "pack weight rows into the tile layout (dst: [T, K/2, 64, 2])");
   m.def("pack_i8", &pack_i8, "quantize and pack weight rows into the int8 tile layout (dst: [T, K/4 + 4, 64, 4])");
   m.def("pack_i4", &pack_i4, "quantize and pack weight rows into the int4 layout (dst: [T, K/32, 1280])");
   m.attr("I4_BLOCK") = I4_BLOCK;
-  m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues");
-  m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it");
-  m.def("rope_store", &rope_store, "RoPE on the fused qkv rows in place; k/v into the paged cache");
-  m.def("forward_layers", &forward_layers, "every decoder layer: norms, projections, RoPE, cache writes, attention, MLP");
-  m.def("attention", &attention, "masked attention of the new tokens over their context slots");
+  m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("rope_store", &rope_store, "RoPE on the fused qkv rows in place; k/v into the paged cache",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("forward_layers", &forward_layers, "every decoder layer: norms, projections, RoPE, cache writes, attention, MLP",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("attention", &attention, "masked attention of the new tokens over their context slots",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,0 +1,38 @@
+"""The transport seam: how the verifier reaches its speculator.
+
+``SSDDecoder`` depends on this protocol only, so where the speculator runs is a choice made
+once, at start-up (``saguaro.ssd.placement``):
+
+  * ``WorkerLink`` (``worker.py``): a process of its own, pinned to CPU cores or on another
+    GPU; messages are packed into tensors and cross torch.distributed (Gloo, or NCCL between
+    two distinct GPUs);
+  * ``ThreadLink`` (``thread_link.py``): a thread of the target's process, fed through an
+    in-process queue; messages pass as objects, and on a GPU it works on its own CUDA stream;
+  * ``InProcessLink`` (``worker.py``): no concurrency at all, each exchange responds and then
+    builds the whole cache (calibration).
+
+Every link carries the same two messages (``protocol.py``) and serves them the same way:
+respond first, then build the next cache until the next request arrives. A link that cannot
+deliver -- its speculator died, raised, or did not answer within ``worker_timeout_s`` --
+raises ``ChannelClosed``; the decoder then finishes every request without it.
+"""
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+from saguaro.ssd.protocol import RoundRequest, RoundResponse
+
+
+@runtime_checkable
+class SpeculatorLink(Protocol):
+    def prefill(self, request: RoundRequest) -> None:
+        """Hand over admissions to prefill ahead of their first round; no response. Raises ``ChannelClosed``."""
+
+    def exchange(self, request: RoundRequest) -> RoundResponse:
+        """One round: send the outcomes, wait for the next speculations. Raises ``ChannelClosed``."""
+
+    def stop(self) -> None:
+        """Ask the speculator to finish and wait for it (bounded); the link is unusable afterwards."""
+
+    def kill(self) -> None:
+        """Give up on the speculator now, without waiting for it to answer (after a failure)."""

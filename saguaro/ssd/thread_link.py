@@ -1,0 +1,210 @@
+"""The colocated speculator: the same ``AsyncSpeculator`` in a thread of the target's process.
+
+It serves exactly as the speculator process does (``worker.py``): take a request, respond,
+then build the next cache while the target verifies, and cut the build short as soon as the
+next request is waiting. Only the transport differs: requests and responses pass as Python
+objects through two in-process queues, with no packing. Ownership passes with the message:
+the decoder builds a fresh ``RoundRequest`` every round and never touches it after sending,
+and the speculator never touches a response's rows after sending them.
+
+Where the thread runs (its "lane"):
+  * CPU: the thread pins itself to ``opts.cores`` (``sched_setaffinity(0, ...)`` called in a
+    thread sets that thread's mask only, on Linux) and uses ``opts.threads`` torch threads.
+    It shares the interpreter lock with the target, so the Python parts of a build and of a
+    verification take turns; the torch kernels themselves release the lock and overlap.
+  * GPU: the thread launches on a CUDA stream of its own, optionally inside a green context
+    holding ``sms`` of the GPU's SMs (``torch.cuda.green_contexts``, where the installed torch
+    has it). Each response carries a CUDA event recorded on that stream after ``respond``;
+    the target's stream waits on it before reading the response's device tensors. No NCCL.
+
+Failure never hangs the target: an exception in the thread travels to the next ``exchange``,
+and a thread that does not answer within ``opts.timeout_s`` is given up on; both raise
+``ChannelClosed``, so the decoder falls back to n-gram SD in the target and loses nothing. A
+Python thread cannot be killed: ``kill`` asks it to stop at its next chance and leaves it to
+finish as a daemon.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from saguaro.engine.device import load_or_place
+from saguaro.ssd.channel import ChannelClosed
+from saguaro.ssd.protocol import CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse
+from saguaro.ssd.worker import WorkerOptions
+
+log = logging.getLogger("saguaro.ssd")
+
+STOP_GRACE_S = 10.0  # how long ``stop`` waits for a build to notice the stop request and the thread to close
+
+
+@dataclass
+class _Reply:
+    """Speculator -> target: a response, the ready signal (``response`` None) or the thread's exception."""
+    response: RoundResponse | None = None
+    error: BaseException | None = None
+    event: Any = None  # GPU: a torch.cuda.Event recorded on the speculator's stream after ``respond``
+
+
+class ThreadLink:
+    """The engine's handle on a speculator thread (the ``SpeculatorLink`` protocol)."""
+
+    def __init__(self, draft: Any, opts: WorkerOptions, sms: int | None = None):
+        self.opts = opts
+        self.requests: queue.SimpleQueue[RoundRequest] = queue.SimpleQueue()
+        self.replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
+        self.stopping = threading.Event()  # set by stop/kill: builds end at their next step, the loop exits
+        self.thread = threading.Thread(target=self._serve, args=(draft, sms), daemon=True,
+                                       name="saguaro-speculator")
+        self.thread.start()
+        try:  # the thread places the draft and sets up its lane first; a failure there is a start-up error
+            self._receive(max(opts.timeout_s, 600.0))
+        except ChannelClosed as e:
+            self.kill()
+            raise RuntimeError(f"speculator thread failed during start-up: {e}") from e.__cause__
+
+    # -- the target's side -------------------------------------------------------
+    def prefill(self, request: RoundRequest) -> None:
+        self._check_alive()
+        self.requests.put(request)
+
+    def exchange(self, request: RoundRequest) -> RoundResponse:
+        self._check_alive()
+        self.requests.put(request)
+        return self._receive(self.opts.timeout_s)
+
+    def stop(self) -> None:
+        """Ask the thread to finish (a build in progress ends at its next step) and join it."""
+        self.stopping.set()
+        self.requests.put(RoundRequest(command=CMD_STOP))
+        self.thread.join(timeout=STOP_GRACE_S)
+        if self.thread.is_alive():
+            log.warning("speculator thread did not stop within %.0f s; left to finish as a daemon", STOP_GRACE_S)
+
+    def kill(self) -> None:
+        """Give up on the thread without waiting for it: it stops at its next step or request."""
+        self.stopping.set()
+        self.requests.put(RoundRequest(command=CMD_STOP))
+
+    def _check_alive(self) -> None:
+        if self.stopping.is_set():
+            raise ChannelClosed("the speculator thread was stopped")
+        if not self.thread.is_alive():
+            try:  # it died raising: say why
+                self._raise_if_error(self.replies.get_nowait())
+            except queue.Empty:
+                pass
+            raise ChannelClosed("the speculator thread is gone")
+
+    def _receive(self, timeout_s: float) -> RoundResponse | None:
+        try:
+            reply = self.replies.get(timeout=timeout_s)
+        except queue.Empty:
+            raise ChannelClosed(f"no response from the speculator thread within {timeout_s:.1f} s") from None
+        self._raise_if_error(reply)
+        if reply.event is not None:
+            _receive_on_stream(reply, torch.device(self.opts.device))
+        return reply.response
+
+    @staticmethod
+    def _raise_if_error(reply: _Reply) -> None:
+        if reply.error is not None:
+            raise ChannelClosed(f"the speculator thread raised {type(reply.error).__name__}: {reply.error}"
+                                ) from reply.error
+
+    # -- the speculator's side (runs in the thread) ------------------------------
+    def _serve(self, draft: Any, sms: int | None) -> None:
+        opts = self.opts
+        try:
+            with _lane(opts, sms) as stream, torch.no_grad():  # grad mode is per thread
+                draft = load_or_place(draft, opts.device, opts.dtype)
+                runner = opts.draft_format.runner(draft, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
+                speculator = opts.make_speculator(runner)
+                self.replies.put(_Reply())  # ready
+                try:
+                    self._loop(speculator, stream)
+                finally:
+                    speculator.close()
+        except BaseException as e:  # handed to the target's next exchange
+            log.error("speculator thread raised %s: %s", type(e).__name__, e, exc_info=True)
+            self.replies.put(_Reply(error=e))
+
+    def _loop(self, speculator, stream) -> None:
+        interrupted = lambda: self.stopping.is_set() or not self.requests.empty()  # noqa: E731
+        while True:
+            req = self.requests.get()
+            if req.command == CMD_STOP or self.stopping.is_set():
+                return
+            if req.command == CMD_PREFILL:  # no response; a build it cut short stays as it is
+                speculator.prefill(req)
+                continue
+            response = speculator.respond(req)
+            self.replies.put(_Reply(response, event=_handoff_event(stream)))
+            speculator.build(interrupted=interrupted)
+
+
+@contextmanager
+def _lane(opts: WorkerOptions, sms: int | None) -> Iterator[Any]:
+    """Run the body on the speculator's lane; yields its CUDA stream (None on the CPU)."""
+    if opts.device == "cpu":
+        if opts.cores and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, set(opts.cores))  # pid 0 from a thread: this thread only (Linux)
+        torch.set_num_threads(opts.threads)
+        yield None
+        return
+    # ---- GPU lane. Written for torch >= 2.9 with CUDA; not run on the development machines (no GPU there). ----
+    device = torch.device(opts.device)
+    torch.cuda.set_device(device)  # the current device is per thread
+    green = _green_context(device, sms)
+    try:
+        if green is not None:  # its own stream where torch offers one, else the one set_context made current
+            stream = green.Stream() if hasattr(green, "Stream") else torch.cuda.current_stream(device)
+        else:
+            stream = torch.cuda.Stream(device)
+        with torch.cuda.stream(stream):  # the current stream is per thread too: the target's is untouched
+            yield stream
+    finally:
+        if green is not None:
+            green.pop_context()
+
+
+def _green_context(device: torch.device, sms: int | None) -> Any:
+    """GPU: a green context holding ``sms`` SMs, made current for this thread; None if not asked for or unavailable."""
+    if not sms:
+        return None
+    try:
+        from torch.cuda.green_contexts import GreenContext
+        green = GreenContext.create(num_sms=sms, device_id=device.index or 0)
+        green.set_context()
+        return green
+    except (ImportError, RuntimeError, TypeError, AttributeError) as e:
+        log.warning("no green context of %d SMs on %s (%s); the speculator shares all SMs", sms, device, e)
+        return None
+
+
+def _handoff_event(stream: Any) -> Any:
+    """GPU: an event marking the end of ``respond``'s work on the speculator's stream."""
+    if stream is None:
+        return None
+    event = torch.cuda.Event()
+    event.record(stream)
+    return event
+
+
+def _receive_on_stream(reply: _Reply, device: torch.device) -> None:
+    """GPU, target side: order the target's stream after the response's producer, and tell the caching
+    allocator the response's device tensors are now used there (else their memory could be handed back
+    to the speculator's stream while the target still reads it)."""
+    consumer = torch.cuda.current_stream(device)
+    reply.event.wait(consumer)
+    for row in reply.response.rows:
+        if row.probs is not None and row.probs.is_cuda:
+            row.probs.record_stream(consumer)
