@@ -1,10 +1,10 @@
 """Start the speculator process so that no start-up failure can leave the engine waiting.
 
-Three things used to hang a ``multiprocessing`` spawn: the child re-imports the parent's
-``__main__`` (impossible for a script on stdin or ``python -c``), the draft model was pickled
-through the start pipe (which blocks once the pipe is full and the child is dead, because the
-parent itself still holds the pipe's read end), and the waits after the start watched nothing.
-So here:
+A ``multiprocessing`` spawn can hang a start-up in three ways: the child re-imports the parent's
+``__main__`` (impossible for a script on stdin or ``python -c``, so it dies); arguments pickled
+through the start pipe block ``Process.start()`` once the pipe is full and the child is dead (the
+parent itself still holds the pipe's read end); and a wait that watches only a socket or an event
+never learns that the child is gone. So here:
 
   * the worker is a fresh interpreter running ``child_main`` of this module: it imports only
     saguaro, never the parent's main module;
