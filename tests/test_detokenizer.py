@@ -7,7 +7,8 @@ from saguaro.engine.detokenizer import IncrementalDetokenizer, StreamText
 from saguaro.loading import MODELS, installed, load_tokenizer
 from tests.tiny import PROMPTS, tiny_model
 
-TEXT = "Hello 世界! 🌵 saguaro 🤖🎉 naïve café — 日本語テキスト 👨‍👩‍👧 ok\n  def f(x): return '✓'"
+TEXT = ("Hello 世界! 🌵 saguaro 🤖🎉 naïve café — 日本語テキスト 👨‍👩‍👧 ok\n"
+        "  def f(x): return '✓'")
 
 
 @pytest.fixture(scope="module", params=["smollm2-135m", "qwen2.5-coder-0.5b"])
