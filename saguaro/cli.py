@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 
@@ -104,14 +105,16 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from saguaro.server.app import serve
     target = args.target or args.model
     draft = args.draft if args.mode == "ssd" or (args.mode == "sd" and args.speculator == "draft") else None
+    if not target:
+        print("error: give --model (or --target)", file=sys.stderr)
+        return 2
     llm = LLM(target=target, draft=draft, **_engine_options(args))
-    serve(llm, target, args.host, args.port)
+    serve(llm, args.served_model_name or target, args.host, args.port, args.api_key)
     return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
     import importlib
-    import os
     from pathlib import Path
     if not (Path.cwd() / "benchmarks" / f"bench_{args.name}.py").exists():
         print(f"benchmark {args.name!r} not found: run from the repository root (benchmarks/bench_{args.name}.py)",
@@ -139,7 +142,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="SSD: build steps that decode every branch (default K); past them only the likeliest "
                         "--deep-branches go on, up to K tokens (a tapered tree); or 'auto'")
     p.add_argument("--deep-branches", type=int, default=1, help="SSD: branches extended past --branch-steps")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (the checkpoint's own)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the exact eager reference instead of the device's fast path (CUDA graphs on a GPU, "
@@ -193,6 +196,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--draft")
     s.add_argument("--host", default="127.0.0.1")
     s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--served-model-name", help="the model name clients use and /v1/models lists (default: --model)")
+    s.add_argument("--api-key", default=os.environ.get("SAGUARO_API_KEY"),
+                   help="refuse /v1 requests without 'Authorization: Bearer KEY' (default: $SAGUARO_API_KEY)")
     _add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark script from benchmarks/")

@@ -33,7 +33,7 @@ class Config:
     saguaro_c: float | str = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1], or "auto"
     branch_steps: int | str | None = None  # SSD: steps decoding every branch (None: K; fewer: tapered), or "auto"
     deep_branches: int = 1  # SSD: the likeliest branches that go on past branch_steps, up to K tokens
-    dtype: str = "float32"
+    dtype: str = "auto"  # "auto": the checkpoint's own dtype (saguaro.loading.dtype), e.g. bf16 for the Qwen files
     device: str = "cpu"  # "cpu" or "cuda:N" for the target
     draft_device: str | None = None  # SSD: the draft's device; default the CPU, else the next GPU, else the target's
     speculator_transport: str = "auto"  # SSD: "process", "thread" (in the target's process) or "auto" (placement.py)
@@ -59,6 +59,8 @@ class Config:
             self.enforce_eager = not self.compile
             self.compile = None
         check_workload(self.calibration_workload, "calibration_workload")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         k = self.num_speculative_tokens  # "auto": checked against K once it is resolved (calibration.resolve)
         if k == "auto" and not self.draft:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
@@ -66,8 +68,6 @@ class Config:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.speculator not in SPECULATORS:
             raise ValueError(f"speculator must be one of {SPECULATORS}, got {self.speculator!r}")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.mode != "ar" and k != "auto" and k < 1:
             raise ValueError(f"num_speculative_tokens (K) must be >= 1, got {k}")
         needs_draft = self.mode == "ssd" or (self.mode == "sd" and self.speculator == "draft")
@@ -123,6 +123,9 @@ class Config:
 
     @property
     def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":  # LLM resolves it from the checkpoint before anything runs (no I/O here)
+            raise ValueError('dtype "auto" is resolved from the checkpoint when the engine loads it; '
+                             "name a dtype to use this Config on its own")
         return DTYPES[self.dtype]
 
     @property

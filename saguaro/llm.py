@@ -12,12 +12,14 @@ from typing import Any
 
 from saguaro.config import Config
 from saguaro.engine.decoder import ARDecoder, Decoder
+from saguaro.engine.detokenizer import StreamText
 from saguaro.engine.device import load_or_place, pin_process
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.outputs import RequestOutput, SpecMetrics, StreamChunk
 from saguaro.loading import LoadedModel
+from saguaro.loading.dtype import checkpoint_dtype
 from saguaro.loading.tokenizer import check_shared_vocabulary
 from saguaro.sampling.params import SamplingParams
 
@@ -30,6 +32,8 @@ class LLM:
         target = target if target is not None else model
         if target is None:
             raise ValueError("LLM needs a model: LLM('qwen2.5-coder-1.5b') or LLM(target=..., draft=...)")
+        if options.get("dtype", "auto") == "auto":  # the checkpoint's own dtype; a model in memory keeps its own
+            options["dtype"] = checkpoint_dtype(target)
         cfg = Config(target=_name(target), draft=_name(draft) if draft is not None else None, **options)
         if cfg.num_speculative_tokens == "auto":  # calibration code is imported only for "auto" settings
             from saguaro.calibration.resolve import resolve_k
@@ -43,6 +47,9 @@ class LLM:
                       if draft is not None and cfg.mode != "ar" else None)
         if self.draft is not None:
             check_shared_vocabulary(self.target.tokenizer, self.draft.tokenizer)
+        # a speculator process loads a named draft itself (mapping the same cached file) rather than receiving a copy
+        by_name = isinstance(draft, str) and cfg.speculator_transport == "process"
+        self._draft_source = draft if by_name else self.draft
         self.max_model_len = min(cfg.max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
         num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
@@ -61,7 +68,7 @@ class LLM:
         from saguaro.calibration.resolve import ssd_plan
         from saguaro.ssd.decoder import build_ssd_decoder
         plan = ssd_plan(cfg, runner.config.vocab_size)
-        return build_ssd_decoder(cfg, plan, runner, self.draft, self.max_model_len)
+        return build_ssd_decoder(cfg, plan, runner, self._draft_source, self.max_model_len)
 
     # -- generation ----------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -95,16 +102,15 @@ class LLM:
         """Yield tokens of one request as rounds produce them."""
         ids, text = self._encode(prompt)
         seq = self.engine.add_request(ids, params or SamplingParams(), text)
-        shown = ""
+        shown = StreamText(self.tokenizer, seq.params.stop)  # decodes only the new tokens of each chunk
         try:
             while not seq.finished:
                 for s, tokens in self.engine.step():
                     if s is not seq or not tokens:
                         continue
-                    full = self.engine.output(seq).text
-                    delta, shown = full[len(shown):], full
-                    yield StreamChunk(seq.seq_id, tokens, delta, seq.finished, seq.finish_reason,
-                                      self.engine.output(seq) if seq.finished else None)
+                    final = self.engine.output(seq) if seq.finished else None
+                    delta = shown.delta(tokens, final.text if final else None)
+                    yield StreamChunk(seq.seq_id, tokens, delta, seq.finished, seq.finish_reason, final)
         finally:
             self.engine.abort(seq)
 

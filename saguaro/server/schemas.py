@@ -1,0 +1,128 @@
+"""The OpenAI request bodies the server accepts, and what each asks the engine for.
+
+Fields follow OpenAI's API. Supported: ``prompt`` (a string, token ids, or a list of either),
+``messages`` (text content), ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
+``top_p``, ``top_k`` (an extension), ``stop``, ``seed``, ``n``, ``stream`` and
+``stream_options.include_usage``. Fields that would change the output in ways the engine cannot
+honour (``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of``, tools,
+``response_format``) are refused with a 400 that names them, never silently ignored.
+
+``n`` choices of one prompt are ``n`` engine requests; with a ``seed``, choice ``i`` uses
+``seed + i`` (so they differ, and each is reproducible).
+"""
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from saguaro.sampling.params import SamplingParams
+
+MAX_N = 64
+
+
+class UnsupportedField(ValueError):
+    pass
+
+
+class StreamOptions(BaseModel):
+    include_usage: bool = False
+
+
+class BaseRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI-compatible servers do
+
+    model: str | None = None
+    max_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0)
+    top_p: float | None = Field(default=None, gt=0, le=1)
+    top_k: int | None = Field(default=None, ge=0)
+    stop: str | list[str] | None = None
+    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    user: str | None = None
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream and self.stream_options is not None and self.stream_options.include_usage
+
+    def _unsupported(self) -> dict[str, Any]:
+        return {"presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
+                "logit_bias": self.logit_bias or None}
+
+    def check_supported(self) -> None:
+        used = [name for name, value in self._unsupported().items() if value is not None and value is not False]
+        if used:
+            one = len(used) == 1
+            raise UnsupportedField(f"{', '.join(used)} {'is' if one else 'are'} not supported by this server; "
+                                   f"leave {'it' if one else 'them'} unset")
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def sampling(self, choice: int, default_max_tokens: int) -> SamplingParams:
+        """Engine parameters for choice ``choice`` (OpenAI's defaults: temperature 1, top_p 1)."""
+        stop = [self.stop] if isinstance(self.stop, str) else [s for s in (self.stop or []) if s]
+        max_tokens = self.requested_max_tokens()
+        return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
+                              top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
+                              max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=stop,
+                              seed=None if self.seed is None else self.seed + choice)
+
+
+class CompletionRequest(BaseRequest):
+    prompt: str | list[int] | list[str] | list[list[int]]
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+
+    def _unsupported(self) -> dict[str, Any]:
+        best_of = self.best_of if self.best_of not in (None, self.n) else None
+        return {**super()._unsupported(), "logprobs": self.logprobs, "echo": self.echo or None,
+                "suffix": self.suffix, "best_of": best_of}
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, each a string or token ids; raises ``ValueError`` for an empty one."""
+        p = self.prompt
+        prompts = [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else list(p)
+        if not prompts or any(len(x) == 0 for x in prompts):
+            raise ValueError("prompt must not be empty")
+        return prompts
+
+
+class TextPart(BaseModel):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+    def as_template_input(self) -> dict[str, str]:
+        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
+        return {"role": self.role, "content": text}
+
+
+class ChatRequest(BaseRequest):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(default=None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    tools: list[Any] | None = None
+    response_format: dict[str, Any] | None = None
+
+    def _unsupported(self) -> dict[str, Any]:
+        text_format = self.response_format is not None and self.response_format.get("type") != "text"
+        return {**super()._unsupported(), "logprobs": self.logprobs or None, "top_logprobs": self.top_logprobs,
+                "tools": self.tools or None, "response_format": self.response_format if text_format else None}
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

@@ -1,0 +1,213 @@
+"""Start the speculator process so that no start-up failure can leave the engine waiting.
+
+A ``multiprocessing`` spawn can hang a start-up in three ways: the child re-imports the parent's
+``__main__`` (impossible for a script on stdin or ``python -c``, so it dies); arguments pickled
+through the start pipe block ``Process.start()`` once the pipe is full and the child is dead (the
+parent itself still holds the pipe's read end); and a wait that watches only a socket or an event
+never learns that the child is gone. So here:
+
+  * the worker is a fresh interpreter running ``child_main`` of this module: it imports only
+    saguaro, never the parent's main module;
+  * nothing big travels through a pipe. The start-up payload and the draft's weights go into
+    anonymous in-memory files (``memfd``) that the child inherits by descriptor; a draft given by
+    registry name or path travels as that string and the child loads it itself;
+  * every wait of the parent watches the child (``WorkerProcess.expect``): if it exits, the
+    parent raises at once with how it ended, the tail of its stderr and what to do.
+
+Glossary:
+  payload   the pickled (function, args) the child runs; args may hold ``DraftSource``s and
+            ``SharedFile``s, which re-open their descriptors in the child.
+  tail      the last lines the child wrote to stderr (also forwarded to ours as they come).
+"""
+from __future__ import annotations
+
+import collections
+import os
+import pickle
+import signal
+import subprocess
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, TypeVar
+
+import torch
+
+from saguaro.ssd.shared_file import SharedFile
+
+T = TypeVar("T")
+_TAIL_LINES = 30
+_parent_pid: int | None = None  # set in the worker by child_main
+
+
+class WorkerStartError(RuntimeError):
+    """The speculator process died or went silent before it was ready."""
+
+
+@dataclass
+class DraftSource:
+    """How the draft reaches the worker: a registry name / path the worker loads, or weights in a ``SharedFile``."""
+    name: str | None = None
+    file: SharedFile | None = None
+
+    @classmethod
+    def of(cls, draft: Any) -> "DraftSource":
+        if isinstance(draft, str):
+            return cls(name=draft)
+        file = SharedFile()
+        with os.fdopen(os.dup(file.fd), "wb") as f:
+            torch.save({"name": draft.name, "config": draft.config, "tokenizer": draft.tokenizer,
+                        "state": draft.model.state_dict()}, f)
+        return cls(file=file)
+
+    def load(self, device: str, dtype: torch.dtype) -> Any:
+        """In the worker: the draft as a ``LoadedModel`` on ``device`` / ``dtype``."""
+        from pathlib import Path
+
+        from saguaro.engine.device import load_or_place
+        from saguaro.loading import LoadedModel
+        from saguaro.loading.model_builder import build_model
+        if self.name is not None:
+            return load_or_place(self.name, device, dtype)
+        path = self.file.path()
+        if path is not None:  # mapped, not copied: the pages stay shared until one side converts them
+            saved = torch.load(path, mmap=True, weights_only=False)
+        else:
+            with os.fdopen(os.dup(self.file.fd), "rb") as f:
+                f.seek(0)
+                saved = torch.load(f, weights_only=False)
+        model = build_model(saved["config"], saved["state"], dtype, device)
+        return LoadedModel(saved["name"], saved["config"], model, saved["tokenizer"], Path("."), Path("."), True)
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+class WorkerProcess:
+    """A running worker interpreter: its liveness, how it ended, and its stderr tail."""
+
+    def __init__(self, target: Callable[..., None], args: tuple, keep: list[SharedFile | None]):
+        payload = SharedFile()
+        with os.fdopen(os.dup(payload.fd), "wb") as f:
+            pickle.dump((target, args), f)
+        fds = [payload.fd] + [s.fd for s in keep if s is not None]
+        code = f"from saguaro.ssd.launch import child_main; child_main({payload.fd}, {os.getpid()})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=fds, stdin=subprocess.DEVNULL,
+                                     stderr=subprocess.PIPE, env=_child_env())
+        payload.close()  # the child holds its own copy of the descriptor
+        self.pid = self.proc.pid
+        self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
+        self._forwarder = threading.Thread(target=self._forward, name="saguaro-speculator-stderr", daemon=True)
+        self._forwarder.start()
+        weakref.finalize(self, _kill, self.proc)  # at interpreter exit at the latest, the worker goes too
+
+    def _forward(self) -> None:
+        for raw in self.proc.stderr:
+            line = raw.decode(errors="replace")
+            self.tail.append(line)
+            try:
+                sys.stderr.write(line)
+            except (ValueError, OSError):  # our stderr was closed (interpreter shutting down)
+                pass
+
+    def is_alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def kill(self) -> None:
+        _kill(self.proc)
+
+    def how_it_ended(self) -> str:
+        code = self.proc.poll()
+        if code is None:
+            return "it is still running but did not answer"
+        if code < 0:
+            name = signal.Signals(-code).name if -code in signal.valid_signals() else str(-code)
+            return f"it was killed by signal {-code} ({name})"
+        return f"it exited with code {code}"
+
+    def failure(self, stage: str, hint: str | None = None) -> WorkerStartError:
+        """A start-up error that says what happened, shows the child's last words and what to do."""
+        code = self.proc.poll()
+        if code is not None:
+            self._forwarder.join(1.0)  # its stderr ends with it: take its last lines
+        if hint is None:
+            if code is not None and code < 0:
+                hint = ("if nothing killed it on purpose, the machine is probably out of memory: use a smaller "
+                        "or int4 draft (draft_weights='int4'), a smaller kv_cache_tokens, or mode='sd'")
+            else:
+                hint = ("fix the error above, or run mode='sd', which needs no second process")
+        tail = "".join(self.tail).rstrip()
+        shown = f"\n--- speculator stderr (last lines) ---\n{tail}\n---" if tail else ""
+        return WorkerStartError(f"the SSD speculator process failed while {stage}: {self.how_it_ended()}.{shown}\n"
+                                f"What to do: {hint}.")
+
+    def expect(self, stage: str, wait: Callable[[], T], timeout_s: float) -> T:
+        """Run ``wait`` (which may block) on a helper thread; raise at once if the child dies or time runs out."""
+        result: list[Any] = []
+
+        def run() -> None:
+            try:
+                result.append(("ok", wait()))
+            except BaseException as e:  # noqa: BLE001 -- handed to the caller below
+                result.append(("error", e))
+
+        thread = threading.Thread(target=run, name=f"saguaro-speculator-{stage}", daemon=True)
+        thread.start()
+        deadline = time.monotonic() + timeout_s
+        while thread.is_alive():
+            thread.join(0.05)
+            if not thread.is_alive():
+                break
+            if not self.is_alive():
+                raise self.failure(stage)
+            if time.monotonic() > deadline:
+                self.kill()
+                raise self.failure(stage, f"it did not finish {stage} within {timeout_s:.0f} s; raise "
+                                          "worker_timeout_s if the machine is just slow or busy")
+        kind, value = result[0]
+        if kind == "error":
+            if not self.is_alive():
+                raise self.failure(stage) from value
+            raise value
+        return value
+
+
+def _kill(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    try:
+        proc.wait(5)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+def _child_env() -> dict[str, str]:
+    """Our environment, with our import path (the child must import saguaro and unpickle what we send)."""
+    env = dict(os.environ)
+    paths = [p or os.getcwd() for p in sys.path]
+    env["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    return env
+
+
+def child_main(payload_fd: int, parent_pid: int) -> None:
+    """The worker interpreter's entry point: run the pickled (function, args) from the payload file."""
+    with os.fdopen(payload_fd, "rb") as f:
+        f.seek(0)  # the parent wrote it through a shared file offset
+        target, args = pickle.load(f)
+    global _parent_pid
+    _parent_pid = parent_pid
+    target(*args)
+
+
+def parent_alive() -> bool:
+    """In the worker: is the engine that started us still there? (An orphan must exit, not poll forever.)"""
+    return _parent_pid is None or os.getppid() == _parent_pid

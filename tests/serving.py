@@ -1,0 +1,84 @@
+"""A real ``saguaro serve`` on loopback for tests (not a test file): uvicorn on a free port, in a thread."""
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import uvicorn
+
+from saguaro.server.app import create_app
+from saguaro.server.async_engine import AsyncEngine
+from saguaro.ssd.channel import free_port
+from tests.tiny import tiny_model
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                 "{% if add_generation_prompt %}t9{% endif %}")
+
+
+def chat_model(seed: int = 1, **kwargs):
+    """A tiny random model whose tokenizer has a chat template (messages joined, then "t9")."""
+    loaded = tiny_model(seed=seed, **kwargs)
+    loaded.tokenizer.chat_template = CHAT_TEMPLATE
+    return loaded
+
+
+@dataclass
+class Served:
+    url: str  # http://127.0.0.1:PORT
+    engine: AsyncEngine
+
+    @property
+    def base_url(self) -> str:
+        return self.url + "/v1"
+
+    def free_blocks(self) -> tuple[int, int]:
+        blocks = self.engine.llm.engine.target.blocks
+        return blocks.num_free, blocks.num_blocks
+
+    def idle(self, timeout_s: float = 30) -> bool:
+        """Wait (bounded) until the engine holds no request and every KV block is free again."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            free, total = self.free_blocks()
+            if free == total and not self.engine.llm.engine.has_unfinished:
+                return True
+            time.sleep(0.02)
+        return False
+
+
+@contextmanager
+def running_server(llm, name: str = "tiny", api_key: str | None = None):
+    engine = AsyncEngine(llm)
+    port = free_port()
+    server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host="127.0.0.1", port=port,
+                                           log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started and thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if not server.started:
+        engine.close()
+        raise RuntimeError("the test server did not start")
+    try:
+        yield Served(f"http://127.0.0.1:{port}", engine)
+    finally:
+        server.should_exit = True
+        thread.join(timeout=10)
+        engine.close()
+
+
+def http(url: str, body: bytes | dict | None = None, headers: dict | None = None) -> tuple[int, str]:
+    """GET (no body) or POST; the status and body text, errors included."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data, {"Content-Type": "application/json", **(headers or {})})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            return r.status, r.read().decode()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read().decode()

@@ -1,0 +1,173 @@
+"""The server against the official ``openai`` client: completions and chat, streaming or not, stop, seed,
+max_tokens, temperature, top_p, include_usage, n, refused logprobs, the model name, the API key, /metrics."""
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from saguaro import LLM, SamplingParams
+from tests.serving import chat_model, http, running_server
+
+PROMPT = "t1 t2 t3"
+MESSAGES = [{"role": "system", "content": "t7"}, {"role": "user", "content": "t4 t5"}]
+
+
+@pytest.fixture(scope="module")
+def served():
+    with running_server(LLM(chat_model(), block_size=4, max_model_len=64)) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def reference():
+    with LLM(chat_model(), block_size=4, max_model_len=64) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="module")
+def client(served):
+    return openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=60)
+
+
+def ref_text(reference, prompt, **params) -> str:
+    return reference.generate([prompt], SamplingParams(**params))[0].text
+
+
+def chat_prompt(reference) -> list[int]:
+    tok = reference.tokenizer
+    return tok.encode(tok.apply_chat_template(MESSAGES, add_generation_prompt=True), add_special_tokens=False)
+
+
+def test_models_lists_the_served_name(client):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).model == "tiny"
+    with pytest.raises(openai.NotFoundError, match="serves 'tiny'"):
+        client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=2)
+
+
+def test_completion_greedy_equals_the_engine(client, reference):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=9, temperature=0)
+    assert out.choices[0].text == ref_text(reference, PROMPT, max_tokens=9)
+    assert out.choices[0].finish_reason == "length"
+    assert out.usage.completion_tokens == 9 and out.usage.prompt_tokens == 3 and out.usage.total_tokens == 12
+
+
+def test_completion_stream_equals_non_stream(client):
+    whole = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0).choices[0]
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == whole.text
+    assert chunks[-1].choices[0].finish_reason == "length" and all(c.usage is None for c in chunks)
+
+
+def test_chat_and_chat_stream(client, reference):
+    expected = reference.generate([chat_prompt(reference)], SamplingParams(max_tokens=7))[0].text
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=7, temperature=0)
+    assert out.choices[0].message.role == "assistant" and out.choices[0].message.content == expected
+    stream = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_completion_tokens=7,
+                                                 temperature=0, stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == expected
+    assert stream[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_strings(client, reference):
+    free = reference.generate([PROMPT], SamplingParams(max_tokens=12))[0]
+    stop = reference.tokenizer.decode(free.token_ids[6:8])
+    expected = free.text[:free.text.index(stop)]
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=[stop, "t99"])
+    assert out.choices[0].text == expected and out.choices[0].finish_reason == "stop"
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=12, temperature=0, stop=stop,
+                                            stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seed_temperature_top_p(client, reference):
+    def sample(**kw):
+        return client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, **kw).choices[0].text
+    a = sample(temperature=1.0, seed=7)
+    assert a == sample(temperature=1.0, seed=7) == ref_text(reference, PROMPT, max_tokens=10, temperature=1.0, seed=7)
+    assert sample(temperature=0.5, top_p=0.9, seed=3) == ref_text(reference, PROMPT, max_tokens=10, temperature=0.5,
+                                                                  top_p=0.9, seed=3)
+    # top_p this small keeps only the likeliest token: greedy
+    assert sample(temperature=1.0, top_p=1e-9, seed=1) == ref_text(reference, PROMPT, max_tokens=10)
+    assert len({sample(temperature=1.5, seed=s) for s in range(6)}) > 1
+
+
+def test_include_usage(client):
+    chunks = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=5, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 5
+    assert chunks[-1].usage.prompt_tokens == 3 and all(c.usage is None for c in chunks[:-1])
+    chat = list(client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=4, temperature=0,
+                                               stream=True, stream_options={"include_usage": True}))
+    assert chat[-1].choices == [] and chat[-1].usage.completion_tokens == 4
+
+
+def test_n_choices(client, reference):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=8, temperature=1.0, seed=5, n=3)
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    for c in out.choices:  # choice i samples with seed + i
+        assert c.text == ref_text(reference, PROMPT, max_tokens=8, temperature=1.0, seed=5 + c.index)
+    assert out.usage.completion_tokens == 24 and out.usage.prompt_tokens == 3
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0,
+                                                seed=2, n=2, stream=True):
+        for c in chunk.choices:
+            texts[c.index] += c.delta.content or ""
+    whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=2, n=2)
+    assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
+    with pytest.raises(openai.BadRequestError, match="n: Input should be less than or equal to 64"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=65)
+
+
+def test_several_prompts(client, reference):
+    out = client.completions.create(model="tiny", prompt=["t1 t2", "t8"], max_tokens=4, temperature=0)
+    assert [c.text for c in out.choices] == [ref_text(reference, p, max_tokens=4) for p in ["t1 t2", "t8"]]
+    out = client.completions.create(model="tiny", prompt=[[5, 6, 7], [1]], max_tokens=4, temperature=0, n=2)
+    expected = [ref_text(reference, p, max_tokens=4) for p in [[5, 6, 7], [5, 6, 7], [1], [1]]]
+    assert [c.text for c in out.choices] == expected and out.usage.prompt_tokens == 4
+
+
+def test_logprobs_and_penalties_are_refused_clearly(client):
+    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=1)
+    with pytest.raises(openai.BadRequestError, match="logprobs, top_logprobs are not supported"):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, presence_penalty=0.5)
+    assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=False).choices
+
+
+def metric_values(url: str) -> dict[tuple[str, tuple], float]:
+    status, text = http(url + "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_metrics_parse_and_count(served, client):
+    before = metric_values(served.url)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0)
+    after = metric_values(served.url)
+
+    def grew(name, labels=()):
+        return after.get((name, labels), 0) - before.get((name, labels), 0)
+    assert grew("saguaro:generation_tokens_total") == out.usage.completion_tokens == 6
+    assert grew("saguaro:prompt_tokens_total") == 3
+    assert grew("saguaro:request_success_total", (("finished_reason", "length"),)) == 1
+    assert grew("saguaro:time_to_first_token_seconds_count") == 1
+    assert grew("saguaro:time_per_output_token_seconds_count") == 1
+    assert after[("saguaro:num_requests_running", ())] == 0
+    assert after[("saguaro:num_requests_waiting", ())] == 0
+    assert after[("saguaro:kv_cache_usage_perc", ())] == 0
+
+
+def test_api_key():
+    with running_server(LLM(chat_model(), block_size=4, max_model_len=64), api_key="sekret") as s:
+        with pytest.raises(openai.AuthenticationError, match="API key"):
+            openai.OpenAI(base_url=s.base_url, api_key="wrong", max_retries=0).models.list()
+        assert http(s.base_url + "/completions", {"prompt": "t1"})[0] == 401
+        good = openai.OpenAI(base_url=s.base_url, api_key="sekret", max_retries=0)
+        assert good.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+        assert http(s.url + "/health")[0] == 200  # health and metrics stay open
+        assert http(s.url + "/metrics")[0] == 200
