@@ -45,6 +45,7 @@ class RoundTrace:
     build_steps: int
     hits: list[bool] = field(default_factory=list)  # per verified sequence: was its speculation a cache hit
     fallback: str = ""  # the cache-miss fallback for this round's batch size (plan.FallbackChoice)
+    emitted: list[int] = field(default_factory=list)  # per verified sequence: tokens the verification emitted
 
 
 class SSDDecoder(Decoder):
@@ -92,7 +93,8 @@ class SSDDecoder(Decoder):
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
-                                     response.build_steps, hits, self.fallback_choice.at(len(seqs))))
+                                     response.build_steps, hits, self.fallback_choice.at(len(seqs)),
+                                     [len(out[s.seq_id]) for s in ready]))
         return [out[s.seq_id] for s in seqs]
 
     def prefilling(self, seqs: list[Sequence]) -> None:
