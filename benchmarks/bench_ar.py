@@ -363,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
         s = summarize(runs)
         s["pct_floor"] = 100 * s["tok_s_median"] * floor_s if s["tok_s_median"] else None
         s["cpu_pct_floor"] = 100 * s["cpu_tok_s_median"] * floor_s if s["cpu_tok_s_median"] else None
-        # the same against the default-page bandwidth (the floor as shared/MODELS.md computes it)
+        # the same against the default-page bandwidth (the floor with 4 KiB pages, as a plain sum streams)
         s["pct_floor_default_pages"] = (100 * s["tok_s_median"] * weight_bytes / (bandwidth["default_pages_gb_s"] * 1e9)
                                         if s["tok_s_median"] else None)
         results["engines"][name] = s

@@ -5,7 +5,7 @@ one thread, batch 1, real HumanEval and MT-Bench prompts (chat template), greedy
 temperature sampling. Every configuration runs the same prompts in this one run, so ratios
 against our AR are taken from numbers measured together. The best K is the one with the
 highest median tok/s over all prompts at each temperature. llama.cpp numbers are reference
-constants from shared/MODELS.md, not measured here.
+constants measured by hand, not here.
 
 The sweep (every K and the n-gram speculator) runs at the --sweep-at temperatures (default
 greedy); at the other temperatures AR and the K that was best at the first sweep temperature
@@ -148,7 +148,7 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
               table(["temperature", "dataset", "best K", "tok/s", "xAR"], rows)]
     ours_ar = ar.get("T=0", {}).get(ALL, {}).get("tok_s_median")
     ours_sd = best.get("T=0", {}).get(ALL, {})
-    lines += ["", "## Reference: llama.cpp (constants from shared/MODELS.md, not measured here)", "",
+    lines += ["", "## Reference: llama.cpp (constants measured by hand, not here)", "",
               table(["engine", "AR tok/s", "best SD tok/s", "SD xAR"], [
                   ["llama.cpp bf16, 1 thread", fmt(LLAMA_CPP["ar_bf16_tok_s"]), fmt(LLAMA_CPP["sd_bf16_best_tok_s"]),
                    "1.07-1.33 (own AR, MODELS.md)"],

@@ -35,9 +35,9 @@ DRAFT = "qwen2.5-coder-0.5b"
 HUMANEVAL_INSTRUCTION = "Complete this Python function:\n\n"  # as in saguaro/demo.py
 ALL = "all"  # the group of every dataset together
 
-# llama.cpp on this machine kind, from shared/MODELS.md. Constants: these scripts do not run llama.cpp.
+# llama.cpp on this machine kind, measured once by hand. Constants: these scripts do not run llama.cpp.
 LLAMA_CPP = {
-    "source": "shared/MODELS.md (llama.cpp commit 0c1e570, 1 thread, greedy, same GGUF files); "
+    "source": "measured by hand (llama.cpp commit 0c1e570, 1 thread, greedy, same GGUF files); "
               "a reference constant, not measured by this script",
     "ar_bf16_tok_s": 8.6,
     "sd_bf16_best_tok_s": 11.7,

@@ -12,7 +12,7 @@ from saguaro.models.kernels import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 
 # demo defaults: SD at its best K (5 of 3, 5, 7) and SSD at a fixed fan-out with a tapered tree (every branch
-# 2 steps, the likeliest up to K), both with the int4 draft (results/bench_ssd_tapered.md; the fan-out does
+# 2 steps, the likeliest up to K), both with the int4 draft (results/bench_ssd_tapered_vs_sd.md; the fan-out does
 # not depend on a calibration profile being there)
 DEMO_SD_K = 5
 DEMO_FAN_OUT = [1, 1, 1, 1, 2]

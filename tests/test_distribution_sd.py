@@ -14,7 +14,7 @@ from saguaro.verify.rejection import rejection_sample
 from tests.dist_harness import measure
 from tests.tiny import perturbed, tiny_model
 
-# Every setting the issue names is covered at K=1 and at K=3 without the full cross product.
+# Every sampling setting is covered at K=1 and at K=3 without the full cross product.
 CASES = [(1, SamplingParams(temperature=0.6)),
          (1, SamplingParams(temperature=1.0, top_p=0.9)),
          (3, SamplingParams(temperature=1.0)),

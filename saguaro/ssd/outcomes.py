@@ -1,4 +1,4 @@
-"""predict_verify_outcomes (paper Sec. 4.1): which (k, t*) outcomes to prepare for, likeliest first."""
+"""predict_outcomes (paper Sec. 4.1): which (k, t*) outcomes to prepare for, likeliest first."""
 from __future__ import annotations
 
 from collections.abc import Sequence

@@ -1,8 +1,8 @@
 """A ceiling on SSD's speed when the target and the draft share one memory bus.
 
 Thm 2 measures time in verifications and takes the draft's device to be independent of the
-target's. On this project's CPU testbed the two "devices" are two cores behind one memory bus
-(shared/MODELS.md), and at batch 1 every forward pass streams its model's weights once. A round
+target's. On this project's CPU testbed the two "devices" are two cores behind one memory bus,
+and at batch 1 every forward pass streams its model's weights once. A round
 then costs at least its bytes over the bandwidth it can get, and SSD's overlap can only hide
 draft time the bus has room for.
 
