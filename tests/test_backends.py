@@ -158,6 +158,25 @@ def test_tree_steps_get_their_own_graphs():
     assert set(runner.graphs) == {(4, 1), (2, 2), (1, 3)}  # (bucket, extra slots per row) of each step
 
 
+# -- the default: the fastest exact path the device supports ------------------------------------------------
+
+def test_defaults_take_the_fastest_exact_path():
+    from saguaro import LLM
+    from saguaro.backends import choose_kind
+    from saguaro.models.fast_forward import unsupported_reason
+    bf16 = tiny_model(seed=3).model.to(torch.bfloat16)
+    cpu_default = "cpu_kernels" if unsupported_reason(bf16) is None else "eager"
+    assert choose_kind(bf16, torch.device("cpu"), fast=True) == cpu_default
+    assert choose_kind(bf16, torch.device("cuda:0"), fast=True) == "paged"  # a decision only: nothing runs
+    for device in ("cpu", "cuda:0"):
+        assert choose_kind(bf16, torch.device(device), fast=False) == "eager"  # enforce_eager: the reference
+    assert choose_kind(tiny_model(seed=3).model, torch.device("cpu"), fast=True) == "eager"  # fp32: no bf16 kernels
+    with LLM(tiny_model(seed=3), dtype="bfloat16", block_size=4) as llm:  # LLM's own default
+        assert llm.engine.target.backend.name == cpu_default
+    with LLM(tiny_model(seed=3), dtype="bfloat16", block_size=4, enforce_eager=True) as llm:
+        assert llm.engine.target.backend.name == "eager"
+
+
 # -- the whole engine on the paged backend, on the CPU ------------------------------------------------------
 # Every runner (target and drafts in this process) takes the paged backend: PagedCausalLM with the torch
 # reference ops and CUDA graphs replaced by their CPU stand-in. fp32 greedy outputs must equal the eager

@@ -17,7 +17,7 @@ from saguaro.models.transformer import CausalLM
 log = logging.getLogger("saguaro.backends")
 KINDS = ("auto", "eager", "cpu_kernels", "paged")
 
-__all__ = ["Backend", "ForwardItem", "TreeRows", "KINDS", "make_backend"]
+__all__ = ["Backend", "ForwardItem", "TreeRows", "KINDS", "choose_kind", "make_backend"]
 
 
 def make_backend(model: CausalLM, cache, device: torch.device, fast: bool, weights: str = "bf16",
@@ -34,12 +34,7 @@ def make_backend(model: CausalLM, cache, device: torch.device, fast: bool, weigh
         raise ValueError(f"backend must be one of {KINDS}, got {kind!r}")
     custom = weights != "bf16" or head_ids is not None
     if kind == "auto":
-        if device.type == "cuda" and fast:
-            kind = "paged"
-        elif custom or (fast and _cpu_kernels_apply(model)):
-            kind = "cpu_kernels"
-        else:
-            kind = "eager"
+        kind = choose_kind(model, device, fast, custom)
     if custom and kind != "cpu_kernels":
         raise ValueError("int8 / int4 draft weights and a reduced draft head run on the CPU kernels only")
     if kind == "eager":
@@ -49,6 +44,16 @@ def make_backend(model: CausalLM, cache, device: torch.device, fast: bool, weigh
         net = fast_or_eager(model, weights, head_ids)
         return DenseBackend(net, device, "cpu_kernels" if net is not model else "eager")
     return _paged(model, cache, device, graphs, max_table_blocks)
+
+
+def choose_kind(model: CausalLM, device: torch.device, fast: bool, custom: bool = False) -> str:
+    """The default backend: the fastest exact path ``device`` supports, or the eager reference when
+    ``fast`` is off (``enforce_eager``). ``custom`` draft weights exist only as CPU kernels."""
+    if device.type == "cuda" and fast:
+        return "paged"
+    if custom or (fast and _cpu_kernels_apply(model)):
+        return "cpu_kernels"
+    return "eager"
 
 
 def _paged(model: CausalLM, cache, device: torch.device, graphs: bool, max_table_blocks: int | None) -> Backend:
