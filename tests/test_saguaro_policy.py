@@ -251,3 +251,17 @@ def test_step_overhead_lengthens_builds_but_not_verifications():
     slow = build_time(timing, 5, 1, 6, 2, sampled=True)
     assert slow.deep_steps < plain.deep_steps and slow.t_v < plain.t_v
     assert slow.t_v >= timing.target_rows["6"]  # never faster than the verification alone
+
+
+def test_a_pair_that_always_hits_plans_without_error():
+    """A profile whose hit curves are 1 at every depth (greedy code on the real pair): the weighted mix of
+    the per-depth rates can land an ulp above 1, and the plan must still come out, with every p_hit <= 1."""
+    profile = default_profile("a", "b", "bf16", 4)
+    for entry in profile.temperatures.values():
+        for source in ("primary", "backup"):
+            s = getattr(entry, source)
+            s.hit_curves, s.power_law = [[0.0] + [1.0] * 64] * len(s.hit_curves), False
+    make_plan(profile, 4, "auto", "auto", 8, VOCAB)
+    for entry in profile.temperatures.values():
+        for batch, fallback in ((1, "jit"), (8, "ngram")):
+            assert 0.0 <= best_choice(profile, entry, 4, batch, fallback, VOCAB).p_hit <= 1.0

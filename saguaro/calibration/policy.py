@@ -117,6 +117,8 @@ def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budge
     steps, t_hit, t_v = build.steps, build.t_hit, build.t_v
     p_p, share = verified_mix(primary, f_p, steps, build.deep_steps, k, deep)
     p_b = hit_rate(backup, f_b, k, backup_weights(backup, k))
+    # weighted sums of per-depth rates that are all 1 can land an ulp above it
+    p_p, p_b = min(float(p_p), 1.0), min(float(p_b), 1.0)
     e_hit = (1 - share) * expected_round_tokens(primary, steps) + share * expected_round_tokens(primary,
                                                                                                 build.deep_steps)
     if fallback == "jit":
