@@ -79,10 +79,9 @@ def copy_bandwidth(device: torch.device) -> float | None:
     """Device-to-device copy GB/s, counting bytes read and written (the HBM figure the floor divides by)."""
     if device.type != "cuda":
         return None
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    ms = timed_ms(lambda: y.copy_(x), device, 10)
-    del x, y
+    buffers = [torch.empty(1 << 30, dtype=torch.uint8, device=device) for _ in range(2)]
+    ms = timed_ms(lambda: buffers[1].copy_(buffers[0]), device, 10)
+    buffers.clear()  # give the 2 GiB back before the models are built
     return 2 * (1 << 30) / (ms * 1e-3) / 1e9
 
 
@@ -176,8 +175,8 @@ def run_shape(shape: str, args, bandwidth: float | None) -> dict:
     log(f"{shape}: building random weights on {device}")
     target = random_model(shape, str(device), seed=0)
     draft = random_model(PAIRS[shape], str(device), seed=1)
-    result: dict[str, Any] = {"target": shape, "draft": PAIRS[shape],
-                              "target_gb": weight_bytes(target.model) / 1e9, "draft_gb": weight_bytes(draft.model) / 1e9}
+    result: dict[str, Any] = {"target": shape, "draft": PAIRS[shape], "target_gb": weight_bytes(target.model) / 1e9,
+                              "draft_gb": weight_bytes(draft.model) / 1e9}
     if bandwidth:
         result["floor_ms"] = weight_bytes(target.model) / (bandwidth * 1e9) * 1e3
     log("pass costs")
@@ -229,7 +228,8 @@ def report(results: list[dict], bandwidth: float | None, args) -> str:
     lines = [f"# The engine on {args.device}: random weights of real shapes, bf16, context {args.context}, greedy",
              "", f"Copy bandwidth: {fmt(bandwidth, '.0f')} GB/s (read + write).", ""]
     for r in results:
-        lines += [f"## {r['target']} (target, {r['target_gb']:.2f} GB) / {r['draft']} (draft, {r['draft_gb']:.2f} GB)",
+        lines += [f"## {r['target']} (target, {r['target_gb']:.2f} GB) / {r['draft']} "
+                  f"(draft, {r['draft_gb']:.2f} GB)",
                   "", f"HBM floor for one target step: {fmt(r.get('floor_ms'), '.3f')} ms "
                   f"({fmt(1e3 / r['floor_ms'] if r.get('floor_ms') else None, '.0f')} tok/s); "
                   f"backend {r['target_passes']['backend']}.", ""]
@@ -237,7 +237,8 @@ def report(results: list[dict], bandwidth: float | None, args) -> str:
         lines += [table(["pass", "rows", "ms"],
                         [["target decode / verification", k.split("_")[1], fmt(v, ".3f")] for k, v in tp.items()
                          if k.startswith("rows_")]
-                        + [["draft step", k.split("_")[1], fmt(v, ".3f")] for k, v in dp.items() if k.startswith("rows_")]
+                        + [["draft step", k.split("_")[1], fmt(v, ".3f")] for k, v in dp.items()
+                           if k.startswith("rows_")]
                         + [["draft tree step", k.split("_")[1], fmt(v, ".3f")] for k, v in dp.items()
                            if k.startswith("tree_")]), ""]
         lines += [table(["mode", "K", "batch", "tok/s (all requests)", "per request", "acceptance", "tokens/round",
@@ -257,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     unknown = [s for s in args.shapes if s not in PAIRS]
     if unknown:
-        raise SystemExit(f"unknown shapes {unknown}; known targets: {', '.join(PAIRS)} (all shapes: {', '.join(SHAPES)})")
+        raise SystemExit(f"unknown shapes {unknown}; known targets: {', '.join(PAIRS)} "
+                         f"(all shapes: {', '.join(SHAPES)})")
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("bench gpu needs a CUDA device (or --device cpu --shapes tiny for a smoke test)")

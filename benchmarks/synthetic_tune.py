@@ -31,8 +31,8 @@ def _runner(model: LoadedModel, sequences: int, longest: int) -> tuple[ModelRunn
     device = str(next(model.model.parameters()).device)
     runner = ModelRunner(model.model, sequences * (longest // 16 + 2), 16, device, fast=True, max_seq_len=longest)
     tables: list[list[int]] = [[] for _ in range(sequences)]
-    for table in tables:
-        runner.blocks.reserve(table, longest)
+    for block_table in tables:
+        runner.blocks.reserve(block_table, longest)
     return runner, tables
 
 
