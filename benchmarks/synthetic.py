@@ -39,6 +39,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from saguaro.loading import LoadedModel
+from saguaro.loading.model_builder import build_model
 from saguaro.loading.tokenizer import numbered_tokenizer
 from saguaro.models.config import ModelConfig
 from saguaro.models.transformer import CausalLM
@@ -74,21 +75,23 @@ PAIRS = {"qwen2.5-1.5b": "qwen2.5-0.5b", "llama-3.1-8b": "llama-3.2-1b", "qwen2.
 
 def random_model(shape: str, device: str = "cpu", dtype: torch.dtype = torch.bfloat16, seed: int = 0,
                  residual_scale: float = 1.0) -> LoadedModel:
-    """A ``LoadedModel`` of ``shape`` with N(0, 0.02) weights (norms at 1), made directly on ``device``."""
+    """A ``LoadedModel`` of ``shape`` with N(0, 0.02) weights (norms at 1, biases 0), made directly on ``device``
+    in ``dtype``: nothing passes through float32 (a 32B model in bf16 fills most of one 80 GB GPU)."""
     if shape not in SHAPES:
         raise ValueError(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
     cfg = ModelConfig(**SHAPES[shape])
+    with torch.device("meta"):
+        shapes = {name: t.shape for name, t in CausalLM(cfg).state_dict().items()}
     torch.manual_seed(seed)
-    with torch.device(device):
-        model = CausalLM(cfg).to(dtype)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() > 1:
-                scale = residual_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0
-                p.normal_(0, 0.02 * scale)
-            elif name.endswith("bias"):
-                p.zero_()
-    model.eval().requires_grad_(False)
+    state = {}
+    for name, size in shapes.items():
+        w = torch.empty(size, dtype=dtype, device=device)
+        if len(size) > 1:
+            w.normal_(0, 0.02 * (residual_scale if name.endswith(("o_proj.weight", "down_proj.weight")) else 1.0))
+        else:
+            w.fill_(0.0 if name.endswith("bias") else 1.0)  # norms at 1
+        state[name] = w
+    model = build_model(cfg, state, dtype, device)
     return LoadedModel(f"random-{shape}", cfg, model, numbered_tokenizer(cfg.vocab_size), Path("."), Path("."), True)
 
 
