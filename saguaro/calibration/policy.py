@@ -123,7 +123,7 @@ def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budge
                                                                                                 build.deep_steps)
     if fallback == "jit":
         e_miss = miss_tokens(primary, f_p, "jit") or expected_round_tokens(primary, k)
-        t_miss = (rows_time(timing.draft_rows, 2 * batch) + (k - 1) * rows_time(timing.draft_rows, batch)) / t_v
+        t_miss = jit_draft_s(timing, k, batch) / t_v
         p_hit = p_p
     else:
         e_miss = miss_tokens(primary, f_p, "ngram") or float(backup.tokens_per_round
@@ -135,6 +135,12 @@ def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budge
     return Choice(batch, fallback, budget, steps, list(f_p), list(f_b), method, p_p, p_b, p_hit, e_hit, e_miss,
                   t_hit, t_miss, t_v, speedup, tok_s, tok_s * rows_time(timing.target_rows, batch),
                   branch_steps, build.deep_steps, share)
+
+
+def jit_draft_s(timing: Timing, k: int, batch: int) -> float:
+    """Seconds a miss's just-in-time drafting keeps the target waiting: a first draft pass over two rows per
+    sequence (it catches up on the verified tokens), then K - 1 one-row steps."""
+    return rows_time(timing.draft_rows, 2 * batch) + (k - 1) * rows_time(timing.draft_rows, batch)
 
 
 def evaluate(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, fallback: str, vocab: int,
