@@ -7,7 +7,8 @@ rollback). SSD keeps its own trace (``SSDDecoder.trace``), read by ``SSDRounds``
 
 Fields, in milliseconds where named ``*_ms`` (None where a round has no such part):
   AR/SD: start, draft_ms, verify_ms, drafted
-  SSD:   start, verify_ms, wait_ms, admit_wait_ms, build_ms, build_start, build_steps, hit
+  SSD:   start, verify_ms, wait_ms, admit_wait_ms, build_ms, build_start, build_steps, hit, emitted (tokens
+         the verification gave the sequence)
 """
 from __future__ import annotations
 
@@ -88,6 +89,7 @@ class SSDRounds:
                 "build_start": prev.start + prev.verify_s + prev.wait_s if prev is not None else None,
                 "build_steps": r.build_steps if prev is not None else None,
                 "hit": r.hits[0] if verified else None,
+                "emitted": r.emitted[0] if verified and r.emitted else None,
             })
         return rounds
 
