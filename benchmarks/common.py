@@ -202,13 +202,14 @@ def run_requests(llm: Any, config: str, prompts: list[Prompt], temperatures: lis
 
 
 def run_engine(config: str, options: dict[str, Any], prompts: list[Prompt], args: argparse.Namespace,
-               temperatures: list[float] | None = None) -> list[Record]:
-    """Build one LLM, run every request through it, close it (SSD owns a worker process)."""
+               temperatures: list[float] | None = None, target: Any = TARGET) -> list[Record]:
+    """Build one LLM (on ``target``: a name or a ``LoadedModel``), run every request through it, close it (SSD owns
+    a worker process or thread)."""
     from saguaro import LLM
     from benchmarks.rounds import round_log
 
     log(f"{config}: loading")
-    with LLM(target=TARGET, **options) as llm:
+    with LLM(target=target, **options) as llm:
         records = run_requests(llm, config, prompts, temperatures or args.temperatures, args.max_tokens,
                                args.seed, round_log(llm.engine.decoder), args.warmup_tokens)
     gc.collect()
