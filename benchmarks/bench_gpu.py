@@ -16,6 +16,7 @@ One run gives, side by side, bf16, a ``--context``-token prompt, greedy:
     python -m benchmarks.bench_gpu                                   # Qwen2.5 1.5B / 0.5B shapes
     python -m benchmarks.bench_gpu --shapes qwen2.5-1.5b,llama-3.1-8b --max-tokens 128
     python -m benchmarks.bench_gpu --device cpu --shapes tiny --max-tokens 8 --batches 1 --sd-k 2 --no-hf  # smoke
+    python -m benchmarks.bench_gpu --mode ssd ...                    # benchmarks/bench_gpu_ssd.py
 """
 from __future__ import annotations
 
@@ -50,7 +51,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=30)
     p.add_argument("--enforce-eager", action="store_true", help="the eager reference instead of CUDA graphs")
     p.add_argument("--no-hf", action="store_true", help="skip transformers generate")
-    p.add_argument("--mode", type=str_list, default=["ar", "sd"], help="ar, sd (and ssd, see bench_gpu_ssd)")
+    p.add_argument("--mode", type=str_list, default=["ar", "sd"],
+                   help="ar, sd; or ssd alone: SSD against AR and SD on a synthetic pair (benchmarks/bench_gpu_ssd.py, "
+                        "its own options: --mode ssd --help)")
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--name", default="bench_gpu")
     return p.parse_args(argv)
@@ -216,12 +219,16 @@ def goals(r: dict) -> list[list[Any]]:
               ("draft step ms", dp["rows_1"], GOALS["draft_step_ms"], "max"),
               ("SD round / sum of its passes (worst K)", max(sd) if sd else None, GOALS["sd_round_over_passes"], "max"),
               ("AR tok/s, batch 32, all requests", ar.get(32), GOALS["ar_batch32_tok_s"], "min")]
-    out = []
-    for name, value, goal, kind in checks:
-        met = None if value is None else (value >= goal if kind == "min" else value <= goal)
-        out.append([name, fmt(value), ("≥ " if kind == "min" else "≤ ") + fmt(goal), {None: "-", True: "met",
-                                                                                       False: "not met"}[met]])
-    return out
+    return [goal_row(*check) for check in checks]
+
+
+def goal_row(name: str, value: float | None, goal: float, kind: str) -> list[str]:
+    """[name, measured, goal, met / not met] of a goals table; ``kind`` "min" (at least the goal), "max" (at
+    most) or "abs" (|value| at most: an error)."""
+    met = None if value is None else {"min": value >= goal, "max": value <= goal, "abs": abs(value) <= goal}[kind]
+    shown = fmt(value, "+.1%") if kind == "abs" else fmt(value)
+    bound = {"min": "≥ ", "max": "≤ ", "abs": "± "}[kind] + (fmt(goal, ".0%") if kind == "abs" else fmt(goal))
+    return [name, shown, bound, {None: "-", True: "met", False: "not met"}[met]]
 
 
 def report(results: list[dict], bandwidth: float | None, args) -> str:
@@ -255,6 +262,14 @@ def report(results: list[dict], bandwidth: float | None, args) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    mode = argparse.ArgumentParser(add_help=False)
+    mode.add_argument("--mode", type=str_list, default=["ar", "sd"])
+    chosen, rest = mode.parse_known_args(argv)
+    if "ssd" in chosen.mode:  # its own benchmark, which runs AR and SD beside SSD on the synthetic pair
+        if chosen.mode != ["ssd"]:
+            raise SystemExit("--mode ssd runs AR and SD beside SSD itself: give it alone (--mode ssd)")
+        from benchmarks.bench_gpu_ssd import main as ssd_main
+        return ssd_main(rest)
     args = parse_args(argv)
     unknown = [s for s in args.shapes if s not in PAIRS]
     if unknown:

@@ -1,0 +1,45 @@
+"""``bench gpu --mode ssd`` end to end on the CPU (tiny shapes, a few tokens): every configuration runs, and the
+JSON carries what the GPU run will be read for. No timing is asserted: CPU speeds here mean nothing."""
+import argparse
+import json
+
+import pytest
+
+from benchmarks import bench_gpu
+from benchmarks.bench_gpu_ssd import ssd_shapes
+from benchmarks.gpu_ssd_rows import SSDShape
+from saguaro.calibration import default_profile
+
+
+def test_ssd_mode_end_to_end_on_cpu(tmp_path):
+    profile = tmp_path / "profile.json"  # the documented defaults stand in for the real pair's profile
+    profile.write_text(json.dumps(default_profile("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "bfloat16").to_dict()))
+    assert bench_gpu.main(["--mode", "ssd", "--device", "cpu", "--shape", "tiny", "--prompts", "1", "--prompt-len",
+                           "16", "--max-tokens", "8", "--sd-k", "2", "--ssd", "2:uniform;2:last2@1", "--reps", "1",
+                           "--verify-rows", "2,3,4,5,6,7", "--tree-rows", "4", "--project", "tiny:tiny",
+                           "--profile", str(profile), "--out", str(tmp_path), "--name", "smoke"]) == 0
+    result = json.loads((tmp_path / "smoke.json").read_text())
+    assert (tmp_path / "smoke.md").read_text().startswith("# SSD, SD and AR on one device")
+    assert result["pair"]["shape"] == "tiny" and result["pair"]["draft_layers"] == 2
+    assert "CPU" in result["pair"]["hardware"] and "random token ids" in result["pair"]["prompt_source"]
+    rows = {r["name"]: r for r in result["rows"]}
+    assert set(rows) == {"AR", "SD K=2", "SSD K=2 F=[1,1,1]", "SSD K=2 F=[1,1,2], tapered 1+1"}
+    for r in rows.values():
+        assert r["tok_s"] > 0 and r["verify_ms"] > 0
+    for name in ("SSD K=2 F=[1,1,1]", "SSD K=2 F=[1,1,2], tapered 1+1"):
+        ssd = rows[name]
+        assert ssd["mode"] == "ssd" and 0.0 <= ssd["p_hit"] <= 1.0 and ssd["tokens_per_round"] >= 1.0
+        assert ssd["verify_alone_ms"] == rows["SD K=2"]["verify_ms"] and ssd["beside_over_alone"] > 0
+        assert ssd["verify_pass_ms"] > 0 and ssd["predicted_tok_s"] > 0 and ssd["prediction_error"] is not None
+    (best,) = result["best"]
+    assert best["sd"] == "SD K=2" and best["ssd"].startswith("SSD") and best["ssd_over_sd"] > 0
+    assert {"rows_1", "rows_3"} <= set(result["passes"]["target"]) and "tree_3" in result["passes"]["draft"]
+    (projection,) = result["projections"]
+    assert projection["target"] == "tiny" and projection["ssd_tok_s"] > 0 and projection["sd_k"] in range(2, 7)
+
+
+def test_ssd_configurations_parse_and_refuse_what_they_cannot_predict():
+    assert ssd_shapes("4:last3@2; 2:uniform") == [SSDShape(4, [1, 1, 1, 1, 3], 2), SSDShape(2, [1, 1, 1])]
+    for bad in ("4:auto", "4:1,1,2", "x:uniform", ""):
+        with pytest.raises(argparse.ArgumentTypeError):
+            ssd_shapes(bad)
