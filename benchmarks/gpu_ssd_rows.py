@@ -9,7 +9,8 @@ Glossary (per configuration and temperature; times are medians over rounds, in m
   * *E_hit / E_miss* -- tokens a verification gave its sequence, in rounds whose speculation was a cache hit / miss.
   * *predicted* -- Thm 2 (``saguaro.theory.ssd_speedup``) for this configuration: the measured p_hit, E_hit and
     E_miss, with the round's times from the pass costs alone: t_v the K+1-row pass, T_p the build laid beside it
-    (``calibration.timeline.build_time``), T_b the just-in-time drafting of a miss (``calibration.policy``).
+    (``calibration.timeline.build_time``), T_b the just-in-time drafting of a miss (``calibration.policy``). It
+    assumes the build does not slow the verification: *beside / alone* measures whether that holds.
 """
 from __future__ import annotations
 
