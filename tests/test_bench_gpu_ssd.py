@@ -6,7 +6,7 @@ import json
 import pytest
 
 from benchmarks import bench_gpu
-from benchmarks.bench_gpu_ssd import ssd_shapes
+from benchmarks.bench_gpu_ssd import parse_args, projections, ssd_shapes
 from benchmarks.gpu_ssd_rows import SSDShape
 from saguaro.calibration import default_profile
 
@@ -43,3 +43,8 @@ def test_ssd_configurations_parse_and_refuse_what_they_cannot_predict():
     for bad in ("4:auto", "4:1,1,2", "x:uniform", ""):
         with pytest.raises(argparse.ArgumentTypeError):
             ssd_shapes(bad)
+
+
+def test_projections_without_the_real_pairs_profile_say_so(tmp_path):
+    rows, notes = projections(parse_args(["--device", "cpu", "--profile", str(tmp_path / "absent.json")]))
+    assert rows == [] and "Projections skipped: no profile" in notes[0]
