@@ -31,7 +31,7 @@ step gpu_tests 150 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests
 step bench_gpu 180 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b,llama-3.1-8b --max-tokens 64 \
     --out "$OUT"
 # SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), Thm 2 against the
-# measurement, and projections of the real pair's profile (results/profile_qwen2.5-coder_code.json, when carried)
+# measurement, and projections from the real pair's profile (results/profile_qwen2.5-coder_code.json, tracked)
 step bench_gpu_ssd 180 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 2 --max-tokens 96 \
     --sd-k 2,3,4,5 --ssd "3:last3;4:last3;4:last3@2" --reps 10 --out "$OUT"
 exit $status
