@@ -337,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     contention = bus = None
     if not args.skip_probe:
         from saguaro.calibration.contention import measure
-        from saguaro.spec.draft_format import DraftFormat
+        from saguaro.models.draft_format import DraftFormat
         widths = sorted({1} | {sum(f) for f, _ in fan_outs(args) if isinstance(f, list)})
         probe = measure(TARGET, DRAFT, args.k + 1, widths, fast=not args.enforce_eager, context=args.probe_context,
                         reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab), log=log)

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 import torch
 
-from saguaro.bench import datasets as ds
+from saguaro import datasets as ds
 from saguaro.config import WORKLOADS
 from saguaro.engine.metrics import summarize
 from saguaro.models.kernels import WEIGHT_FORMATS

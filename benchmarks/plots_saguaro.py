@@ -75,7 +75,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 # -- running the engine --------------------------------------------------------------------------------
 def _prompts(tokenizer, n: int) -> list[list[int]]:
-    from saguaro.bench import datasets
+    from saguaro import datasets
     return datasets.as_chat(tokenizer, [f"Complete this Python function:\n\n{p}" for p in datasets.humaneval(n)])
 
 
@@ -259,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    from saguaro.spec.draft_format import DraftFormat
+    from saguaro.models.draft_format import DraftFormat
     profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=not args.enforce_eager,
                               draft_format=DraftFormat(args.draft_weights, args.draft_vocab).tag,
                               workload=args.workload)

@@ -41,7 +41,7 @@ from torch import nn
 from saguaro.loading import LoadedModel
 from saguaro.loading.model_builder import build_model
 from saguaro.loading.tokenizer import numbered_tokenizer
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 from saguaro.models.transformer import CausalLM
 
 _LLAMA3_ROPE = {"rope_type": "llama3", "low_freq_factor": 1.0, "high_freq_factor": 4.0,

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.spec.draft_format import DraftFormat
+from saguaro.models.draft_format import DraftFormat
 from saguaro.ssd.placement import check_transport, gpu_index, place_speculator
 
 MODES = ("ar", "sd", "ssd")

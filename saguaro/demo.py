@@ -13,7 +13,7 @@ import statistics
 import time
 
 from saguaro import LLM, SamplingParams
-from saguaro.bench import datasets
+from saguaro import datasets
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 

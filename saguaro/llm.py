@@ -63,10 +63,10 @@ class LLM:
         if cfg.mode == "ar":
             return ARDecoder(runner)
         if cfg.mode == "sd":
-            from saguaro.spec.sd import build_sd_decoder
+            from saguaro.sd.sd import build_sd_decoder
             return build_sd_decoder(cfg, runner, self.draft, num_blocks, self.max_model_len)
         from saguaro.calibration.resolve import ssd_plan
-        from saguaro.ssd.decoder import build_ssd_decoder
+        from saguaro.ssd.ssd_decoder import build_ssd_decoder
         plan = ssd_plan(cfg, runner.config.vocab_size)
         return build_ssd_decoder(cfg, plan, runner, self._draft_source, self.max_model_len)
 

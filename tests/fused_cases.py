@@ -22,7 +22,7 @@ import torch
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata, build_metadata
 from saguaro.loading.model_builder import build_model
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 from saguaro.models.rope import inverse_frequencies
 from saguaro.models.transformer import CausalLM, paged_attention
 from saguaro.ops import fused_torch

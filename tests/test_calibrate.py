@@ -121,7 +121,7 @@ def test_an_old_or_unknown_profile_asks_to_recalibrate(tmp_path, monkeypatch, ca
 def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
     """An int8 / reduced-head draft has its own profile; the engine falls back to the plain one, with a warning."""
     from saguaro.calibration.store import resolve_profile
-    from saguaro.spec.draft_format import DraftFormat
+    from saguaro.models.draft_format import DraftFormat
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     fmt = DraftFormat("int8", 4096)
     assert fmt.tag == "int8-v4096" and DraftFormat().tag == "" and DraftFormat(vocab=8).tag == "v8"
@@ -162,7 +162,7 @@ def test_profiles_are_keyed_by_workload(tmp_path, monkeypatch, caplog):
 
 def test_calibration_prompts_per_workload():
     """code: the last HumanEval items; chat: the last MT-Bench questions; mixed: both, alternating."""
-    from saguaro.bench import datasets
+    from saguaro import datasets
     from saguaro.calibration.measure import calibration_prompts
     from saguaro.loading import load_tokenizer
     tok = load_tokenizer("qwen2.5-coder-1.5b", progress=False)
@@ -178,7 +178,7 @@ def test_calibration_prompts_per_workload():
                     reason="CPU lacks AVX512-BF16/VNNI")
 def test_calibrate_an_int8_draft(pair, tmp_path, monkeypatch):
     """Timings and ranks come from the draft as the engine runs it: int8 weights, reduced head."""
-    from saguaro.spec.draft_format import DraftFormat
+    from saguaro.models.draft_format import DraftFormat
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     fmt = DraftFormat("int8", 48)
     profile = calibrate(pair[0], pair[1], dtype="float32", k=3, temperatures=(0.0,), max_tokens=12, batch=4,

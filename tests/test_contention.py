@@ -93,7 +93,7 @@ def test_pass_bytes_eager_counts_parameters_less_the_embedding_table():
 def test_pass_bytes_fast_path_is_the_packed_arena():
     from saguaro.calibration.bus import pass_bytes
     from saguaro.models import kernels
-    from saguaro.spec.draft_format import DraftFormat
+    from saguaro.models.draft_format import DraftFormat
     if not kernels.available():
         pytest.skip("the fast kernels need AVX512-BF16")
     loaded = tiny_model(seed=1, vocab=64, layers=2)  # every matrix a whole number of 64-output tiles

@@ -8,7 +8,7 @@ the residual max(p - q, 0)) must fail the same check, which shows the test has t
 import pytest
 import torch
 
-import saguaro.spec.sd as sd_module
+import saguaro.sd.sd as sd_module
 from saguaro import LLM, SamplingParams
 from saguaro.verify.rejection import rejection_sample
 from tests.dist_harness import measure

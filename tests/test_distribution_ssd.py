@@ -18,7 +18,7 @@ through the process only, to keep the suite's time down.
 import pytest
 import torch
 
-import saguaro.spec.sd as sd_module
+import saguaro.sd.sd as sd_module
 from saguaro import LLM, SamplingParams
 from tests.dist_harness import measure
 from tests.test_distribution_sd import wrong_verifier

@@ -14,7 +14,7 @@ import torch
 from saguaro import LLM, SamplingParams
 from saguaro.models import kernels
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
-from saguaro.spec.draft_format import DraftFormat
+from saguaro.models.draft_format import DraftFormat
 from tests.dist_harness import measure
 from tests.tiny import PROMPTS, greedy_tokens, perturbed, tiny_model, truncated
 

@@ -6,7 +6,7 @@ import time
 
 import pytest
 
-from saguaro.spec.ngram import NgramIndex, propose_ngram
+from saguaro.sd.ngram import NgramIndex, propose_ngram
 
 
 def test_hand_examples():

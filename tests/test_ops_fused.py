@@ -14,7 +14,7 @@ import torch
 
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import build_metadata
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 from saguaro.models.rope import apply_rotary
 from saguaro.models.transformer import MLP, RMSNorm
 from saguaro.ops import fused_torch

@@ -30,7 +30,7 @@ def test_negative_control_recording_p_instead_of_q_fails(pair, monkeypatch):  # 
     """Drafting from sigma_{1,0} but handing the verifier the unweighted p must fail the same check."""
     import torch
 
-    import saguaro.spec.draft_model as draft_module
+    import saguaro.sd.draft_model as draft_module
     import saguaro.ssd.speculator as speculator_module
     from saguaro.ssd.saguaro_sampling import saguaro_reweight
     from saguaro.ssd.worker import InProcessLink

@@ -97,7 +97,7 @@ def _hit_and_acceptance(pair, c: float, n: int = 2000) -> tuple[float, float]:
 def test_lower_c_raises_the_hit_rate_and_lowers_acceptance(pair):
     """Thm 15's trade-off on a tiny model at temperature 1 (K = 1, F = [1, 1]). Measured here: C = 1 gives
     p_hit 0.67 and acceptance 0.82, C = 0.2 gives 0.71 and 0.77 (Thm 15 itself need not hold with the
-    exclude-the-drafted-token cache, see saguaro.theory.saguaro_sampling; on this pair it does)."""
+    exclude-the-drafted-token cache, see saguaro.theory.hit_tradeoff; on this pair it does)."""
     hit_1, acc_1 = _hit_and_acceptance(pair, 1.0)
     hit_c, acc_c = _hit_and_acceptance(pair, 0.2)
     assert hit_c > hit_1 + 0.01, (hit_1, hit_c)

@@ -11,7 +11,7 @@ import torch
 
 from saguaro import SamplingParams
 from saguaro.engine.model_runner import ModelRunner
-from saguaro.spec.types import Ranked, rank_positions
+from saguaro.sampling.ranked import Ranked, rank_positions
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, RoundRequest

@@ -12,7 +12,7 @@ import torch
 
 from saguaro.loading import LoadedModel
 from saguaro.loading.tokenizer import Tokenizer, numbered_tokenizer
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 from saguaro.models.transformer import CausalLM
 
 

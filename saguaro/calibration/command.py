@@ -10,7 +10,7 @@ from saguaro.config import DTYPES, WORKLOADS
 from saguaro.engine.device import pin_process
 from saguaro.loading import check_shared_vocabulary, load_model
 from saguaro.models.kernels import WEIGHT_FORMATS
-from saguaro.spec.draft_format import DraftFormat
+from saguaro.models.draft_format import DraftFormat
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

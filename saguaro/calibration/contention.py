@@ -31,7 +31,7 @@ from saguaro.calibration.bus import pass_bytes
 from saguaro.calibration.profile import BusyDraft, ContentionProbe
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.engine.device import load_or_place, pin_process
-from saguaro.spec.draft_format import DraftFormat
+from saguaro.models.draft_format import DraftFormat
 
 
 def _busy_draft(ready: Any, stop: Any, passes: Any, nbytes: Any, draft: Any, dtype: torch.dtype, fmt: DraftFormat,

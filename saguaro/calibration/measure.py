@@ -29,7 +29,7 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from saguaro.bench import datasets
+from saguaro import datasets
 from saguaro.calibration.contention import measure as measure_contention
 from saguaro.calibration.miss_rounds import follow_ups
 from saguaro.calibration.policy import make_plan
@@ -42,15 +42,15 @@ from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
+from saguaro.models.draft_format import DraftFormat
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.params import SamplingParams
+from saguaro.sampling.ranked import rank_positions
 from saguaro.sampling.sampler import sample
-from saguaro.spec.draft_format import DraftFormat
-from saguaro.spec.ngram_proposer import NgramProposer
-from saguaro.spec.types import rank_positions
-from saguaro.ssd.decoder import SSDDecoder
+from saguaro.sd.ngram_proposer import NgramProposer
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.ranks import RankRecord, RankRecorder
+from saguaro.ssd.ssd_decoder import SSDDecoder
 from saguaro.ssd.worker import InProcessLink, WorkerOptions
 from saguaro.theory import fit_power_law
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections import defaultdict
 
 from saguaro.calibration.profile import Source
-from saguaro.spec.ngram import NgramIndex
+from saguaro.sd.ngram import NgramIndex
 
 MIN_MISS_ROUNDS = 8  # fewer misses than this in the calibration run: use the unconditional estimate
 COLUMNS = ("depth", "rank", "jit", "ngram")  # one row per primary round (see follow_ups)

@@ -12,7 +12,7 @@ from collections.abc import Callable
 import torch
 
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
-from saguaro.spec.draft_format import DraftFormat
+from saguaro.models.draft_format import DraftFormat
 
 
 def runner_factory(loaded, fast: bool, draft_format: DraftFormat | None = None) -> Callable[[int, int], ModelRunner]:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 
 
 class KVCache:

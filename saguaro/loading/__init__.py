@@ -21,7 +21,7 @@ from saguaro.loading.paths import cache_root
 from saguaro.loading.registry import (MODELS, ModelNotInstalledError, ModelSpec, UnknownModelError,
                                       asset_path, gguf_location, installed, resolve)
 from saguaro.loading.tokenizer import Tokenizer, VocabularyMismatchError, check_shared_vocabulary
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 from saguaro.models.transformer import CausalLM
 
 __all__ = [

@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 
 SUPPORTED_ARCHS = ("llama", "qwen2", "qwen3")
 

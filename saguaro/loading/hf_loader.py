@@ -16,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from saguaro.loading.tokenizer import Tokenizer
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 
 INDEX_FILE = "model.safetensors.index.json"
 WEIGHTS_FILE = "model.safetensors"

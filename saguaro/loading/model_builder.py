@@ -12,7 +12,7 @@ from typing import Mapping
 
 import torch
 
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 from saguaro.models.rope import RotaryEmbedding
 from saguaro.models.transformer import CausalLM
 

@@ -13,7 +13,7 @@ from torch import nn
 
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata
-from saguaro.models.config import ModelConfig
+from saguaro.models.model_config import ModelConfig
 from saguaro.models.rope import RotaryEmbedding, apply_rotary
 
 

@@ -5,7 +5,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.spec.types import Ranked, RankTable
+from saguaro.sampling.ranked import Ranked, RankTable
 
 
 @dataclass

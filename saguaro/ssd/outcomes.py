@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from saguaro.spec.types import Ranked
+from saguaro.sampling.ranked import Ranked
 
 
 def predict_outcomes(ranked: Sequence[Ranked], speculation: list[int],

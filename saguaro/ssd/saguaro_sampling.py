@@ -7,7 +7,7 @@ The token at index j of a speculation (d_{j+1}) is drawn from
 where p is the draft's *processed* distribution (temperature, top-k, top-p) and F_j = fan_out[j] is the
 fan-out the cache will use at depth j: if d_{j+1} is rejected, the bonus token comes from the residual
 max(p_target - q_j, 0), which lowering C pushes onto the cached top-F_j tokens (Thm 15; with the engine's
-exclude-the-drafted-token rule the monotonicity can fail, see ``saguaro.theory.saguaro_sampling``).
+exclude-the-drafted-token rule the monotonicity can fail, see ``saguaro.theory.hit_tradeoff``).
 
 Exactness: the verifier is handed exactly q_j (not p), so rejection sampling stays lossless for any C.
 C = 1 and F_j = 0 are no-ops; greedy rows are left alone (their one-hot has nothing to move); a row whose

@@ -9,9 +9,9 @@ from dataclasses import dataclass, field
 
 from saguaro.engine.sequence import Sequence
 from saguaro.kv.block_manager import BlockManager
-from saguaro.spec.draft_model import DraftState
-from saguaro.spec.ngram import NgramIndex
-from saguaro.spec.types import Ranked
+from saguaro.sampling.ranked import Ranked
+from saguaro.sd.draft_model import DraftState
+from saguaro.sd.ngram import NgramIndex
 
 
 @dataclass

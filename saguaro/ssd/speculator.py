@@ -43,9 +43,9 @@ from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
+from saguaro.sampling.ranked import RankTable, rank_positions, rank_table
 from saguaro.sampling.sampler import sample
-from saguaro.spec.draft_model import DraftModelProposer
-from saguaro.spec.types import RankTable, rank_positions, rank_table
+from saguaro.sd.draft_model import DraftModelProposer
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import FallbackChoice, SpecPlan

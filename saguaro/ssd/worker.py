@@ -29,7 +29,7 @@ from saguaro.ssd.protocol import (CMD_PREFILL, CMD_STOP, RoundRequest, RoundResp
                                   pack_response, unpack_request, unpack_response)
 from saguaro.ssd.ranks import RankRecorder, RecordingSpeculator
 from saguaro.ssd.speculator import AsyncSpeculator
-from saguaro.spec.draft_format import DraftFormat
+from saguaro.models.draft_format import DraftFormat
 
 log = logging.getLogger("saguaro.ssd")
 

@@ -3,7 +3,7 @@
 Modules: ``speedup`` (Thm 2, Cors. 3, 4, 17, stationary hit rate), ``bandwidth`` (the ceiling on SSD when
 the two devices share one memory bus), ``fallback`` (Thm 18, critical batch
 size b*), ``fanout`` (Thm 12 geometric fan-out, rounding, power-law fit), ``fanout_general`` (Thm 13 with
-empirical hit curves), ``saguaro_sampling`` (Def. 14, Thm 15, Appendix A construction), ``simulate``
+empirical hit curves), ``hit_tradeoff`` (Def. 14 sampling: acceptance against cache hits, Thm 15, Appendix A), ``simulate``
 (Monte Carlo of SD / SSD rounds). Pure Python + NumPy.
 """
 
@@ -18,7 +18,7 @@ from .fanout import (
     round_fanout,
 )
 from .fanout_general import depth_weights, dp_fanout, greedy_fanout, is_concave, optimal_fanout
-from .saguaro_sampling import (
+from .hit_tradeoff import (
     APPENDIX_CONSTRUCTION,
     acceptance_rate,
     hit_probability_on_rejection,

@@ -26,8 +26,9 @@ from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
+from saguaro.sampling.ranked import Ranked, RankTable, rank_table
 from saguaro.sampling.sampler import sample
-from saguaro.spec.types import Proposal, Proposer, Ranked, RankTable, rank_table
+from saguaro.sd.types import Proposal, Proposer
 
 
 @dataclass

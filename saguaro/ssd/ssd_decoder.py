@@ -23,9 +23,9 @@ from saguaro.engine.device import to_device
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
-from saguaro.spec.ngram_proposer import NgramProposer
-from saguaro.spec.sd import SDDecoder, draft_budget, verify_round
-from saguaro.spec.types import Proposal
+from saguaro.sd.ngram_proposer import NgramProposer
+from saguaro.sd.sd import SDDecoder, draft_budget, verify_round
+from saguaro.sd.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.link import SpeculatorLink
 from saguaro.ssd.plan import FallbackChoice, SpecPlan

@@ -18,7 +18,7 @@ from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
 from saguaro.sampling.batch import processed_probs
-from saguaro.spec.types import Proposal, Proposer
+from saguaro.sd.types import Proposal, Proposer
 from saguaro.verify.rejection import VerifyResult, rejection_sample
 
 
@@ -84,8 +84,8 @@ class SDDecoder(Decoder):
 def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None, num_blocks: int,
                      max_len: int) -> SDDecoder:
     if cfg.speculator == "ngram":
-        from saguaro.spec.ngram_proposer import NgramProposer
+        from saguaro.sd.ngram_proposer import NgramProposer
         return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
-    from saguaro.spec.draft_model import DraftModelProposer
+    from saguaro.sd.draft_model import DraftModelProposer
     runner = cfg.draft_format.runner(draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device, cfg.fast)
     return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)

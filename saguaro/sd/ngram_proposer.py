@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 from saguaro.engine.sequence import Sequence
-from saguaro.spec.ngram import NgramIndex
-from saguaro.spec.types import Proposal, Proposer
+from saguaro.sd.ngram import NgramIndex
+from saguaro.sd.types import Proposal, Proposer
 
 
 class NgramProposer(Proposer):
