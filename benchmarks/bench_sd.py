@@ -67,7 +67,7 @@ def plan(args: argparse.Namespace) -> list[tuple[str, dict[str, Any], list[float
     configs += [(f"SD K={k}", sd_options(args, k), sweep) for k in args.ks]
     if args.ngram_k:
         configs.append((f"SD n-gram K={args.ngram_k}",
-                        dict(base, mode="sd", speculator="ngram", num_speculative_tokens=args.ngram_k), sweep))
+                        dict(base, mode="sd", proposer="ngram", num_speculative_tokens=args.ngram_k), sweep))
     return configs
 
 

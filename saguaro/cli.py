@@ -30,7 +30,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
                 calibration_workload=args.calibration_workload)
     if args.mode != "ar":
         opts["num_speculative_tokens"] = args.k
-        opts["speculator"] = args.speculator
+        opts["proposer"] = args.proposer
     if args.fan_out:
         opts["fan_out"] = "auto" if args.fan_out == "auto" else _int_list(args.fan_out)
     if args.fallback:
@@ -49,7 +49,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if not target:
         print("error: give --model (or --target)", file=sys.stderr)
         return 2
-    draft = args.draft if args.mode == "ssd" or (args.mode == "sd" and args.speculator == "draft") else None
+    draft = args.draft if args.mode == "ssd" or (args.mode == "sd" and args.proposer == "draft") else None
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed, stop=args.stop or [])
     with LLM(target=target, draft=draft, **_engine_options(args)) as llm:
@@ -104,7 +104,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from saguaro import LLM
     from saguaro.server.app import serve
     target = args.target or args.model
-    draft = args.draft if args.mode == "ssd" or (args.mode == "sd" and args.speculator == "draft") else None
+    draft = args.draft if args.mode == "ssd" or (args.mode == "sd" and args.proposer == "draft") else None
     if not target:
         print("error: give --model (or --target)", file=sys.stderr)
         return 2
@@ -134,7 +134,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
     p.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=4,
                    help="speculative tokens per round (K), or 'auto' (from the calibration profile)")
-    p.add_argument("--speculator", choices=["draft", "ngram"], default="draft")
+    p.add_argument("--proposer", "--speculator", dest="proposer", choices=["draft", "ngram"], default="draft",
+                   help="SD proposer: the draft model or the n-gram matcher (--speculator: deprecated spelling)")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--fallback", choices=["jit", "ngram", "random", "auto"])
     p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")

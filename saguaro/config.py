@@ -15,7 +15,7 @@ from saguaro.models.draft_format import DraftFormat
 from saguaro.ssd.placement import check_transport, gpu_index, place_speculator
 
 MODES = ("ar", "sd", "ssd")
-SPECULATORS = ("draft", "ngram")
+PROPOSERS = ("draft", "ngram")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a calibration profile was measured on
@@ -26,7 +26,7 @@ class Config:
     target: str
     draft: str | None = None
     mode: str = "ar"
-    speculator: str = "draft"  # SD proposer: the draft model or the n-gram matcher
+    proposer: str = "draft"  # SD proposer: the draft model or the n-gram matcher
     num_speculative_tokens: int | str = 4  # K, or "auto": the calibration profile's best K (resolved by LLM)
     fan_out: list[int] | str | None = None  # SSD: F_0..F_K, or "auto" from a calibration profile
     fallback: str = "jit"  # SSD cache-miss fallback: "jit" (primary drafts), "ngram", "random", or "auto"
@@ -47,6 +47,7 @@ class Config:
     max_model_len: int | None = None  # defaults to the model's context length
     enforce_eager: bool = False  # run the exact eager reference instead of the device's fast path (tests)
     compile: bool | None = None  # deprecated alias: compile=True is the default, compile=False is enforce_eager
+    speculator: str | None = None  # deprecated alias of proposer ("speculator" names the SSD draft side)
     draft_weights: str = "bf16"  # "int8"/"int4": the draft runs W8A8/W4A8 on the fast path (cheaper, still lossless)
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
@@ -58,6 +59,10 @@ class Config:
                           "turns it off", DeprecationWarning, stacklevel=3)
             self.enforce_eager = not self.compile
             self.compile = None
+        if self.speculator is not None:
+            warnings.warn("Config(speculator=...) is deprecated: the SD proposer is proposer='draft' or 'ngram'",
+                          DeprecationWarning, stacklevel=3)
+            self.proposer, self.speculator = self.speculator, None
         check_workload(self.calibration_workload, "calibration_workload")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -66,13 +71,13 @@ class Config:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
-        if self.speculator not in SPECULATORS:
-            raise ValueError(f"speculator must be one of {SPECULATORS}, got {self.speculator!r}")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
         if self.mode != "ar" and k != "auto" and k < 1:
             raise ValueError(f"num_speculative_tokens (K) must be >= 1, got {k}")
-        needs_draft = self.mode == "ssd" or (self.mode == "sd" and self.speculator == "draft")
+        needs_draft = self.mode == "ssd" or (self.mode == "sd" and self.proposer == "draft")
         if needs_draft and not self.draft:
-            raise ValueError(f"mode {self.mode!r} with the draft speculator needs a draft model (draft=...)")
+            raise ValueError(f"mode {self.mode!r} with the draft proposer needs a draft model (draft=...)")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
         for name in ("block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):

@@ -39,7 +39,7 @@ def test_sd_distribution(pair, k, params):
 
 
 def test_ngram_sd_distribution(pair):
-    llm = LLM(target=pair[0], mode="sd", speculator="ngram", num_speculative_tokens=3, block_size=4,
+    llm = LLM(target=pair[0], mode="sd", proposer="ngram", num_speculative_tokens=3, block_size=4,
               max_num_seqs=1024, kv_cache_tokens=1024 * 16)
     tv, threshold = measure(llm, pair[0], SamplingParams(temperature=1.0), positions=[1, 2])
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"

@@ -198,21 +198,21 @@ def test_fp32_never_takes_the_fast_path():
     assert runner.net is loaded.model
 
 
-def test_greedy_fp32_outputs_unchanged_with_compile():
+def test_greedy_fp32_outputs_unchanged_on_the_fast_path():
     prompts = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7]]
     params = SamplingParams(max_tokens=10)
-    off = LLM(tiny_model(seed=3), block_size=4, kv_cache_tokens=256).generate(prompts, params)
-    on = LLM(tiny_model(seed=3), block_size=4, kv_cache_tokens=256, compile=True).generate(prompts, params)
+    off = LLM(tiny_model(seed=3), block_size=4, kv_cache_tokens=256, enforce_eager=True).generate(prompts, params)
+    on = LLM(tiny_model(seed=3), block_size=4, kv_cache_tokens=256).generate(prompts, params)
     assert [o.token_ids for o in on] == [o.token_ids for o in off]
 
 
 def test_bf16_engine_runs_fast_and_agrees_with_eager():
     prompts = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7, 8]]
     params = SamplingParams(max_tokens=8)
-    fast_llm = LLM(tiny_model(seed=4, sharpness=8.0), dtype="bfloat16", block_size=4, kv_cache_tokens=256,
-                   compile=True)
+    fast_llm = LLM(tiny_model(seed=4, sharpness=8.0), dtype="bfloat16", block_size=4, kv_cache_tokens=256)
     assert isinstance(fast_llm.engine.target.net, FastCausalLM)
-    eager_llm = LLM(tiny_model(seed=4, sharpness=8.0), dtype="bfloat16", block_size=4, kv_cache_tokens=256)
+    eager_llm = LLM(tiny_model(seed=4, sharpness=8.0), dtype="bfloat16", block_size=4, kv_cache_tokens=256,
+                    enforce_eager=True)
     fast_out, eager_out = fast_llm.generate(prompts, params), eager_llm.generate(prompts, params)
     # bf16 rounding may flip a near-tie; a sharp head makes that rare, so most tokens agree
     agree = sum(a == b for f, e in zip(fast_out, eager_out) for a, b in zip(f.token_ids, e.token_ids))

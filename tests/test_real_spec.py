@@ -36,7 +36,7 @@ def test_sd_greedy_equals_ar_on_smollm(smollm, ar_tokens):
 
 @pytest.mark.slow
 def test_ngram_sd_greedy_equals_ar_on_smollm(smollm, ar_tokens):
-    with LLM(target=smollm[0], mode="sd", speculator="ngram", num_speculative_tokens=4) as llm:
+    with LLM(target=smollm[0], mode="sd", proposer="ngram", num_speculative_tokens=4) as llm:
         assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=32))] == ar_tokens
 
 

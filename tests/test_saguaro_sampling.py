@@ -9,7 +9,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
 from saguaro.ssd.saguaro_sampling import SaguaroSampling, saguaro_reweight
-from saguaro.ssd.speculator import AsyncSpeculator
+from saguaro.ssd.speculator import Speculator
 from saguaro.theory import saguaro_probs
 from tests.tiny import perturbed, tiny_model
 
@@ -65,7 +65,7 @@ def test_every_primary_draw_uses_the_down_weighted_law(pair):
     drafted token is never one of them -- for just-in-time drafts and for cached branches alike."""
     fan_out = [1, 2, 3, 2]
     runner = ModelRunner(pair[1].model, 256, 4)
-    spec = AsyncSpeculator(runner, 3, fan_out, "jit", saguaro_c=0.0)
+    spec = Speculator(runner, 3, fan_out, "jit", saguaro_c=0.0)
     params = [SamplingParams(temperature=1.0), SamplingParams()]
     admissions = [Admission(i, [3, 7, 1, i], p, seed=i) for i, p in enumerate(params)]
     rows = spec.respond(RoundRequest([], admissions, [], [0, 1])).rows

@@ -32,7 +32,7 @@ def test_greedy_sd_equals_ar(pair, ar_outputs, k):
 
 
 def test_ngram_sd_equals_ar(pair, ar_outputs):
-    llm = LLM(target=pair[0], mode="sd", speculator="ngram", num_speculative_tokens=3, block_size=4)
+    llm = LLM(target=pair[0], mode="sd", proposer="ngram", num_speculative_tokens=3, block_size=4)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=20))
     assert [o.token_ids for o in outs] == ar_outputs
     assert llm.spec_metrics(outs).drafted_tokens > 0

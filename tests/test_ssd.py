@@ -12,7 +12,7 @@ import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.models import kernels
-from saguaro.ssd.speculator import AsyncSpeculator
+from saguaro.ssd.speculator import Speculator
 from saguaro.ssd.worker import WorkerOptions
 from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated, weak_pair
 
@@ -94,14 +94,14 @@ def test_worker_kill_mid_generation(pair, ar_outputs):
 
 
 def _fault_at(monkeypatch, method: str, call: int, fault) -> None:
-    """Make the speculator thread's ``call``-th call of ``AsyncSpeculator.method`` run ``fault()`` first."""
-    real, calls = getattr(AsyncSpeculator, method), itertools.count()
+    """Make the speculator thread's ``call``-th call of ``Speculator.method`` run ``fault()`` first."""
+    real, calls = getattr(Speculator, method), itertools.count()
 
     def faulty(self, *args, **kwargs):
         if next(calls) == call:
             fault()
         return real(self, *args, **kwargs)
-    monkeypatch.setattr(AsyncSpeculator, method, faulty)
+    monkeypatch.setattr(Speculator, method, faulty)
 
 
 def _finish_after_failure(llm, ar_outputs) -> str:
@@ -174,7 +174,7 @@ def test_fast_path_through_the_speculator_thread():
     one process; each keeps its own results (greedy output equals the same engine's AR, as over the process)."""
     target = tiny_model(seed=4, sharpness=8.0, layers=3)
     prompts, params = [[1, 2, 3], [5, 9, 13, 17, 21, 25, 29], [7, 8]], SamplingParams(max_tokens=24)
-    common = dict(dtype="bfloat16", block_size=4, kv_cache_tokens=512, compile=True)
+    common = dict(dtype="bfloat16", block_size=4, kv_cache_tokens=512)
     with LLM(target, **common) as llm:
         expected = [o.token_ids for o in llm.generate(prompts, params)]
     with LLM(target=target, draft=truncated(target, 1), mode="ssd", num_speculative_tokens=3, fan_out=[1, 1, 1, 2],

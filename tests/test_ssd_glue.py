@@ -13,7 +13,7 @@ from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.kv.kv_cache import KVCache
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
 from saguaro.ssd.plan import SpecPlan
-from saguaro.ssd.speculator import AsyncSpeculator
+from saguaro.ssd.speculator import Speculator
 from tests.tiny import perturbed, tiny_model
 
 BLOCK = 4
@@ -42,7 +42,7 @@ def _reference_kv(draft, tokens: list[int]) -> torch.Tensor:
     return runner.cache.data[:, :, runner.slots(table, 0, len(tokens))]
 
 
-def _glue_lengths(spec: AsyncSpeculator) -> list[int]:
+def _glue_lengths(spec: Speculator) -> list[int]:
     """Record the rows of every glue pass (``runner.forward`` is only used by the glue and the jit drafter)."""
     seen: list[int] = []
     forward = spec.runner.forward
@@ -59,7 +59,7 @@ def _glue_lengths(spec: AsyncSpeculator) -> list[int]:
 @pytest.mark.parametrize("temperature, branch_steps", [(0.0, None), (1.0, None), (0.0, 1), (1.0, 2)])
 def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature, branch_steps):
     k = 3  # a tapered tree (branch_steps < K) hits branches of different lengths
-    spec = AsyncSpeculator(ModelRunner(draft.model, 128, BLOCK), k,
+    spec = Speculator(ModelRunner(draft.model, 128, BLOCK), k,
                            SpecPlan.fixed([1, 1, 1, 2], branch_steps=branch_steps, deep_branches=2))
     glues = _glue_lengths(spec)
     params = SamplingParams(temperature=temperature, max_tokens=64)
@@ -91,7 +91,7 @@ def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature, bra
 
 def test_draft_blocks_return_to_full(draft):
     runner = ModelRunner(draft.model, 128, BLOCK)
-    spec = AsyncSpeculator(runner, 3, [2, 1, 1, 2], "jit")
+    spec = Speculator(runner, 3, [2, 1, 1, 2], "jit")
     params = [SamplingParams(), SamplingParams(temperature=1.0)]
     spec.respond(RoundRequest([], [Admission(i, [3, 7, 1, i + 2], p, seed=i) for i, p in enumerate(params)], [], [0, 1]))
     for round_ in range(6):
@@ -115,7 +115,7 @@ def test_prefill_ahead_of_admission_is_kept_and_exact(draft):
     """The draft cache filled during the target's prefill serves the first speculation: only the last
     prompt token and the first generated one are fed, and the cache equals a fresh prefill."""
     runner = ModelRunner(draft.model, 128, BLOCK)
-    spec = AsyncSpeculator(runner, 3, [1, 1, 1, 2], "jit")
+    spec = Speculator(runner, 3, [1, 1, 1, 2], "jit")
     prompt = [3, 7, 1, 9, 4, 11, 2]
     spec.prefill(_prefill_request(0, prompt))
     assert spec.states[0].draft.num_cached == len(prompt) - 1
@@ -135,7 +135,7 @@ def test_prefill_ahead_of_admission_is_kept_and_exact(draft):
 
 def test_prefill_that_does_not_match_the_admission_starts_over(draft):
     runner = ModelRunner(draft.model, 128, BLOCK)
-    spec = AsyncSpeculator(runner, 3, [1, 1, 1, 2], "jit")
+    spec = Speculator(runner, 3, [1, 1, 1, 2], "jit")
     spec.prefill(_prefill_request(0, [3, 7, 1, 9]))
     spec.prefill(_prefill_request(1, [4, 4, 4]))
     spec.respond(RoundRequest([], [Admission(0, [3, 8, 1, 9, 2], SamplingParams(), 0)], [], [0]))

@@ -15,7 +15,7 @@ from saguaro.sampling.ranked import Ranked, rank_positions
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, RoundRequest
-from saguaro.ssd.speculator import AsyncSpeculator
+from saguaro.ssd.speculator import Speculator
 from saguaro.ssd.tree import BranchLayout
 from tests.tiny import greedy_tokens, perturbed, tiny_model
 
@@ -64,7 +64,7 @@ def test_branch_widths_and_layout_checks():
 def test_every_branch_equals_sequential_drafting(draft, branch_steps, deep):
     k, fan_out = 4, [2, 1, 1, 1, 3]
     plan = SpecPlan.fixed(fan_out, branch_steps=branch_steps, deep_branches=deep)
-    spec = AsyncSpeculator(ModelRunner(draft.model, 256, BLOCK), k, plan)
+    spec = Speculator(ModelRunner(draft.model, 256, BLOCK), k, plan)
     prompt = [3, 7, 1, 9, 4, 11]
     spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(max_tokens=64), seed=0)], [], [0]))
     spec.build()

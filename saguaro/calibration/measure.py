@@ -112,7 +112,7 @@ OVERHEAD_WIDTHS = (1, 4, 8, 16)  # branch-step widths whose per-step sampling wo
 def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> StepOverhead:
     """Seconds a build step spends on its logits besides the forward, per width: the draft's ranked ids and
     the argmax ("greedy"), or the processed distributions and a seeded draw ("sampled"), as the speculator
-    does them (``AsyncSpeculator._decode_branches``)."""
+    does them (``Speculator._decode_branches``)."""
     out: dict[str, RowTimes] = {"greedy": {}, "sampled": {}}
     for n in widths:
         logits = torch.randn(n, vocab)

@@ -83,7 +83,7 @@ class SDDecoder(Decoder):
 
 def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None, num_blocks: int,
                      max_len: int) -> SDDecoder:
-    if cfg.speculator == "ngram":
+    if cfg.proposer == "ngram":
         from saguaro.sd.ngram_proposer import NgramProposer
         return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
     from saguaro.sd.draft_model import DraftModelProposer

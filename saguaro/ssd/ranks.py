@@ -23,7 +23,7 @@ from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Outcome
 from saguaro.ssd.seq_state import SeqState
-from saguaro.ssd.speculator import AsyncSpeculator, BuildStats, seq_temperature
+from saguaro.ssd.speculator import Speculator, BuildStats, seq_temperature
 from saguaro.ssd.tree import BranchLayout
 
 
@@ -68,7 +68,7 @@ class RankRecorder:
         self._pending.pop(seq_id, None)
 
 
-class RecordingSpeculator(AsyncSpeculator):
+class RecordingSpeculator(Speculator):
     """The speculator with a ``RankRecorder`` attached, as calibration runs it: in the engine's process
     (``worker.InProcessLink``), every build complete. Each build ranks every depth of every speculation from
     its own glue (not from the ranked ids a speculation came with), and decodes the branches only with

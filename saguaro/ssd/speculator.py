@@ -66,8 +66,11 @@ def seq_temperature(seq: Sequence) -> float:
     return 0.0 if seq.params.greedy else float(seq.params.temperature)
 
 
-class AsyncSpeculator:
-    """``fan_out`` is a ``SpecPlan`` or one F_0..F_K list (then ``fallback`` and ``saguaro_c`` apply to all)."""
+class Speculator:
+    """The SSD draft side: ``respond`` answers a round from the speculation cache, ``build`` fills it for the
+    next one. Synchronous; a transport (``link.py``) runs it in a thread or a process beside the target.
+
+    ``fan_out`` is a ``SpecPlan`` or one F_0..F_K list (then ``fallback`` and ``saguaro_c`` apply to all)."""
 
     def __init__(self, runner: ModelRunner, k: int, fan_out: list[int] | SpecPlan, fallback: str = "jit",
                  saguaro_c: float = 1.0):
@@ -78,14 +81,14 @@ class AsyncSpeculator:
         self.k = k
         self.batch = 1  # size of the batch in the last request
         self.fallback_choice = FallbackChoice(self.plan)  # follows the batch size (fallback "auto", Thm 18)
-        self.saguaro = None  # Def. 14 sampling, only when some temperature uses C < 1
+        self.saguaro_sampling = None  # Def. 14 sampling, only when some temperature uses C < 1
         if min(self.plan.c) < 1.0:
-            self.saguaro = SaguaroSampling(lambda s: self.plan.fan_out(seq_temperature(s), "p", self.batch),
+            self.saguaro_sampling = SaguaroSampling(lambda s: self.plan.fan_out(seq_temperature(s), "p", self.batch),
                                            lambda s: self.plan.c_for(seq_temperature(s)))
         self.width = self.plan.max_fan_out() + 1  # ranked ids kept per draft position (top-F_k plus the drafted)
         self.states: dict[int, SeqState] = {}  # per sequence id, from its prefill or admission to its release
         # the just-in-time drafter works on each sequence's own draft cache (SeqState.draft)
-        self.jit = DraftModelProposer(runner, self.saguaro.apply if self.saguaro else None, keep_ranked=self.width,
+        self.jit = DraftModelProposer(runner, self.saguaro_sampling.apply if self.saguaro_sampling else None, keep_ranked=self.width,
                                       state_of=lambda seq: self.states[seq.seq_id].draft)
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
@@ -305,7 +308,7 @@ class AsyncSpeculator:
         all_probs: list[torch.Tensor] = []
         tables: list[RankTable] = []
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
-        greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro is None
+        greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro_sampling is None
         done = steps = 0  # rows in the passes so far, passes so far
         # each step's drawn tokens stay on the draft's device and feed the next step there; the host reads
         # them all once, after the build (on a GPU the steps queue up without waiting for each other)
@@ -333,8 +336,8 @@ class AsyncSpeculator:
                 drawn = logits.argmax(dim=-1)
             else:
                 step_probs = processed_probs(logits, row_seqs)
-                if self.saguaro is not None:
-                    step_probs = self.saguaro.apply(step_probs, step, row_seqs)  # Def. 14 for index ``step``
+                if self.saguaro_sampling is not None:
+                    step_probs = self.saguaro_sampling.apply(step_probs, step, row_seqs)  # Def. 14 for index ``step``
                 greedy = torch.tensor([s.params.greedy for s in row_seqs])
                 drawn = sample(step_probs, [s.generator for s in row_seqs], greedy)
                 all_probs.append(step_probs)

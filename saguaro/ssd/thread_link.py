@@ -1,4 +1,4 @@
-"""The colocated speculator: the same ``AsyncSpeculator`` in a thread of the target's process.
+"""The colocated speculator: the same ``Speculator`` in a thread of the target's process.
 
 It serves exactly as the speculator process does (``worker.py``): take a request, respond,
 then build the next cache while the target verifies, and cut the build short as soon as the

@@ -28,7 +28,7 @@ from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import (CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse, pack_request,
                                   pack_response, unpack_request, unpack_response)
 from saguaro.ssd.ranks import RankRecorder, RecordingSpeculator
-from saguaro.ssd.speculator import AsyncSpeculator
+from saguaro.ssd.speculator import Speculator
 from saguaro.models.draft_format import DraftFormat
 
 log = logging.getLogger("saguaro.ssd")
@@ -59,10 +59,10 @@ class WorkerOptions:
     def k(self) -> int:
         return self.plan.k
 
-    def make_speculator(self, runner: ModelRunner, recorder: RankRecorder | None = None) -> AsyncSpeculator:
+    def make_speculator(self, runner: ModelRunner, recorder: RankRecorder | None = None) -> Speculator:
         """The engine's speculator, or with ``recorder`` calibration's, which records bonus-token ranks."""
         if recorder is None:
-            return AsyncSpeculator(runner, self.k, self.plan)
+            return Speculator(runner, self.k, self.plan)
         return RecordingSpeculator(runner, self.k, self.plan, recorder)
 
     def draft_blocks(self) -> int:
@@ -158,7 +158,7 @@ class InProcessLink:
         self.opts = opts
         runner = opts.draft_format.runner(place(draft, opts.device, opts.dtype), opts.draft_blocks(),
                                           opts.block_size, opts.device, opts.fast)
-        self.speculator: AsyncSpeculator | None = opts.make_speculator(runner, recorder)
+        self.speculator: Speculator | None = opts.make_speculator(runner, recorder)
 
     def prefill(self, request: RoundRequest) -> None:
         if self.speculator is None:
