@@ -79,7 +79,7 @@ def points(args, rows: list[dict], profile: Profile) -> list[dict]:
             point.update(predicted=sd_pred, predicted_vs_sd=1.0 if sd_pred else None)
         else:
             plan = reps[-1]["run"]  # the plan is the profile's, the same in every repeat
-            kind = "jit" if plan.get("fallback", "jit") == "jit" else "fast"
+            kind = "jit" if plan.get("fallback", "jit") == "jit" else "ngram"
             pred = predict_fixed(profile, t, args.k, b, plan["plan_primary"], plan["plan_backup"], kind,
                                  plan.get("plan_c", 1.0), plan.get("plan_branch_steps"), plan.get("plan_deep", 1))
             hits = [r["run"]["p_hit"] for r in reps if r["run"].get("p_hit") is not None]

@@ -33,11 +33,11 @@ def test_miss_tokens_average_only_the_rounds_the_fan_out_misses():
 
 def test_policy_takes_e_miss_after_misses_when_calibrated():
     profile = default_profile("t", "d", "bfloat16", 3)
-    plain = {fb: evaluate(profile, entry_at(profile, 0.0), 3, 1, 4, fb, 1000) for fb in ("jit", "fast")}
+    plain = {fb: evaluate(profile, entry_at(profile, 0.0), 3, 1, 4, fb, 1000) for fb in ("jit", "ngram")}
     annotated = copy.deepcopy(profile)
     for entry in annotated.temperatures.values():
         entry.primary.follow_ups = [[d, 99, 2, 1] for d in range(4)] * MIN_MISS_ROUNDS  # every round misses
-    after = {fb: evaluate(annotated, entry_at(annotated, 0.0), 3, 1, 4, fb, 1000) for fb in ("jit", "fast")}
-    assert after["jit"].e_miss == pytest.approx(2.0) and after["fast"].e_miss == pytest.approx(1.0)
+    after = {fb: evaluate(annotated, entry_at(annotated, 0.0), 3, 1, 4, fb, 1000) for fb in ("jit", "ngram")}
+    assert after["jit"].e_miss == pytest.approx(2.0) and after["ngram"].e_miss == pytest.approx(1.0)
     assert plain["jit"].e_miss > 2.0
     assert after["jit"].speedup < plain["jit"].speedup  # fewer tokens after a miss, same costs

@@ -34,8 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--core", type=int, default=0, help="CPU core to pin to (-1: no pinning)")
     p.add_argument("--max-batch", type=int, default=16, help="batch sizes to show the plan for")
-    p.add_argument("--compile", action="store_true",
-                   help="calibrate the bf16 fast path (the engine's compile=True); stored as its own profile")
+    p.add_argument("--enforce-eager", action="store_true",
+                   help="calibrate the eager reference instead of the fast path (stored as its own profile)")
+    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # deprecated: the fast path is default
     p.add_argument("--timing-only", action="store_true",
                    help="re-measure only the timings of the stored profile (e.g. on a quieter machine)")
     p.add_argument("--no-contention", action="store_true",
@@ -54,29 +55,30 @@ def run(args: argparse.Namespace) -> int:
     from saguaro.calibration.policy import describe, make_plan, recommended_k
     pin_process([args.core] if args.core >= 0 else None, args.threads)
     dtype = DTYPES[args.dtype]
+    fast = not args.enforce_eager  # the engine's own default (Config.fast)
     fmt = DraftFormat(args.draft_weights, args.draft_vocab)
     target = load_model(args.target, dtype=dtype)
     draft = load_model(args.draft, dtype=fmt.dtype(dtype))
     check_shared_vocabulary(target.tokenizer, draft.tokenizer)
     if args.timing_only:
-        profile = load_profile(args.target, args.draft, args.dtype, args.compile, fmt.tag, args.workload)
-        if profile is None and args.compile:  # reuse the eager profile's ranks with fast-path timings
+        profile = load_profile(args.target, args.draft, args.dtype, fast, fmt.tag, args.workload)
+        if profile is None and fast:  # reuse the eager profile's ranks with fast-path timings
             profile = load_profile(args.target, args.draft, args.dtype, False, fmt.tag, args.workload)
         if profile is None:
             path = profile_path(args.target, args.draft, args.dtype, False, fmt.tag, args.workload)
             raise FileNotFoundError(f"no profile at {path}; run `saguaro calibrate` without --timing-only first")
         args.k = profile.k
         context = profile.timing.context or 256
-        profile.timing = measure_timing(target, draft, args.k, context, args.max_rows, fast=args.compile,
+        profile.timing = measure_timing(target, draft, args.k, context, args.max_rows, fast=fast,
                                         draft_format=fmt, contention=not args.no_contention)
-        profile.fast = bool(args.compile)
+        profile.fast = fast
         timing = profile.timing
         print(f"timing: verify(K+1) {timing.verify_s * 1e3:.1f} ms, draft step {timing.draft_step_s * 1e3:.1f} ms, "
               f"T_p {timing.T_p:.2f}")
     else:
         profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
                             c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
-                            batch=args.batch, max_rows=args.max_rows, fast=args.compile, draft_format=fmt,
+                            batch=args.batch, max_rows=args.max_rows, fast=fast, draft_format=fmt,
                             contention=not args.no_contention, workload=args.workload)
     if not args.no_save:
         print(f"profile saved to {save_profile(profile)}")

@@ -17,7 +17,7 @@ Per temperature and batch size b, for each candidate per-sequence branch budget 
   curves (``theory.optimal_fanout``). Lists are chosen separately after a primary and after a backup
   speculation (F^p, F^b), each from its own curves and acceptance.
 * **Hit rates**: p_hit,p = sum_k P(k) p_hit^k(F_k) (Appendix A, proof of Thm 13), P(k) the measured
-  outcome law (the capped geometric law of acceptance a when none was measured); with the fast backup,
+  outcome law (the capped geometric law of acceptance a when none was measured); with the n-gram backup,
   p_hit,b likewise and the stationary p_hit = p_hit,b / (1 + p_hit,b - p_hit,p) (Thm 2); with the jit
   fallback every speculation is the primary's, so p_hit = p_hit,p.
 * **Speedup**: Cor. 17 (``theory.ssd_speedup_batch``) with E_hit = sum_k P(k) (k + 1) for length L;
@@ -86,7 +86,7 @@ def fan_out_for_budget(source: Source, length: int, k: int, budget: int, vocab: 
 class Choice:
     """The predicted best configuration at one (temperature, batch size, fallback)."""
     batch: int
-    fallback: str  # "jit" or "fast"
+    fallback: str  # "jit" or "ngram"
     budget: int
     steps: int  # L, tokens in a cached speculation (its every branch)
     primary: list[int]
@@ -111,7 +111,7 @@ class Choice:
 def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, build: BuildTime,
             f_p: list[int], f_b: list[int], fallback: str, method: str = "given", branch_steps: int | None = None,
             deep: int = 1) -> Choice:
-    """Thm 2 / Cor. 17 prediction for given fan-outs (see module doc); ``fallback`` is "jit" or "fast"."""
+    """Thm 2 / Cor. 17 prediction for given fan-outs (see module doc); ``fallback`` is "jit" or "ngram"."""
     timing = profile.timing
     primary, backup = entry.primary, entry.backup
     steps, t_hit, t_v = build.steps, build.t_hit, build.t_v
@@ -145,7 +145,7 @@ def jit_draft_s(timing: Timing, k: int, batch: int) -> float:
 
 def evaluate(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, fallback: str, vocab: int,
              branch_steps: int | None = None, deep: int = 1) -> Choice:
-    """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "fast" fallback (see module doc)."""
+    """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "ngram" fallback (see module doc)."""
     build = build_time(profile.timing, k, batch, budget, branch_steps, deep, sampled=entry.temperature > 0)
     f_b, _ = fan_out_for_budget(entry.backup, k, k, budget, vocab, backup_weights(entry.backup, k))
     # the fan-out spreads the budget over one speculation length's outcomes; the verified speculations mix
@@ -209,8 +209,8 @@ def critical_batch(profile: Profile, temperature: str, k: int, vocab: int, c: fl
     """Thm 18's b* (jit below, n-gram at or above) from the jit option's b = 1 prediction."""
     entry = _entry_with_c(profile.temperatures[temperature], c)
     jit = best_choice(profile, entry, k, 1, "jit", vocab)
-    fast = best_choice(profile, entry, k, 1, "fast", vocab)
-    args = dict(p_hit=jit.p_hit, E_hit=jit.e_hit, T_p=jit.t_hit, E_miss_fast=fast.e_miss, T_fast=fast.t_miss,
+    ngram = best_choice(profile, entry, k, 1, "ngram", vocab)
+    args = dict(p_hit=jit.p_hit, E_hit=jit.e_hit, T_p=jit.t_hit, E_miss_ngram=ngram.e_miss, T_ngram=ngram.t_miss,
                 E_miss_jit=jit.e_miss, T_jit=jit.t_miss)
     try:
         b_star = critical_batch_size(**args)
@@ -235,7 +235,7 @@ def recommended_k(profile: Profile, fallback: str = "jit", vocab: int = 1 << 20,
                   mode: str = "ssd", taper: bool = False, deep: int = 1) -> int:
     """K with the best predicted speed at b = 1 (SSD: Cor. 17 per K, with tapered trees if ``taper``;
     SD: E / (1 + T_SD)), summed over the calibrated temperatures."""
-    kind = "jit" if fallback in ("jit", "auto") else "fast"
+    kind = "jit" if fallback in ("jit", "auto") else "ngram"
     entries = list(profile.temperatures.values())
     if mode == "sd":
         return max(ks, key=lambda k: sum(sd_tokens_per_s(profile, e, k) for e in entries))
@@ -258,7 +258,7 @@ def make_plan(profile: Profile, k: int, c_setting: float | str, fallback: str, m
     ``taper`` also the tree's branch_steps per temperature for ``deep`` deep branches (chosen at b = 1, kept
     for every batch size)."""
     temps = sorted(profile.temperatures, key=float)
-    cs = [choose_c(profile, t, k, "jit" if fallback in ("jit", "auto") else "fast", vocab) if c_setting == "auto"
+    cs = [choose_c(profile, t, k, "jit" if fallback in ("jit", "auto") else "ngram", vocab) if c_setting == "auto"
           else float(c_setting) for t in temps]  # greedy rows ignore C
     b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0]) if fallback == "auto" else (math.inf, {})
     primary, backup, notes = [], [], {"default_profile": profile.default, "b_star": b_star,
@@ -269,7 +269,7 @@ def make_plan(profile: Profile, k: int, c_setting: float | str, fallback: str, m
         entry = _entry_with_c(profile.temperatures[t], c)
         p_table, b_table, shapes = [], [], tree_shapes(k, taper)
         for b in range(1, max_batch + 1):
-            kind = {"jit": "jit", "auto": "jit" if b < b_star else "fast"}.get(fallback, "fast")
+            kind = {"jit": "jit", "auto": "jit" if b < b_star else "ngram"}.get(fallback, "ngram")
             choice = best_choice(profile, entry, k, b, kind, vocab, shapes, deep)
             p_table.append(choice.primary)
             b_table.append(choice.backup)

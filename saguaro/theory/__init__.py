@@ -3,8 +3,8 @@
 Modules: ``speedup`` (Thm 2, Cors. 3, 4, 17, stationary hit rate), ``bandwidth`` (the ceiling on SSD when
 the two devices share one memory bus), ``fallback`` (Thm 18, critical batch
 size b*), ``fanout`` (Thm 12 geometric fan-out, rounding, power-law fit), ``fanout_general`` (Thm 13 with
-empirical hit curves), ``hit_tradeoff`` (Def. 14 sampling: acceptance against cache hits, Thm 15, Appendix A), ``simulate``
-(Monte Carlo of SD / SSD rounds). Pure Python + NumPy.
+empirical hit curves), ``hit_tradeoff`` (Def. 14 sampling: acceptance against cache hits, Thm 15, Appendix
+A), ``simulate`` (Monte Carlo of SD / SSD rounds). Pure Python + NumPy.
 """
 
 from .bandwidth import bus_cap, ssd_round_floor, ssd_tok_s_ceiling

@@ -4,22 +4,23 @@ Two fallbacks are compared through Cor. 17 (see :mod:`saguaro.theory.speedup` fo
 
 * **jit** -- the primary draft speculates just in time. It is slow but accurate: by default its miss rounds
   take ``T_jit = T_p`` and yield ``E_miss_jit = E_hit`` tokens.
-* **fast** -- an n-gram / suffix / random-token speculator: ``T_fast`` close to 0, a low ``E_miss_fast``.
+* **ngram** -- the n-gram backup (or any cheap speculator, e.g. random tokens): ``T_ngram`` close to 0, a
+  low ``E_miss_ngram``.
 
 With one per-sequence hit probability p_hit for both choices (the paper's assumption), write x = p_hit^b for
 the probability that the whole batch hits, m = max(1, T_p) for the latency of an all-hit round, and for each
-option o in {jit, fast}
+option o in {jit, ngram}
 
     N_o = p_hit E_hit + (1 - p_hit) E_miss_o      (tokens per sequence per round),
     D_o(x) = x m + (1 - x)(1 + T_o) = A_o - x c_o,  A_o = 1 + T_o,  c_o = 1 + T_o - m.
 
-jit is better iff N_jit D_fast(x) > N_fast D_jit(x), i.e. iff  x alpha > beta  with
+jit is better iff N_jit D_ngram(x) > N_ngram D_jit(x), i.e. iff  x alpha > beta  with
 
-    alpha = N_fast c_jit - N_jit c_fast,     beta = N_fast A_jit - N_jit A_fast.
+    alpha = N_ngram c_jit - N_jit c_ngram,     beta = N_ngram A_jit - N_jit A_ngram.
 
-This is linear in x. When alpha > 0 (jit's stall grows with b faster than fast's), jit wins iff
+This is linear in x. When alpha > 0 (jit's stall grows with b faster than ngram's), jit wins iff
 p_hit^b > x* = beta / alpha, i.e. iff b < b* = log(x*) / log(p_hit). In the paper's setting (T_p < 1, so
-m = 1; T_fast = 0; T_jit = T_p; E_miss_jit = E_hit) this is Thm 18:
+m = 1; T_ngram = 0; T_jit = T_p; E_miss_jit = E_hit) this is Thm 18:
 
     b* = log(1 + 1/T_p - E_hit / (T_p [p_hit E_hit + (1 - p_hit) E_miss])) / log(p_hit).
 """
@@ -45,29 +46,29 @@ def critical_batch_size(
     p_hit: float,
     E_hit: float,
     T_p: float,
-    E_miss_fast: float,
-    T_fast: float = 0.0,
+    E_miss_ngram: float,
+    T_ngram: float = 0.0,
     E_miss_jit: float | None = None,
     T_jit: float | None = None,
 ) -> float:
-    """Thm 18: the batch size b* below which the just-in-time (primary) fallback beats the fast one.
+    """Thm 18: the batch size b* below which the just-in-time (primary) fallback beats the n-gram one.
 
-    Decision rule: use "jit" for b < b*, "fast" for b >= b*. Arguments: ``p_hit`` -- per-sequence
+    Decision rule: use "jit" for b < b*, "ngram" for b >= b*. Arguments: ``p_hit`` -- per-sequence
     unconditional hit rate (shared by both options); ``E_hit`` -- tokens per round after a hit; ``T_p`` --
-    primary drafting time; ``E_miss_fast``, ``T_fast`` -- tokens and drafting time of the fast backup;
+    primary drafting time; ``E_miss_ngram``, ``T_ngram`` -- tokens and drafting time of the n-gram backup;
     ``E_miss_jit``, ``T_jit`` -- same for the jit backup (default ``E_hit`` and ``T_p``).
 
-    Returns ``math.inf`` when jit wins at every batch size and a value <= 1 (possibly negative) when fast wins
+    Returns ``math.inf`` when jit wins at every batch size and a value <= 1 (possibly negative) when ngram wins
     already at b = 1. Raises ``ValueError`` when alpha <= 0 (see module docstring), i.e. the "slow" option is not
     the one whose all-batch stall grows with b, so no threshold of the form "jit below b*" exists.
     """
     E_miss_jit, T_jit = _options(p_hit, E_hit, T_p, E_miss_jit, T_jit)
     m = max(1.0, T_p)
     n_jit = p_hit * E_hit + (1.0 - p_hit) * E_miss_jit
-    n_fast = p_hit * E_hit + (1.0 - p_hit) * E_miss_fast
-    c_jit, c_fast = 1.0 + T_jit - m, 1.0 + T_fast - m
-    alpha = n_fast * c_jit - n_jit * c_fast
-    beta = n_fast * (1.0 + T_jit) - n_jit * (1.0 + T_fast)
+    n_ngram = p_hit * E_hit + (1.0 - p_hit) * E_miss_ngram
+    c_jit, c_ngram = 1.0 + T_jit - m, 1.0 + T_ngram - m
+    alpha = n_ngram * c_jit - n_jit * c_ngram
+    beta = n_ngram * (1.0 + T_jit) - n_jit * (1.0 + T_ngram)
     if alpha <= 0.0:
         raise ValueError(
             "no critical batch size: the jit fallback's relative cost does not grow with batch size "
@@ -88,23 +89,23 @@ def fallback_speedups(
     p_hit: float,
     E_hit: float,
     T_p: float,
-    E_miss_fast: float,
-    T_fast: float = 0.0,
+    E_miss_ngram: float,
+    T_ngram: float = 0.0,
     E_miss_jit: float | None = None,
     T_jit: float | None = None,
-    p_hit_fast: float | None = None,
+    p_hit_ngram: float | None = None,
 ) -> tuple[float, float]:
-    """Cor. 17 speedups ``(speedup_jit, speedup_fast)`` at ``batch_size`` for the two fallback choices.
+    """Cor. 17 speedups ``(speedup_jit, speedup_ngram)`` at ``batch_size`` for the two fallback choices.
 
-    ``p_hit_fast`` (default ``p_hit``) lets the fast option have its own unconditional hit rate, e.g. when the
-    primary predicts outcomes of the fast backup's speculations less well (p_hit,b changes, see
+    ``p_hit_ngram`` (default ``p_hit``) lets the n-gram option have its own unconditional hit rate, e.g. when the
+    primary predicts outcomes of the n-gram backup's speculations less well (p_hit,b changes, see
     ``unconditional_hit_rate``). The closed form b* assumes they are equal.
     """
     E_miss_jit, T_jit = _options(p_hit, E_hit, T_p, E_miss_jit, T_jit)
-    p_fast = p_hit if p_hit_fast is None else p_hit_fast
+    p_ngram = p_hit if p_hit_ngram is None else p_hit_ngram
     s_jit = ssd_speedup_batch(p_hit, E_hit, E_miss_jit, T_p, T_jit, batch_size)
-    s_fast = ssd_speedup_batch(p_fast, E_hit, E_miss_fast, T_p, T_fast, batch_size)
-    return float(s_jit), float(s_fast)
+    s_ngram = ssd_speedup_batch(p_ngram, E_hit, E_miss_ngram, T_p, T_ngram, batch_size)
+    return float(s_jit), float(s_ngram)
 
 
 def choose_fallback(
@@ -112,19 +113,19 @@ def choose_fallback(
     p_hit: float,
     E_hit: float,
     T_p: float,
-    E_miss_fast: float,
-    T_fast: float = 0.0,
+    E_miss_ngram: float,
+    T_ngram: float = 0.0,
     E_miss_jit: float | None = None,
     T_jit: float | None = None,
-    p_hit_fast: float | None = None,
+    p_hit_ngram: float | None = None,
 ) -> str:
     """Thm 18 decision: ``"jit"`` if the just-in-time primary fallback has the larger Cor. 17 speedup at this
-    batch size, else ``"fast"`` (ties go to "fast").
+    batch size, else ``"ngram"`` (ties go to "ngram").
 
-    With ``p_hit_fast`` unset this equals ``"jit" if batch_size < critical_batch_size(...) else "fast"``; the
+    With ``p_hit_ngram`` unset this equals ``"jit" if batch_size < critical_batch_size(...) else "ngram"``; the
     direct comparison also covers a per-option hit rate, where no closed form exists.
     """
-    s_jit, s_fast = fallback_speedups(
-        batch_size, p_hit, E_hit, T_p, E_miss_fast, T_fast, E_miss_jit, T_jit, p_hit_fast
+    s_jit, s_ngram = fallback_speedups(
+        batch_size, p_hit, E_hit, T_p, E_miss_ngram, T_ngram, E_miss_jit, T_jit, p_hit_ngram
     )
-    return "jit" if s_jit > s_fast else "fast"
+    return "jit" if s_jit > s_ngram else "ngram"
