@@ -2,24 +2,25 @@
 
 Terms, for one row (one sequence) in one verification round
 -----------------------------------------------------------
-The speculator proposed ``n = num_draft[b]`` **draft tokens** ``d_0 .. d_{n-1}`` (``0 <= n <= K``).
+The speculator proposed ``n = num_draft[b]`` **draft tokens** ``d_1 .. d_n`` (``0 <= n <= K``).
 ``q_i`` is the draft distribution ``d_i`` was sampled from, and ``p_i`` is the target distribution at
-the same position, computed by one target forward pass over the context extended by ``d_0 .. d_{i-1}``.
-There are ``n + 1`` target distributions ``p_0 .. p_n``; ``p_n`` follows the whole draft. Both ``p`` and
+the same position, computed by one target forward pass over the context extended by ``d_1 .. d_{i-1}``.
+There are ``n + 1`` target distributions ``p_1 .. p_{n+1}``; ``p_{n+1}`` follows the whole draft. Both ``p`` and
 ``q`` are the *processed* distributions (after temperature, top-k and top-p), i.e. the ones actually
 sampled from.
 
-* **Accepted tokens** are the longest prefix ``d_0 .. d_{k-1}`` of drafts that pass their tests. Given
+* **Accepted tokens** are the longest prefix ``d_1 .. d_k`` of drafts that pass their tests. Given
   that every earlier draft passed, ``d_i`` passes with probability ``min(1, p_i(d_i) / q_i(d_i))``.
   Testing stops at the first failure; drafts after it are discarded even if they would pass.
   ``k`` (``num_accepted``) is between 0 and ``n``.
-* **Recovered (residual) token**: when ``d_k`` is rejected (``k < n``), the token emitted in its place
-  is drawn from the **residual distribution** ``r_k(x) = max(p_k(x) - q_k(x), 0) / Z``. It is never
-  ``d_k`` itself when ``q_k(d_k) > 0``, since a rejection implies ``p_k(d_k) < q_k(d_k)``.
+* **Recovered (residual) token**: when ``d_{k+1}`` is rejected (``k < n``), the token emitted in its
+  place is drawn from the **residual distribution** ``r(x) = max(p_{k+1}(x) - q_{k+1}(x), 0) / Z``. It is
+  never ``d_{k+1}`` itself when ``q_{k+1}(d_{k+1}) > 0``, since a rejection implies
+  ``p_{k+1}(d_{k+1}) < q_{k+1}(d_{k+1})``.
 * **Bonus token** ``t*`` (the paper's name, Definition of a verification outcome): the one token
   emitted after the accepted prefix. It is the recovered token when a draft was rejected, and a
-  fresh draw from ``p_n`` when all ``n`` drafts were accepted (the residual of an empty draft is
-  ``p_n`` itself). Every round therefore emits ``k + 1 >= 1`` tokens: the accepted drafts, then
+  fresh draw from ``p_{n+1}`` when all ``n`` drafts were accepted (the residual of an empty draft is
+  ``p_{n+1}`` itself). Every round therefore emits ``k + 1 >= 1`` tokens: the accepted drafts, then
   ``t*``. The pair ``(k, t*)`` is the verification outcome sent to the speculator.
 
 Why the output is distributed exactly as the target: for one position,
@@ -33,21 +34,21 @@ Special rows
   ``p_i(d_i)`` and the residual is ``p_i`` with ``d_i`` removed, renormalized. This is exact for any
   proposal chosen independently of the verifier's random numbers.
 * **Greedy rows** (``greedy[b]``): the temperature -> 0 limit. ``d_i`` is accepted iff it equals
-  ``argmax p_i`` (ties: lowest index), and ``t*`` is ``argmax p_k``. No random numbers are drawn.
+  ``argmax p_i`` (ties: lowest index), and ``t*`` is ``argmax p_{k+1}``. No random numbers are drawn.
 
 Randomness
 ----------
 A non-greedy row draws exactly ``num_draft[b] + 1`` float64 uniforms, in one call, from its own
 generator (see :mod:`saguaro.sampling.sampler` for the shared stream used by rows whose generator is
-``None``, or by every row when ``generators`` is ``None``): the ``i``-th decides draft ``i``, the last
+``None``, or by every row when ``generators`` is ``None``): the ``i``-th decides ``d_i``, the last
 drives the draw of ``t*``. The count does not depend on the outcome, so a seeded request's stream does
 not depend on the other rows of the batch. Acceptance is tested as ``u * q_i(d_i) < p_i(d_i)`` in
 float64, which needs no division and has probability exactly ``min(1, p/q)`` for ``u`` uniform on
 [0, 1). Inputs are renormalized in float64 first, so float32 rounding in their sums has no effect.
 
 Guards: a draft with ``q_i(d_i) = 0`` (impossible for a sampled token) is rejected; a residual with
-no mass (``p_k <= q_k`` everywhere, which makes acceptance certain, so only reachable through the
-previous guard) falls back to ``p_k``.
+no mass (``p_{k+1} <= q_{k+1}`` everywhere, which makes acceptance certain, so only reachable through the
+previous guard) falls back to ``p_{k+1}``.
 """
 from __future__ import annotations
 
@@ -129,15 +130,15 @@ def rejection_sample_tensors(
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # length of the accepted prefix
 
     # Distribution of t*: the residual at the first rejection, else p at the position after the draft.
-    p_k = p[rows, num_accepted]  # [B, V]
-    dist = p_k
+    p_next = p[rows, num_accepted]  # [B, V] p_{k+1} (tensor index k: columns count from 0)
+    dist = p_next
     if k_max > 0:
         j = num_accepted.clamp(max=k_max - 1)
-        residual = p_k.scatter(1, d[rows, j].unsqueeze(1), 0.0)  # point mass: p without the draft
+        residual = p_next.scatter(1, d[rows, j].unsqueeze(1), 0.0)  # point mass: p without the draft
         if q is not None:
-            residual = torch.where(point_mass.unsqueeze(1), residual, (p_k - q[rows, j]).clamp_min(0.0))
+            residual = torch.where(point_mass.unsqueeze(1), residual, (p_next - q[rows, j]).clamp_min(0.0))
         use_residual = (num_accepted < num_draft) & (residual.sum(dim=1) > 0)
-        dist = torch.where(use_residual.unsqueeze(1), residual, p_k)
+        dist = torch.where(use_residual.unsqueeze(1), residual, p_next)
     bonus = inverse_cdf(dist, u.gather(1, num_draft.unsqueeze(1)).squeeze(1))
     bonus = torch.where(greedy, p_argmax[rows, num_accepted], bonus)
     return num_accepted, bonus
