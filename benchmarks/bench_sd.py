@@ -22,7 +22,8 @@ import sys
 from typing import Any
 
 from benchmarks.common import (ALL, DRAFT, LLAMA_CPP, TARGET, Record, add_common_args, dataset_labels,
-                               draft_options, engine_options, environment, fmt, group_records, int_list, float_list, log,
+                               draft_options, engine_options, environment, fmt, group_records, int_list, float_list,
+                               log,
                                prepare_prompts, ratio, run_engine, same_tokens, settings, table, temp_key,
                                write_results)
 
@@ -118,7 +119,8 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
     equal = {name: same_tokens(recs, records[AR]) for name, recs in records.items() if name != AR}
     lines = [f"# SD vs AR: {TARGET} target, {DRAFT} draft, bf16, one core, one thread, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, "
-             f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
+             f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, "
+             f"draft vocab {args.draft_vocab or 'all'}, "
              f"temperatures {', '.join(f'{t:g}' for t in args.temperatures)} "
              f"(sampling seeded: prompt i uses seed {args.seed}+i).", ""]
     lines += [f"- `{name}`: {label}" for name, label in labels.items()]

@@ -204,8 +204,10 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
                                                   plan_["ssd_k"][name]) for t in args.temperatures}
                   for name in plan_["ssd"]}
     lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
-             f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
-             f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, draft vocab {args.draft_vocab or 'all'}, "
+             f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, "
+             f"K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
+             f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, "
+             f"draft vocab {args.draft_vocab or 'all'}, "
              f"calibration profile {args.calibration_workload}, fallback={','.join(args.fallback)}, temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
              "", "Hardware: '1 core' = target (and a collocated draft) pinned to core 0, one thread; '2 threads' = "
@@ -231,7 +233,8 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
                  for key, b in bases[tk].items()}
             e2e_sd = bases[tk]["sd1"][tk][ALL].get("e2e_tok_s_median")
             speed_rows.append([name, fmt(s["tok_s_median"]), fmt(x["ar1"]), fmt(x["sd1"]), fmt(x["ar2"]),
-                               fmt(x["sd2"]), fmt(s.get("e2e_tok_s_median")), fmt(ratio(s.get("e2e_tok_s_median"), e2e_sd)),
+                               fmt(x["sd2"]), fmt(s.get("e2e_tok_s_median")),
+                               fmt(ratio(s.get("e2e_tok_s_median"), e2e_sd)),
                                fmt(s.get("acceptance_rate"), ".3f"), fmt(s.get("tokens_per_round")),
                                fmt(s.get("p_hit")), s["requests"]])
             if name == names["ar1"] or name == names["ar2"]:
@@ -244,7 +247,8 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
                                fmt(b.get("full_build_fraction")), fmt(s.get("admit_wait_ms_median"), ".0f")])
         per_dataset = [[name] + [fmt(g["tok_s_median"]) for g in by_t[tk].values()] for name, by_t in summaries.items()]
         lines += ["", f"## {tk}{' (greedy)' if tk == 'T=0' else ''}: speed", "",
-                  table(["config", "tok/s", "xAR 1c", "xSD 1c", "xAR 2t", "xSD 2t", "e2e tok/s", "e2e xSD 1c", "accept", "tok/rnd", "p_hit", "n"],
+                  table(["config", "tok/s", "xAR 1c", "xSD 1c", "xAR 2t", "xSD 2t", "e2e tok/s", "e2e xSD 1c",
+                         "accept", "tok/rnd", "p_hit", "n"],
                         speed_rows),
                   "", f"## {tk}: rounds", "",
                   table(["config", "p_hit", "p_hit,p", "p_hit,b", "draft ms", "verify ms", "wait ms", "wait mean",

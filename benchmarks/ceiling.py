@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from benchmarks.common import ALL, fmt, ratio, table
+from benchmarks.common import fmt, ratio, table
 from saguaro.theory.bandwidth import bus_cap, ssd_round_floor, ssd_tok_s_ceiling
 
 
@@ -67,11 +67,14 @@ def ceiling_section(rows: list[dict[str, Any]], contention: dict[str, Any], bus:
     if caps:
         lines += ["Bus cap: if every pass streamed at B_1 (ideal kernels), SSD could be at most "
                         + ", ".join(f"{c:.2f}x (K={k})" for k, c in caps) + " as fast as SD at the same K "
-                        "(at most min(1 + K W_d / W_t, B_2 / B_1)): faster kernels would speed up SD as much as SSD and "
+                        "(at most min(1 + K W_d / W_t, B_2 / B_1)): faster kernels would speed up SD as much as "
+                        "SSD and "
                         "leave SSD less room on this bus, not more.", ""]
-    lines.append(table(["config", "T", "dataset", "K", "SD tok/rnd", "T_v ms", "floor ms", "ceiling tok/s", "ceiling xSD",
+    lines.append(table(["config", "T", "dataset", "K", "SD tok/rnd", "T_v ms", "floor ms", "ceiling tok/s",
+                        "ceiling xSD",
                         "measured tok/s", "measured xSD", "of ceiling"],
-                       [[r["config"], r["temperature"], r["group"], r["k"], fmt(r["sd_tokens_per_round"]), fmt(r["verify_ms"], ".0f"),
+                       [[r["config"], r["temperature"], r["group"], r["k"], fmt(r["sd_tokens_per_round"]),
+                         fmt(r["verify_ms"], ".0f"),
                          fmt(r["floor_ms"], ".0f"), fmt(r["ceiling_tok_s"]), fmt(r["ceiling_x_sd"]),
                          fmt(r["measured_tok_s"]), fmt(r["measured_x_sd"]), fmt(r["measured_of_ceiling"])]
                         for r in rows]))

@@ -168,7 +168,8 @@ class Record:
     def to_json(self, with_rounds: bool = False) -> dict[str, Any]:
         d = asdict(self)
         d.pop("spec")
-        d["spec"] = None if self.spec is None else asdict(summarize([self.spec], self.extra.get("reports_cache", False)))
+        reports_cache = self.extra.get("reports_cache", False)
+        d["spec"] = None if self.spec is None else asdict(summarize([self.spec], reports_cache))
         if not with_rounds:
             d.pop("rounds")
         return d

@@ -5,7 +5,6 @@ import argparse
 import json
 import os
 import sys
-import time
 
 from saguaro.config import WORKLOADS
 from saguaro.models.kernels import WEIGHT_FORMATS

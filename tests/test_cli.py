@@ -13,7 +13,8 @@ def test_generate_flags_reach_the_engine_options():
 
 def test_demo_defaults_are_consistent():
     args = build_parser().parse_args(["demo"])
-    assert args.k == DEMO_SD_K and args.ssd_fan_out == DEMO_FAN_OUT and args.draft_weights == DEMO_DRAFT_WEIGHTS == "int4"
+    assert args.k == DEMO_SD_K and args.ssd_fan_out == DEMO_FAN_OUT
+    assert args.draft_weights == DEMO_DRAFT_WEIGHTS == "int4"
     assert build_parser().parse_args(["demo", "--ssd-fan-out", "1,1,3"]).ssd_fan_out == [1, 1, 3]
 
 

@@ -16,7 +16,6 @@ whenever it was not a point mass and had tokens, so a greedy row took the next s
 the old decoder's reading of a row without distributions as a point mass. It must fail the check.
 """
 import pytest
-import torch
 
 import saguaro.ssd.worker as worker_module
 from saguaro import LLM, SamplingParams

@@ -16,7 +16,6 @@ speculator in a thread of the engine's process, messages passed as objects); the
 through the process only, to keep the suite's time down.
 """
 import pytest
-import torch
 
 import saguaro.sd.sd as sd_module
 from saguaro import LLM, SamplingParams

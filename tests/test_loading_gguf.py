@@ -62,7 +62,8 @@ def _llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
 
 def _tiny(arch: str, tmp_path, extra_tensor: str | None = None, arch_name: str | None = None):
     """Write a tiny GGUF for ``arch``; return (path, HF reference holding the same dequantized weights)."""
-    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config, "qwen3": transformers.Qwen3Config}[arch]
+    cls = {"llama": transformers.LlamaConfig, "qwen2": transformers.Qwen2Config,
+           "qwen3": transformers.Qwen3Config}[arch]
     extra = {"head_dim": 24} if arch == "qwen3" else {}
     torch.manual_seed(0)
     cfg = cls(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=LAYERS,

@@ -72,7 +72,8 @@ def test_index_matches_reference_under_random_edits(max_ngram, min_ngram):
                 index.extend(new)
                 tokens.extend(new)
             elif op < 0.8 and tokens:
-                length = rng.randrange(0, len(tokens) + 1) if rng.random() < 0.2 else max(0, len(tokens) - rng.randrange(1, 5))
+                shorter = max(0, len(tokens) - rng.randrange(1, 5))
+                length = rng.randrange(0, len(tokens) + 1) if rng.random() < 0.2 else shorter
                 index.truncate(length)
                 del tokens[length:]
             k = rng.randrange(0, 7)

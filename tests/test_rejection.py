@@ -62,7 +62,6 @@ def simulate(verifier: Verifier, P: torch.Tensor, Q: torch.Tensor, k_max: int, l
     Rows in ``point_mass_rows`` draft with a deterministic ``proposer[prev]`` table (or from Q when it is
     None) and are verified as point-mass drafts; the others draft from Q and pass Q to the verifier.
     """
-    vocab = P.shape[0]
     gen = torch.Generator().manual_seed(seed)
     verify_gen = torch.Generator().manual_seed(seed + 1)
     rows = torch.arange(n)
@@ -304,7 +303,8 @@ def test_seeded_row_independent_of_batch():
     P, Q = bigram_tables(8, seed=14)
     gen = torch.Generator().manual_seed(15)
     n, k_max = 6, 3
-    ctx = torch.stack([torch.cat([torch.tensor([0]), torch.multinomial(Q[0], 3, True, generator=gen)]) for _ in range(n)])
+    ctx = torch.stack([torch.cat([torch.tensor([0]), torch.multinomial(Q[0], 3, True, generator=gen)])
+                       for _ in range(n)])
 
     def run(order: list[int], seeds: list[int | None], greedy_rows: set[int]) -> dict[int, tuple]:
         c = ctx[order]
@@ -381,7 +381,8 @@ def test_no_drafts_at_all():
 def test_input_validation():
     p = torch.full((1, 3, 4), 0.25)
     with pytest.raises(ValueError):
-        rejection_sample(p, torch.zeros(1, 2, dtype=torch.long), None, torch.tensor([3]), None, None, torch.tensor([False]))
+        rejection_sample(p, torch.zeros(1, 2, dtype=torch.long), None, torch.tensor([3]), None, None,
+                         torch.tensor([False]))
     with pytest.raises(ValueError):
         rejection_sample(p, torch.zeros(1, 2, dtype=torch.long), None, torch.tensor([2]), torch.tensor([False]),
                          None, torch.tensor([False]))

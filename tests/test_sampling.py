@@ -223,7 +223,8 @@ def test_sampler_distribution_across_seeded_generators():
 def test_sampler_with_processed_probs_mixed_rows():
     # Rows processed with different settings, sampled together: each row's draws follow its own probs.
     logits = torch.log(torch.tensor([[1.0, 2, 3, 4]] * 3))
-    probs = probs_from_logits(logits, torch.tensor([1.0, 0.5, 0.0]), torch.tensor([0, 3, 0]), torch.tensor([0.75, 1.0, 1.0]))
+    probs = probs_from_logits(logits, torch.tensor([1.0, 0.5, 0.0]), torch.tensor([0, 3, 0]),
+                              torch.tensor([0.75, 1.0, 1.0]))
     reps = 20_000
     batch = probs.repeat(reps, 1)
     greedy = torch.tensor([False, False, True]).repeat(reps)

@@ -93,7 +93,8 @@ def test_draft_blocks_return_to_full(draft):
     runner = ModelRunner(draft.model, 128, BLOCK)
     spec = Speculator(runner, 3, [2, 1, 1, 2], "jit")
     params = [SamplingParams(), SamplingParams(temperature=1.0)]
-    spec.respond(RoundRequest([], [Admission(i, [3, 7, 1, i + 2], p, seed=i) for i, p in enumerate(params)], [], [0, 1]))
+    admissions = [Admission(i, [3, 7, 1, i + 2], p, seed=i) for i, p in enumerate(params)]
+    spec.respond(RoundRequest([], admissions, [], [0, 1]))
     for round_ in range(6):
         spec.build()
         keys = {key[0]: key for key in spec.cache._entries}

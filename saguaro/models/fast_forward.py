@@ -120,9 +120,9 @@ class FastCausalLM:
 
     ``weights="int8"`` quantizes every matrix per output channel (for drafts: half the bytes
     of bf16 per step); ``weights="int4"`` per group of 32 inputs (5 bits a weight with the
-    group's fp16 scale and offset: under a third of bf16's bytes). ``head_ids`` keeps only those rows of the output head; every other
-    token gets logit -inf, so a draft never proposes it (for drafts: the head is a quarter of
-    a 0.5B model's bytes). Neither is exact, so neither belongs on a target.
+    group's fp16 scale and offset: under a third of bf16's bytes). ``head_ids`` keeps only those rows of the
+    output head; every other token gets logit -inf, so a draft never proposes it (for drafts: the head is a
+    quarter of a 0.5B model's bytes). Neither is exact, so neither belongs on a target.
     """
 
     def __init__(self, model: CausalLM, weights: str = "bf16", head_ids: torch.Tensor | None = None):

@@ -48,7 +48,8 @@ class ModelConfig:
         model_type = hf.get("model_type", "llama")
         arch = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}.get(model_type)
         if arch is None:
-            raise ValueError(f"unsupported model_type {model_type!r} in config.json; supported: {', '.join(ARCHITECTURES)}")
+            raise ValueError(f"unsupported model_type {model_type!r} in config.json; "
+                             f"supported: {', '.join(ARCHITECTURES)}")
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))

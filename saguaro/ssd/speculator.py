@@ -88,7 +88,8 @@ class Speculator:
         self.width = self.plan.max_fan_out() + 1  # ranked ids kept per draft position (top-F_k plus the drafted)
         self.states: dict[int, SeqState] = {}  # per sequence id, from its prefill or admission to its release
         # the just-in-time drafter works on each sequence's own draft cache (SeqState.draft)
-        self.jit = DraftModelProposer(runner, self.saguaro_sampling.apply if self.saguaro_sampling else None, keep_ranked=self.width,
+        reweight = self.saguaro_sampling.apply if self.saguaro_sampling else None
+        self.jit = DraftModelProposer(runner, reweight, keep_ranked=self.width,
                                       state_of=lambda seq: self.states[seq.seq_id].draft)
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
