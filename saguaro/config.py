@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro.models.draft_format import DraftFormat
-from saguaro.ssd.placement import check_transport, gpu_index, place_speculator
+from saguaro.placement import check_transport, gpu_index, place_speculator
 
 MODES = ("ar", "sd", "ssd")
 PROPOSERS = ("draft", "ngram")
@@ -112,7 +112,7 @@ class Config:
                     raise ValueError(f"CPU cores {bad} do not exist (this machine has {os.cpu_count()})")
 
     def _place_speculator(self) -> None:
-        """SSD: resolve draft_device and speculator_transport (saguaro.ssd.placement), or refuse what cannot work."""
+        """SSD: resolve draft_device and speculator_transport (saguaro.placement), or refuse what cannot work."""
         check_transport(self.speculator_transport)
         if self.mode != "ssd":
             return

@@ -93,11 +93,12 @@ def test_pass_bytes_eager_counts_parameters_less_the_embedding_table():
 def test_pass_bytes_fast_path_is_the_packed_arena():
     from saguaro.calibration.bus import pass_bytes
     from saguaro.models import kernels
+    from saguaro.engine.model_runner import draft_runner
     from saguaro.models.draft_format import DraftFormat
     if not kernels.available():
         pytest.skip("the fast kernels need AVX512-BF16")
     loaded = tiny_model(seed=1, vocab=64, layers=2)  # every matrix a whole number of 64-output tiles
     loaded.model.to(torch.bfloat16)
     weights = _matrix_weights(loaded.config)
-    assert pass_bytes(DraftFormat().runner(loaded, 8, 16, "cpu", fast=True)) == 2 * weights
-    assert pass_bytes(DraftFormat("int4").runner(loaded, 8, 16, "cpu", fast=True)) == weights * 5 // 8  # 5 bits
+    assert pass_bytes(draft_runner(DraftFormat(), loaded, 8, 16, "cpu", fast=True)) == 2 * weights
+    assert pass_bytes(draft_runner(DraftFormat("int4"), loaded, 8, 16, "cpu", fast=True)) == weights * 5 // 8  # 5 bits

@@ -8,7 +8,7 @@ from safetensors.torch import save_file
 
 from saguaro import LLM
 from saguaro.config import Config
-from saguaro.engine.device import place
+from saguaro.device import place
 from saguaro.loading import MODELS, installed
 from saguaro.loading.dtype import checkpoint_dtype
 from tests.tiny import tiny_model

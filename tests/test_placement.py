@@ -3,7 +3,7 @@ import pytest
 
 from saguaro.config import Config
 from saguaro.ssd.link import SpeculatorLink
-from saguaro.ssd.placement import Placement, place_speculator
+from saguaro.placement import Placement, place_speculator
 from saguaro.ssd.thread_link import ThreadLink
 from saguaro.ssd.worker import InProcessLink, WorkerLink
 

@@ -12,7 +12,7 @@ import torch
 from saguaro.backends import metadata
 from saguaro.backends.base import Backend
 from saguaro.backends.batch import ForwardItem
-from saguaro.engine.device import to_device
+from saguaro.device import to_device
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata
 

@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from saguaro.engine.device import copy_into
+from saguaro.device import copy_into
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.paged_metadata import PagedMetadata
 

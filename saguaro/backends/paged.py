@@ -12,7 +12,7 @@ from saguaro.backends.base import Backend
 from saguaro.backends.batch import ForwardItem
 from saguaro.backends.graphs import GraphRunner
 from saguaro.backends.paged_model import PagedCausalLM
-from saguaro.engine.device import to_device
+from saguaro.device import to_device
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.paged_metadata import PagedMetadata
 

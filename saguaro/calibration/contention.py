@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from saguaro.calibration.bus import pass_bytes
 from saguaro.calibration.profile import BusyDraft, ContentionProbe
 from saguaro.calibration.timer import RowTimer, runner_factory
-from saguaro.engine.device import load_or_place, pin_process
+from saguaro.device import load_or_place, pin_process
 from saguaro.models.draft_format import DraftFormat
 
 

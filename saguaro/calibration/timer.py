@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 import torch
 
-from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.engine.model_runner import ForwardItem, ModelRunner, draft_runner
 from saguaro.models.draft_format import DraftFormat
 
 
@@ -20,7 +20,7 @@ def runner_factory(loaded, fast: bool, draft_format: DraftFormat | None = None) 
     in its format, on the CPU."""
     if draft_format is None:
         return lambda n, block_size: ModelRunner(loaded.model, n, block_size, fast=fast)
-    return lambda n, block_size: draft_format.runner(loaded, n, block_size, "cpu", fast)
+    return lambda n, block_size: draft_runner(draft_format, loaded, n, block_size, "cpu", fast)
 
 
 class RowTimer:

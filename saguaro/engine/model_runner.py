@@ -15,13 +15,19 @@ fp32 models on the CPU, the exact eager reference runs.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from saguaro.backends import ForwardItem, TreeRows, make_backend
-from saguaro.engine.device import to_device
+from saguaro.device import to_device
 from saguaro.kv.block_manager import BlockManager, slots_for
 from saguaro.kv.kv_cache import KVCache
 from saguaro.models.transformer import CausalLM
+
+if TYPE_CHECKING:  # hints only
+    from saguaro.loading import LoadedModel
+    from saguaro.models.draft_format import DraftFormat
 
 __all__ = ["ForwardItem", "ModelRunner", "TreeRows"]
 
@@ -89,3 +95,11 @@ class ModelRunner:
 
     def close(self) -> None:
         self.backend.close()
+
+
+def draft_runner(fmt: DraftFormat, draft: LoadedModel, num_blocks: int, block_size: int, device: str,
+                 fast: bool) -> ModelRunner:
+    """The draft's runner: the fast path with ``fmt`` if custom (an error where it cannot run), else as
+    the engine runs."""
+    return ModelRunner(draft.model, num_blocks, block_size, device, fast=fast or fmt.custom,
+                       weights=fmt.weights, head_ids=fmt.head_ids(draft))

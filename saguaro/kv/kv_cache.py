@@ -5,9 +5,12 @@ model writes/reads slots. Layers share one big tensor so the cache is a single a
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from saguaro.models.model_config import ModelConfig
+if TYPE_CHECKING:  # a hint only: models use the cache, not the other way round
+    from saguaro.models.model_config import ModelConfig
 
 
 class KVCache:

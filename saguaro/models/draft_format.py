@@ -25,12 +25,14 @@ whatever the target's dtype.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from saguaro.engine.model_runner import ModelRunner
-from saguaro.loading import LoadedModel
 from saguaro.models.fast_forward import WEIGHT_FORMATS
+
+if TYPE_CHECKING:  # a hint only: loading builds models, not the other way round
+    from saguaro.loading import LoadedModel
 
 
 @dataclass(frozen=True)
@@ -67,10 +69,3 @@ class DraftFormat:
         v = draft.config.vocab_size
         keep = set(range(min(self.vocab, v))) | {i for i in draft.tokenizer.special_ids() if i < v}
         return torch.tensor(sorted(keep), dtype=torch.long)
-
-    def runner(self, draft: LoadedModel, num_blocks: int, block_size: int, device: str,
-               fast: bool) -> ModelRunner:
-        """The draft's runner: the fast path with this format if custom (an error where it cannot
-        run), else as the engine runs."""
-        return ModelRunner(draft.model, num_blocks, block_size, device, fast=fast or self.custom,
-                           weights=self.weights, head_ids=self.head_ids(draft))

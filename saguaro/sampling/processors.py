@@ -27,7 +27,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from saguaro.engine.device import to_device
+from saguaro.device import to_device
 from saguaro.sampling.params import SamplingParams
 
 

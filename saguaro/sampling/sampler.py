@@ -30,7 +30,7 @@ from typing import Sequence
 
 import torch
 
-from saguaro.engine.device import to_device
+from saguaro.device import to_device
 
 Generators = Sequence[torch.Generator | None] | None
 

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from saguaro.engine.device import to_device
+from saguaro.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs

@@ -13,8 +13,8 @@ import torch
 
 from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
-from saguaro.engine.device import to_device
-from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.device import to_device
+from saguaro.engine.model_runner import ForwardItem, ModelRunner, draft_runner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
 from saguaro.sampling.batch import processed_probs
@@ -87,5 +87,5 @@ def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None
         from saguaro.sd.ngram_proposer import NgramProposer
         return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
     from saguaro.sd.draft_model import DraftModelProposer
-    runner = cfg.draft_format.runner(draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device, cfg.fast)
+    runner = draft_runner(cfg.draft_format, draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device, cfg.fast)
     return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)

@@ -1,7 +1,7 @@
 """The transport seam: how the verifier reaches its speculator.
 
 ``SSDDecoder`` depends on this protocol only, so where the speculator runs is a choice made
-once, at start-up (``saguaro.ssd.placement``):
+once, at start-up (``saguaro.placement``):
 
   * ``WorkerLink`` (``worker.py``): a process of its own, pinned to CPU cores or on another
     GPU; messages are packed into tensors and cross torch.distributed (Gloo, or NCCL between

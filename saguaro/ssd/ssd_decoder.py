@@ -19,7 +19,7 @@ import torch
 
 from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
-from saguaro.engine.device import to_device
+from saguaro.device import to_device
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
@@ -179,7 +179,7 @@ def _seed(seq: Sequence) -> int:
 def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel,
                       max_model_len: int) -> SSDDecoder:
     """The verifier side, with the speculator started on ``plan`` (``calibration.resolve.ssd_plan``) over the
-    transport Config placed it on (``saguaro.ssd.placement``)."""
+    transport Config placed it on (``saguaro.placement``)."""
     opts = WorkerOptions.from_config(cfg, plan)
     link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
     return SSDDecoder(target, link, plan, max_model_len)

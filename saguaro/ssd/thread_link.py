@@ -36,7 +36,8 @@ from typing import Any
 
 import torch
 
-from saguaro.engine.device import load_or_place
+from saguaro.device import load_or_place
+from saguaro.engine.model_runner import draft_runner
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.protocol import CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse
 from saguaro.ssd.worker import WorkerOptions
@@ -126,7 +127,8 @@ class ThreadLink:
         try:
             with _lane(opts, sms) as stream, torch.no_grad():  # grad mode is per thread
                 draft = load_or_place(draft, opts.device, opts.dtype)
-                runner = opts.draft_format.runner(draft, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
+                runner = draft_runner(opts.draft_format, draft, opts.draft_blocks(), opts.block_size, opts.device,
+                                      opts.fast)
                 speculator = opts.make_speculator(runner)
                 self.replies.put(_Reply())  # ready
                 try:

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 
 from saguaro.config import Config
-from saguaro.engine.device import pin_process, place
-from saguaro.engine.model_runner import ModelRunner
+from saguaro.device import pin_process, place
+from saguaro.engine.model_runner import ModelRunner, draft_runner
 from saguaro.ssd.channel import Channel, ChannelClosed, MessageCounters, free_port
 from saguaro.ssd.launch import DraftSource, WorkerProcess, parent_alive
 from saguaro.ssd.plan import SpecPlan
@@ -79,7 +79,7 @@ def worker_main(port: int, counters: MessageCounters, draft: DraftSource, opts: 
     backend = "gloo" if opts.device == "cpu" else "nccl"
     channel = Channel(1, port, counters, backend, opts.device, opts.timeout_s)
     loaded = draft.load(opts.device, opts.dtype)
-    runner = opts.draft_format.runner(loaded, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
+    runner = draft_runner(opts.draft_format, loaded, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
     speculator = opts.make_speculator(runner)
     vocab = loaded.config.vocab_size
     channel.send(torch.tensor([vocab], dtype=torch.int64))  # ready
@@ -156,7 +156,7 @@ class InProcessLink:
 
     def __init__(self, draft: Any, opts: WorkerOptions, recorder: RankRecorder | None = None):
         self.opts = opts
-        runner = opts.draft_format.runner(place(draft, opts.device, opts.dtype), opts.draft_blocks(),
+        runner = draft_runner(opts.draft_format, place(draft, opts.device, opts.dtype), opts.draft_blocks(),
                                           opts.block_size, opts.device, opts.fast)
         self.speculator: Speculator | None = opts.make_speculator(runner, recorder)
 

@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.engine.device import to_device
+from saguaro.device import to_device
 from saguaro.sampling.sampler import Generators, inverse_cdf, row_uniforms
 
 
