@@ -86,3 +86,29 @@ def test_draft_prefills_the_prompt_with_the_target(pair):
     while engine.has_unfinished:
         engine.step()
     assert proposer.runner.blocks.num_free == proposer.runner.blocks.num_blocks
+
+
+
+@pytest.mark.parametrize("proposer", ["draft", "ngram"])
+def test_a_round_reads_from_the_device_once(pair, proposer, monkeypatch):
+    """The drafts stay on the draft's device, feed the target pass there, and reach the host together with
+    the outcome: one read per round, which on a GPU is the round's one sync (tests/host_reads.py follows
+    device values on the CPU)."""
+    from saguaro.sd.sd import SDDecoder
+    from tests.host_reads import counting_device_reads
+    per_round: list[int] = []
+    real_decode = SDDecoder.decode
+
+    def decode(self, seqs):
+        start = reads.count
+        out = real_decode(self, seqs)
+        per_round.append(reads.count - start)
+        return out
+
+    monkeypatch.setattr(SDDecoder, "decode", decode)
+    draft = pair[1] if proposer == "draft" else None
+    with LLM(target=pair[0], draft=draft, mode="sd", proposer=proposer, num_speculative_tokens=3,
+             block_size=4) as llm, counting_device_reads(monkeypatch) as reads:
+        params = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=9, temperature=1.0, seed=3)]
+        llm.generate([[1, 2, 3], [5, 9, 13, 17]], params)
+    assert per_round and all(n == 1 for n in per_round), per_round

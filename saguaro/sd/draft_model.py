@@ -49,10 +49,12 @@ class DraftModelProposer(Proposer):
         self.states: dict[int, DraftState] = {}  # the draft caches this proposer keeps (no ``state_of``)
         self._state_of = state_of
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], read: bool = True) -> Proposal:
         """Draft ``num_tokens[b]`` tokens for each sequence, one draft pass per step. The drawn tokens stay on
         the draft's device: each step feeds the last step's tokens straight back in, and the host reads them
-        all once, after the last step (on a GPU the steps then queue up without waiting for each other)."""
+        all once, after the last step (on a GPU the steps then queue up without waiting for each other).
+        ``read=False`` skips that read: SD's verifier takes the tokens on the device and reads them with its
+        outcome."""
         k_max = max(num_tokens, default=0)
         vocab = self.runner.config.vocab_size
         probs = torch.zeros(len(seqs), max(k_max, 1), vocab, device=self.runner.device)
@@ -78,6 +80,12 @@ class DraftModelProposer(Proposer):
             steps.append((active, drawn))
             if self.keep_ranked:
                 tables.append(rank_table(logits, self.keep_ranked))
+        if not read and not self.keep_ranked:
+            on_device = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long, device=probs.device)
+            for step, (rows_, drawn_) in enumerate(steps):
+                on_device[to_device(torch.tensor(rows_), probs.device), step] = drawn_.to(probs.device)
+            return Proposal(None, probs, torch.zeros(len(seqs), dtype=torch.bool), device_tokens=on_device,
+                            counts=[min(k, k_max) for k in num_tokens])
         tokens: list[list[int]] = [[] for _ in seqs]
         ranked: list[list[Ranked]] = [[] for _ in seqs]
         if steps:

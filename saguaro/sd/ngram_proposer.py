@@ -11,7 +11,7 @@ class NgramProposer(Proposer):
         self.max_ngram, self.min_ngram = max_ngram, min_ngram
         self.indexes: dict[int, NgramIndex] = {}
 
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], read: bool = True) -> Proposal:
         tokens = []
         for seq, k in zip(seqs, num_tokens):
             index = self.indexes.get(seq.seq_id)

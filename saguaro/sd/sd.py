@@ -29,30 +29,39 @@ def draft_budget(seq: Sequence, k: int, max_model_len: int) -> int:
 
 
 def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) -> VerifyResult:
-    """Score the drafts with one target pass, rejection-sample, and roll the target cache back."""
-    items = [ForwardItem([seq.last_token] + drafts, seq.num_cached, seq.block_table, "all")
-             for seq, drafts in zip(seqs, proposal.tokens)]
-    logits, counts = target.forward_flat(items)  # [sum of k_b + 1, V] on the target's device
-    k_max = max(len(t) for t in proposal.tokens)
-    flat = processed_probs(logits, [s for s, n in zip(seqs, counts) for _ in range(n)])
+    """Score the drafts with one target pass, rejection-sample, and roll the target cache back. Drafts may
+    still be on the draft's device (``proposal.device_tokens``): they feed the target pass and the verifier
+    there, and the verifier's one read brings them to the host with the outcome."""
+    counts = proposal.num_drafts()
+    k_max = max(counts, default=0)
+    if proposal.tokens is not None:
+        draft_tokens = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long)
+        for b, drafts in enumerate(proposal.tokens):
+            draft_tokens[b, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)
+        items = [ForwardItem([seq.last_token] + drafts, seq.num_cached, seq.block_table, "all")
+                 for seq, drafts in zip(seqs, proposal.tokens)]
+    else:
+        draft_tokens = proposal.device_tokens.to(target.device)  # device to device: no host read
+        last = to_device(torch.tensor([seq.last_token for seq in seqs], dtype=torch.long), target.device)
+        items = [ForwardItem(torch.cat([last[b:b + 1], draft_tokens[b, :n]]), seq.num_cached, seq.block_table, "all")
+                 for b, (seq, n) in enumerate(zip(seqs, counts))]
+    logits, rows = target.forward_flat(items)  # [sum of k_b + 1, V] on the target's device
+    flat = processed_probs(logits, [s for s, n in zip(seqs, rows) for _ in range(n)])
     # [B, K+1, V]: row b's positions past its own k_b + 1 repeat its last row (the verifier never reads them)
-    starts = torch.tensor(counts).cumsum(0) - torch.tensor(counts)
-    index = starts[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], torch.tensor(counts)[:, None] - 1)
+    starts = torch.tensor(rows).cumsum(0) - torch.tensor(rows)
+    index = starts[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], torch.tensor(rows)[:, None] - 1)
     target_probs = flat[to_device(index, flat.device)]
-    draft_tokens = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long)
-    for b, drafts in enumerate(proposal.tokens):
-        draft_tokens[b, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)
     draft_probs = proposal.probs[:, :max(k_max, 1)] if proposal.probs is not None else None
     if draft_probs is not None:
         draft_probs = to_device(draft_probs, flat.device)
     result = rejection_sample(
         target_probs, draft_tokens[:, :k_max], None if draft_probs is None else draft_probs[:, :k_max],
-        torch.tensor([len(t) for t in proposal.tokens]), proposal.point_mass,
+        torch.tensor(counts), proposal.point_mass,
         [s.generator for s in seqs], torch.tensor([s.params.greedy for s in seqs]))
-    for seq, drafts, accepted in zip(seqs, proposal.tokens, result.num_accepted):
+    for seq, drafted, accepted in zip(seqs, counts, result.num_accepted):
         seq.num_cached += 1 + accepted  # x_n and the accepted drafts; rejected k/v is dropped
         target.blocks.truncate(seq.block_table, seq.num_cached)
-        seq.spec.record(len(drafts), accepted)
+        seq.spec.record(drafted, accepted)
     return result
 
 
@@ -68,10 +77,10 @@ class SDDecoder(Decoder):
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         budgets = [draft_budget(s, self.k, self.max_model_len) for s in seqs]
-        proposal = self.proposer.propose(seqs, budgets)
+        proposal = self.proposer.propose(seqs, budgets, read=False)  # drafts read with the outcome
         result = verify_round(self.target, seqs, proposal)
-        for seq, drafts, accepted in zip(seqs, proposal.tokens, result.num_accepted):
-            self.proposer.commit(seq, len(drafts), accepted)
+        for seq, drafted, accepted in zip(seqs, proposal.num_drafts(), result.num_accepted):
+            self.proposer.commit(seq, drafted, accepted)
         return result.output_tokens
 
     def prefilling(self, seqs: list[Sequence]) -> None:

@@ -18,13 +18,27 @@ class Proposal:
     distribution token ``i`` was sampled from (after temperature, top-k/top-p and any
     Saguaro down-weighting), which verification must use to stay lossless. Rows whose
     proposer is deterministic (n-gram) have ``point_mass[b] = True`` and no distribution.
+
+    A proposal asked not to read its tokens (``propose(..., read=False)``) leaves them on the draft's
+    device: ``tokens`` is None, ``device_tokens`` holds them and ``counts`` says how many each row has. The
+    verifier then reads them together with its outcome, so an SD round reads from the device once.
     """
-    tokens: list[list[int]]
+    tokens: list[list[int]] | None
     probs: torch.Tensor | None  # [B, K, V] float32, or None when every row is a point mass
     point_mass: torch.Tensor  # [B] bool
     # ranked[b][i]: the draft's most likely ids at the position of token i (only when the proposer was
     # asked to keep them: the SSD speculator reuses them as the next round's outcome guesses)
     ranked: list[list[Ranked]] | None = None
+    device_tokens: torch.Tensor | None = None  # [B, max(K, 1)] long; row b's first counts[b] are its drafts
+    counts: list[int] | None = None  # drafts per row when ``tokens`` is None
+
+    def __post_init__(self) -> None:
+        on_device = self.tokens is None
+        if on_device != (self.device_tokens is not None) or on_device != (self.counts is not None):
+            raise ValueError("a proposal holds either its token lists or device_tokens with counts")
+
+    def num_drafts(self) -> list[int]:
+        return [len(t) for t in self.tokens] if self.tokens is not None else list(self.counts)
 
     @staticmethod
     def deterministic(tokens: list[list[int]]) -> "Proposal":
@@ -35,8 +49,9 @@ class Proposer(ABC):
     """Proposes draft tokens synchronously (SD) and tracks per-sequence draft state."""
 
     @abstractmethod
-    def propose(self, seqs: list[Sequence], num_tokens: list[int]) -> Proposal:
-        """Draft ``num_tokens[b]`` tokens after all of ``seqs[b]``'s tokens."""
+    def propose(self, seqs: list[Sequence], num_tokens: list[int], read: bool = True) -> Proposal:
+        """Draft ``num_tokens[b]`` tokens after all of ``seqs[b]``'s tokens. ``read=False`` lets a proposer
+        whose tokens live on a device leave them there (see ``Proposal``); others ignore it."""
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """The engine is prefilling these sequences in the target: catch up on their tokens now, so the

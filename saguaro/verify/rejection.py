@@ -178,7 +178,9 @@ def rejection_sample(
     num_accepted, bonus = rejection_sample_tensors(
         target_probs, draft_tokens, draft_probs, num_draft, point_mass, generators, greedy, shared_generator
     )
-    k_list, bonus_list = torch.stack([num_accepted, bonus]).tolist()  # the round's one read from the device
-    drafts = draft_tokens.tolist()
-    outputs = [drafts[b][:k] + [bonus_list[b]] for b, k in enumerate(k_list)]
+    # the round's one read from the device: k, t* and the drafts (which may still be on the device too)
+    table = torch.cat([num_accepted[:, None], bonus[:, None], draft_tokens.to(num_accepted.device)], dim=1)
+    rows = table.tolist()
+    k_list, bonus_list = [r[0] for r in rows], [r[1] for r in rows]
+    outputs = [r[2:2 + r[0]] + [r[1]] for r in rows]
     return VerifyResult(num_accepted=k_list, bonus_tokens=bonus_list, output_tokens=outputs)

@@ -1,0 +1,65 @@
+"""Counting the engine's reads from the device, on the CPU.
+
+On a CPU every tensor is a host tensor, so a read cannot be told from its device. Instead, values are
+followed: a model pass's logits are marked as device values, every torch op whose inputs include a
+marked tensor marks its outputs (and the target of an in-place op), and turning a marked tensor into
+Python values (``tolist``, ``item``, ``cpu``, ``numpy``, ``bool``/``int``/``float``) counts as one read:
+on a GPU each would wait for the device. Host inputs (flags, positions, a request's own random draws)
+stay unmarked, as they stay on the host there.
+"""
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_flatten
+
+MARK = "_saguaro_on_device"
+READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
+         torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
+
+
+def _tensors(*trees):
+    return [t for t in tree_flatten(trees)[0] if isinstance(t, torch.Tensor)]
+
+
+def mark(tensors) -> None:
+    for t in _tensors(tensors):
+        setattr(t, MARK, True)
+
+
+class DeviceReads(TorchFunctionMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        inputs = _tensors(args, kwargs)
+        marked = any(getattr(t, MARK, False) for t in inputs)
+        if marked and func in READS:
+            self.count += 1
+        out = func(*args, **kwargs)
+        if marked:
+            name = getattr(func, "__name__", "")
+            if name == "__setitem__" or (name.endswith("_") and not name.startswith("__")):
+                mark(args[0])  # written in place: its values now come from the device
+            mark(out)
+        return out
+
+
+@contextmanager
+def counting_device_reads(monkeypatch):
+    """Marks the output of every ``ModelRunner.forward_flat`` pass; yields the running ``DeviceReads``."""
+    from saguaro.engine.model_runner import ModelRunner
+    real = ModelRunner.forward_flat
+
+    def forward_flat(self, items):
+        logits, counts = real(self, items)
+        mark(logits)
+        return logits, counts
+
+    monkeypatch.setattr(ModelRunner, "forward_flat", forward_flat)
+    with DeviceReads() as reads:
+        yield reads
