@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 
 import torch
@@ -52,3 +53,28 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
         dst.copy_(src.pin_memory(), non_blocking=True)
     else:
         dst.copy_(src)
+
+
+def read_together(tensors: list[torch.Tensor]) -> list[list]:
+    """The Python values of several tensors in one read from their device (on a GPU one sync, not one per
+    tensor): flattened, joined as float64 (exact for token ids and float32 values), read once, split, and
+    nested back into each tensor's shape (integers for integer and bool tensors; a 0-d tensor gives a
+    one-element list). The tensors must share one device."""
+    if not tensors:
+        return []
+    flat = torch.cat([t.reshape(-1).to(torch.float64) for t in tensors]).tolist()
+    out, start = [], 0
+    for t in tensors:
+        values = flat[start:start + t.numel()]
+        start += t.numel()
+        if not t.is_floating_point():
+            values = [int(v) for v in values]
+        out.append(_nest(values, tuple(t.shape)))
+    return out
+
+
+def _nest(values: list, shape: tuple[int, ...]) -> list:
+    if len(shape) <= 1:
+        return values
+    step = math.prod(shape[1:])
+    return [_nest(values[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]

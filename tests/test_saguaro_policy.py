@@ -158,7 +158,7 @@ def test_auto_fallback_switches_with_batch_size_and_uses_backup_fan_out(pair, ca
         rows = spec.respond(RoundRequest(outs, adm[2:], [], [0, 1, 2])).rows  # batch 3 >= b*: n-gram
         assert all(r.point_mass for r in rows) and spec.fallback == "ngram"
         spec.build()
-        keys = spec.cache._entries
+        keys = spec.cache.keys()
         assert keys and all(k == len(spec.states[seq].sent) for seq, k, _ in keys)  # F^b: only the all-accepted depth
         outs = [Outcome(i, 0, 63) for i in range(2)]
         rows = spec.respond(RoundRequest(outs, [], [2], [0, 1])).rows  # back to batch 2

@@ -78,7 +78,7 @@ def test_every_primary_draw_uses_the_down_weighted_law(pair):
             assert sampled.probs[j, token] > 0
         hits += sampled.hit
         spec.build()
-        _, k, bonus = next(key for key in spec.cache._entries if key[0] == 0)  # steer sequence 0 to a hit
+        _, k, bonus = next(key for key in spec.cache.keys() if key[0] == 0)  # steer sequence 0 to a hit
         outcomes = [Outcome(0, k, bonus), Outcome(1, len(rows[1].tokens), 2)]
         rows = spec.respond(RoundRequest(outcomes, [], [], [0, 1])).rows
     spec.close()

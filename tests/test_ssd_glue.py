@@ -75,7 +75,7 @@ def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature, bra
         torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-4)
         if round_ > 0:
             assert glues[-1] == 1, glues  # only the last drafted token was fed
-        keys = [key for key in spec.cache._entries if key[0] == 0]
+        keys = [key for key in spec.cache.keys() if key[0] == 0]
         if round_ % 3 == 2:  # a miss: an outcome the cache did not prepare
             taken = {(kk, t) for _, kk, t in keys}
             bonus = next(t for t in range(48) if (0, t) not in taken and t != spec.states[0].sent[0])
@@ -97,7 +97,7 @@ def test_draft_blocks_return_to_full(draft):
     spec.respond(RoundRequest([], admissions, [], [0, 1]))
     for round_ in range(6):
         spec.build()
-        keys = {key[0]: key for key in spec.cache._entries}
+        keys = {key[0]: key for key in spec.cache.keys()}
         outcomes = [Outcome(i, keys[i][1], keys[i][2]) if round_ % 2 else Outcome(i, 0, 47) for i in (0, 1)]
         spec.respond(RoundRequest(outcomes, [], [], [0, 1]))
     spec.build()  # scratch held until the next request
@@ -148,3 +148,37 @@ def test_prefill_that_does_not_match_the_admission_starts_over(draft):
     spec.respond(RoundRequest([], [], [0, 1], []))  # 1 was prefilled and never admitted
     prefilled = [i for i, s in spec.states.items() if s.prefilled is not None]
     assert runner.blocks.num_free == runner.blocks.num_blocks and not prefilled
+
+
+@pytest.mark.parametrize("fallback", ["jit", "random"])  # drafted misses, point-mass misses
+def test_a_speculator_round_reads_from_the_device_once_per_half(draft, fallback, monkeypatch):
+    """The build reads once (the glue's ranking, which chooses the branches) and leaves the branches' tokens
+    on the device; respond gathers the hits there and reads them with the fallback's drafts and ranked ids:
+    one read each, however many sequences hit or miss (tests/host_reads.py follows device values on the
+    CPU). Greedy and sampled sequences, hits and misses, every round."""
+    from tests.host_reads import counting_device_reads
+    spec = Speculator(ModelRunner(draft.model, 256, BLOCK), 3, SpecPlan.fixed([1, 1, 1, 2], fallback=fallback))
+    params = [SamplingParams(max_tokens=64), SamplingParams(temperature=1.0, max_tokens=64)]
+    order = [0, 1, 2, 3]
+    admissions = [Admission(i, [3, 7, 1, 9 + i], params[i % 2], seed=i) for i in order]
+    build_reads, respond_reads, hits = [], [], []
+    with counting_device_reads(monkeypatch) as reads:
+        spec.respond(RoundRequest([], admissions, [], order))
+        for round_ in range(5):
+            before = reads.count
+            spec.build()
+            build_reads.append(reads.count - before)
+            keys = {}
+            for i, k, t in spec.cache.keys():
+                keys.setdefault(i, (k, t))
+            miss = {i for i in order if (i + round_) % 2}  # two hit, two miss, alternating
+            taken = {(i, t) for i, k, t in spec.cache.keys() if k == 0}
+            outcomes = [Outcome(i, 0, next(t for t in range(48) if (i, t) not in taken)) if i in miss
+                        else Outcome(i, *keys[i]) for i in order]
+            before = reads.count
+            rows = spec.respond(RoundRequest(outcomes, [], [], order)).rows
+            respond_reads.append(reads.count - before)
+            hits.append([r.hit for r in rows])
+    assert hits == [[(i + r) % 2 == 0 for i in order] for r in range(5)]
+    assert build_reads == [1] * 5 and respond_reads == [1] * 5, (build_reads, respond_reads)
+    spec.close()

@@ -69,15 +69,16 @@ def test_every_branch_equals_sequential_drafting(draft, branch_steps, deep):
     spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(max_tokens=64), seed=0)], [], [0]))
     spec.build()
     sent = spec.states[0].sent
-    entries = {(kk, t): c for (i, kk, t), c in spec.cache._entries.items() if i == 0}
+    entries = {(kk, t): spec.cache.read_tokens(c) for (i, kk, t), c in spec.cache.items() if i == 0}
     assert len(entries) == sum(fan_out)
-    lengths = sorted((len(c.tokens) for c in entries.values()), reverse=True)
+    lengths = sorted((len(toks) for toks in entries.values()), reverse=True)
     n, long = len(entries), len(entries) if branch_steps is None else deep
     assert lengths == [k] * long + [branch_steps or k] * (n - long)
-    for (kk, t), cached in entries.items():
+    for (_, kk, t), cached in spec.cache.items():
+        tokens = entries[(kk, t)]
         context = prompt + sent[:kk] + [t]
-        expected = greedy_tokens(draft, [context], len(cached.tokens))[0]
-        assert cached.tokens == expected, (kk, t)
-        assert len(cached.kv_slots) == len(cached.tokens) and len(cached.ranked()) == len(cached.tokens)
+        assert tokens == greedy_tokens(draft, [context], len(tokens))[0], (kk, t)
+        assert len(cached.kv_slots) == len(cached.rank_rows) == cached.length == len(tokens)
+        assert spec.cache.tokens[cached.row, cached.length:].eq(-1).all()  # the table's padding
     spec.close()
     assert spec.runner.blocks.num_free == spec.runner.blocks.num_blocks

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from saguaro.device import read_together, to_device
+
 
 @dataclass
 class Ranked:
@@ -31,12 +33,29 @@ class RankTable:
 
     def rows(self, index: list[int] | None = None) -> list[Ranked]:
         """``Ranked`` for the rows in ``index`` (every row when None)."""
-        ids, probs = (self.ids, self.probs) if index is None else (self.ids[index], self.probs[index])
-        return [Ranked(i, p) for i, p in zip(ids.tolist(), probs.tolist())]
+        return ranked_rows(*read_together(self.take(index)))
+
+    def take(self, index: list[int] | None = None) -> list[torch.Tensor]:
+        """[ids, probs] of the rows in ``index`` (every row when None), still on their device: a caller
+        reading other tensors too reads them together (``read_together``) and makes ``ranked_rows``."""
+        if index is None:
+            return [self.ids, self.probs]
+        index = to_device(torch.tensor(index, dtype=torch.long), self.ids.device)
+        return [self.ids[index], self.probs[index]]
+
+    @staticmethod
+    def empty(width: int, device: torch.device | str = "cpu") -> "RankTable":
+        return RankTable(torch.zeros(0, width, dtype=torch.long, device=device),
+                         torch.zeros(0, width, device=device))
 
     @staticmethod
     def cat(tables: list["RankTable"]) -> "RankTable":
         return RankTable(torch.cat([t.ids for t in tables]), torch.cat([t.probs for t in tables]))
+
+
+def ranked_rows(ids: list[list[int]], probs: list[list[float]]) -> list[Ranked]:
+    """``Ranked`` objects from a ``RankTable``'s rows, once read."""
+    return [Ranked(i, p) for i, p in zip(ids, probs)]
 
 
 def rank_table(logits: torch.Tensor, width: int) -> RankTable:

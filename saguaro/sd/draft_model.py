@@ -10,7 +10,8 @@ accepted prefix, so no rejected token's k/v survives and no block leaks.
 ``reweight`` (optional) transforms the distribution step j is drawn from, and the proposal
 records the transformed one: the SSD worker passes Saguaro sampling (Def. 14,
 ``saguaro.ssd.saguaro_sampling``) so just-in-time drafts follow the same law as cached ones.
-``keep_ranked`` > 0 also records each step's most likely ids and their probabilities (``Proposal.ranked``).
+``keep_ranked`` > 0 also records each step's most likely ids and their probabilities (``Proposal.ranked``, or
+with ``read=False`` ``Proposal.rank_table`` and ``rank_rows``, still on the device).
 ``state_of`` (optional) finds a sequence's draft cache where its owner keeps it: the SSD speculator keeps
 it with the rest of the sequence's state and frees it itself. By default the proposer keeps one per
 sequence id (``states``), rolled back by ``commit`` and freed by ``release``.
@@ -22,11 +23,11 @@ from typing import Callable
 
 import torch
 
-from saguaro.device import to_device
+from saguaro.device import read_together, to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
-from saguaro.sampling.ranked import Ranked, RankTable, rank_table
+from saguaro.sampling.ranked import RankTable, rank_table, ranked_rows
 from saguaro.sampling.sampler import sample
 from saguaro.sd.types import Proposal, Proposer
 
@@ -80,24 +81,34 @@ class DraftModelProposer(Proposer):
             steps.append((active, drawn))
             if self.keep_ranked:
                 tables.append(rank_table(logits, self.keep_ranked))
-        if not read and not self.keep_ranked:
-            on_device = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long, device=probs.device)
-            for step, (rows_, drawn_) in enumerate(steps):
-                on_device[to_device(torch.tensor(rows_), probs.device), step] = drawn_.to(probs.device)
-            return Proposal(None, probs, torch.zeros(len(seqs), dtype=torch.bool), device_tokens=on_device,
-                            counts=[min(k, k_max) for k in num_tokens])
-        tokens: list[list[int]] = [[] for _ in seqs]
-        ranked: list[list[Ranked]] = [[] for _ in seqs]
-        if steps:
-            values = iter(torch.cat([d for _, d in steps]).tolist())  # the one read from the device
-            for step, (rows_, _) in enumerate(steps):
-                top = tables[step].rows() if tables else None
+        # every row's drafts as one [B, max(K, 1)] table on the draft's device (row b's first num_tokens[b])
+        on_device = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long, device=probs.device)
+        for step, (rows_, drawn_) in enumerate(steps):
+            on_device[to_device(torch.tensor(rows_), probs.device), step] = drawn_.to(probs.device)
+        counts = [min(k, k_max) for k in num_tokens]
+        table, rank_rows = None, None
+        if self.keep_ranked:  # row i of step j's table ranks token j of the step's i-th drafting sequence
+            table = RankTable.cat(tables) if tables else RankTable.empty(self.keep_ranked, probs.device)
+            rank_rows = [[] for _ in seqs]
+            done = 0
+            for rows_, _ in steps:
                 for i, b in enumerate(rows_):
-                    tokens[b].append(next(values))
-                    if top is not None:
-                        ranked[b].append(top[i])
-        return Proposal(tokens, probs, torch.zeros(len(seqs), dtype=torch.bool),
-                        ranked if self.keep_ranked else None)
+                    rank_rows[b].append(done + i)
+                done += len(rows_)
+        no_mass = torch.zeros(len(seqs), dtype=torch.bool)
+        if not read:
+            return Proposal(None, probs, no_mass, device_tokens=on_device, counts=counts, rank_table=table,
+                            rank_rows=rank_rows)
+        if not steps:
+            return Proposal([[] for _ in seqs], probs, no_mass, [[] for _ in seqs] if self.keep_ranked else None)
+        # the one read from the device: the drafts, and their ranked ids when kept
+        values = read_together([on_device] + (table.take() if table is not None else []))
+        tokens = [row[:n] for row, n in zip(values[0], counts)]
+        ranked = None
+        if table is not None:
+            every = ranked_rows(*values[1:])
+            ranked = [[every[r] for r in rows] for rows in rank_rows]
+        return Proposal(tokens, probs, no_mass, ranked)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Feed every token but the last (``propose`` starts from the last one, which yields the first

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.engine.sequence import Sequence
-from saguaro.sampling.ranked import Ranked
+from saguaro.sampling.ranked import Ranked, RankTable
 
 
 @dataclass
@@ -31,6 +31,10 @@ class Proposal:
     ranked: list[list[Ranked]] | None = None
     device_tokens: torch.Tensor | None = None  # [B, max(K, 1)] long; row b's first counts[b] are its drafts
     counts: list[int] | None = None  # drafts per row when ``tokens`` is None
+    # ``ranked`` left on the device (asked for with read=False): rank_rows[b][i] is the row of rank_table
+    # that ranks token i of sequence b
+    rank_table: RankTable | None = None
+    rank_rows: list[list[int]] | None = None
 
     def __post_init__(self) -> None:
         on_device = self.tokens is None

@@ -1,33 +1,46 @@
-"""The speculation cache: verification outcome -> speculation prepared in advance."""
+"""The speculation cache: verification outcome -> speculation prepared in advance.
+
+The keys, (sequence id, accepted count k, bonus token t*), are known on the host: the build read the
+draft's ranking after the glue to choose them. The drafted tokens are not: they stay where the build drew
+them, in one fixed-size ``[R, K]`` table on the draft's device (a row per branch), with the branches'
+distributions and ranked ids beside it. ``respond`` gathers the rows that hit on the device and reads them
+together with the fallback's drafts, so a build ends without waiting for the device and a round's answer is
+one read.
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
 
-from saguaro.sampling.ranked import Ranked, RankTable
+from saguaro.device import to_device
+from saguaro.sampling.ranked import RankTable
 
 
 @dataclass
 class CachedSpeculation:
-    tokens: list[int]  # drafted after the outcome's bonus token (may be shorter than K if the build was cut short)
-    probs: torch.Tensor | None  # [len(tokens), V] distributions they were drawn from; None for greedy rows
-    # rows ``rank_rows`` of ``rank_table``: the draft's most likely ids at the position each token was drawn
-    # for (the next build's outcome guesses at depth j, so that build need not re-run these positions)
-    rank_table: RankTable | None = None
-    rank_rows: list[int] | None = None
+    row: int  # row of the build's token table
+    length: int  # tokens drafted after the outcome's bonus token (fewer than K if the build was cut short)
+    probs: torch.Tensor | None  # [length, V] distributions they were drawn from; None for greedy rows
+    # rows of the build's rank table: the draft's most likely ids at the position each token was drawn for
+    # (the next build's outcome guesses at depth j, so that build need not re-run these positions)
+    rank_rows: list[int]
     # scratch KV slots of the bonus token and tokens[:-1] (what the next build's glue would recompute)
-    kv_slots: list[int] | None = None
-
-    def ranked(self) -> list[Ranked] | None:
-        return None if self.rank_table is None else self.rank_table.rows(self.rank_rows)
+    kv_slots: list[int]
 
 
 class SpeculationCache:
-    """Keyed by (sequence id, accepted count k, bonus token t*); rebuilt every round."""
+    """One build's speculations: host keys, device token table; cleared every round."""
 
     def __init__(self) -> None:
         self._entries: dict[tuple[int, int, int], CachedSpeculation] = {}
+        self.tokens: torch.Tensor | None = None  # [R, K] long on the draft's device; -1 past a row's length
+        self.ranks: RankTable | None = None  # every position of every branch, ranked
+
+    def fill(self, tokens: torch.Tensor, ranks: RankTable | None) -> None:
+        """Start a build's cache from its token table and rank table (entries follow with ``put``)."""
+        self._entries.clear()
+        self.tokens, self.ranks = tokens, ranks
 
     def put(self, seq_id: int, k: int, token: int, spec: CachedSpeculation) -> None:
         self._entries[(seq_id, k, token)] = spec
@@ -35,8 +48,27 @@ class SpeculationCache:
     def get(self, seq_id: int, k: int, token: int) -> CachedSpeculation | None:
         return self._entries.get((seq_id, k, token))
 
+    def gather(self, hits: list[CachedSpeculation]) -> list[torch.Tensor]:
+        """[tokens [H, K], rank ids [N, W], rank probs [N, W]] of ``hits`` on the device, for one read
+        (``read_together``); the rank rows are every hit's ``rank_rows`` in order."""
+        device = self.tokens.device
+        rows = to_device(torch.tensor([h.row for h in hits], dtype=torch.long), device)
+        ranks = self.ranks.take([r for h in hits for r in h.rank_rows])
+        return [self.tokens[rows]] + ranks
+
+    def read_tokens(self, spec: CachedSpeculation) -> list[int]:
+        """One entry's tokens (a read of its own; the engine reads hits through ``gather``)."""
+        return self.tokens[spec.row, :spec.length].tolist()
+
     def clear(self) -> None:
         self._entries.clear()
+        self.tokens = self.ranks = None
+
+    def keys(self) -> list[tuple[int, int, int]]:
+        return list(self._entries)
+
+    def items(self) -> list[tuple[tuple[int, int, int], CachedSpeculation]]:
+        return list(self._entries.items())
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -6,7 +6,8 @@ Per round it does two things, in this order:
 answer every sequence with its next speculation: from the speculation cache on a hit,
 otherwise from the fallback (just-in-time drafting by the primary draft for only the
 sequences that missed, or a fast n-gram / random backup; with fallback "auto" the choice
-follows the batch size, Thm 18).
+follows the batch size, Thm 18). The hits are gathered on the draft's device and read
+together with the just-in-time drafts: one read.
 
 ``build(interrupted)``: while the target verifies what was just sent, glue that
 speculation into the draft cache, predict the likely outcomes (top-F_k bonus guesses per
@@ -14,7 +15,9 @@ depth k, likeliest first) and decode the branches together, one tree-masked draf
 step. Each finished step makes its branches one token longer: every branch for the plan's
 ``branch_steps`` steps, then only the likeliest ``deep_branches`` (a tapered tree: a few
 narrow steps buy the likeliest outcomes a longer speculation). If the next request arrives
-early the build stops and branches keep the tokens they have.
+early the build stops and branches keep the tokens they have. The build reads from the device
+once, for the glue's ranking (it chooses the branches); the branches' tokens stay in the cache's
+token table there.
 
 The glue is usually one row. A speculation drafted by the primary comes with the draft's
 ranked ids at each of its positions (from the tree step or the just-in-time step that drew
@@ -39,14 +42,15 @@ from typing import Callable
 
 import torch
 
-from saguaro.device import to_device
+from saguaro.device import read_together, to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
-from saguaro.sampling.ranked import RankTable, rank_positions, rank_table
+from saguaro.sampling.ranked import RankTable, rank_positions, rank_table, ranked_rows
 from saguaro.sampling.sampler import sample
 from saguaro.sd.draft_model import DraftModelProposer
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
+from saguaro.ssd.fallback import Fallback
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import FallbackChoice, SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest, RoundResponse, SpecRow
@@ -57,6 +61,8 @@ from saguaro.ssd.tree import BranchLayout
 
 @dataclass
 class BuildStats:
+    # host seconds; on a GPU the time to queue the build (its last steps run on while the next respond's
+    # read waits for them), on the CPU the build itself
     seconds: float = 0.0
     steps: int = 0  # branch steps completed (0..K)
     branches: int = 0
@@ -133,6 +139,8 @@ class Speculator:
 
     # -- respond -----------------------------------------------------------------
     def respond(self, req: RoundRequest) -> RoundResponse:
+        """Apply the outcomes, then answer every sequence in ``req.order``: the hits from the cache, gathered on
+        the draft's device, and the misses from the fallback; the host reads both together, once."""
         start = time.perf_counter()
         for seq_id in req.releases:
             self._forget(seq_id)
@@ -153,23 +161,26 @@ class Speculator:
                 hits[out.seq_id] = cached
                 self._adopt_kv(state, cached)
             self._verified(state, out, cached is not None)
+        order = [self.states[i] for i in req.order]
+        hit_list = [hits[s.seq.seq_id] for s in order if s.seq.seq_id in hits]
+        pieces = self.cache.gather(hit_list) if hit_list else []
         self.cache.clear()
         self._free_scratch()
-        order = [self.states[i] for i in req.order]
-        fallback_rows = self._fallback([s for s in order if s.seq.seq_id not in hits])
-        rows = []
+        misses = [s for s in order if s.seq.seq_id not in hits]
+        fallback = self._fallback(misses)
+        values = read_together(pieces + fallback.pieces)  # the round's one read from the draft's device
+        rows = dict(fallback.answer(misses, values[len(pieces):]))
+        if hit_list:
+            tokens, ranked = values[0], iter(ranked_rows(values[1], values[2]))
+            for state, hit, row in zip([s for s in order if s.seq.seq_id in hits], hit_list, tokens):
+                state.ranked = [next(ranked) for _ in hit.rank_rows]
+                rows[state.seq.seq_id] = SpecRow(True, row[:hit.length], hit.probs)
         for state in order:
-            seq_id = state.seq.seq_id
-            if seq_id in hits:
-                c = hits[seq_id]
-                row = SpecRow(True, c.tokens, c.probs)
-                state.ranked = c.ranked()
-            else:
-                row = fallback_rows[seq_id]
+            row = rows[state.seq.seq_id]
             state.sent = row.tokens
             state.source = "b" if row.point_mass else "p"
-            rows.append(row)
-        return RoundResponse(rows, self.last_build.seconds, time.perf_counter() - start, self.last_build.steps)
+        return RoundResponse([rows[i] for i in req.order], self.last_build.seconds, time.perf_counter() - start,
+                             self.last_build.steps)
 
     def _admit(self, adm: Admission) -> None:
         """Start tracking a sequence; keep the draft cache ``prefill`` filled for it if that holds a strict
@@ -201,19 +212,16 @@ class Speculator:
         for state in self.states.values():
             self.runner.blocks.free(state.scratch)
 
-    def _fallback(self, states: list[SeqState]) -> dict[int, SpecRow]:
-        """Speculations for the sequences whose outcome the cache missed (or that are new), by sequence id."""
+    def _fallback(self, states: list[SeqState]) -> Fallback:
+        """Speculations for the sequences whose outcome the cache missed (or that are new). The just-in-time
+        drafter leaves its drafts and ranked ids on the device, for ``respond``'s one read."""
         for s in states:
             s.ranked = None
-        if not states:
-            return {}
         seqs = [s.seq for s in states]
+        if not states:
+            return Fallback()
         if self.fallback == "jit":
-            proposal = self.jit.propose(seqs, [self.k] * len(seqs))
-            for s, ranked in zip(states, proposal.ranked):
-                s.ranked = ranked
-            return {s.seq_id: SpecRow(False, toks, None if s.params.greedy else proposal.probs[b, :len(toks)].clone())
-                    for b, (s, toks) in enumerate(zip(seqs, proposal.tokens))}
+            return Fallback(self.jit.propose(seqs, [self.k] * len(seqs), read=False))
         if self.fallback == "ngram":
             tokens = []
             for s in states:
@@ -222,7 +230,7 @@ class Speculator:
         else:
             vocab = self.runner.config.vocab_size
             tokens = [[self._rng.randrange(vocab) for _ in range(self.k)] for _ in seqs]
-        return {s.seq_id: SpecRow(False, toks, None, point_mass=True) for s, toks in zip(seqs, tokens)}
+        return Fallback(point_mass=tokens)
 
     def _forget(self, seq_id: int) -> None:
         state = self.states.pop(seq_id, None)
@@ -302,17 +310,16 @@ class Speculator:
             size = layouts[i].scratch_size(self.k)
             self.runner.blocks.reserve(states[i].scratch, size)
             layouts[i].scratch_slots = self.runner.slots(states[i].scratch, 0, size)
-        # per live sequence and branch: the drafted tokens, and the rows (over all steps' passes) whose
-        # distributions and ranked ids the tokens were drawn from
-        tokens: dict[int, list[list[int]]] = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
+        # per live sequence and branch: the rows (over all steps' passes) whose tokens, distributions and ranked
+        # ids the branch drew
         rows_of: dict[int, list[list[int]]] = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
         all_probs: list[torch.Tensor] = []
         tables: list[RankTable] = []
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
         greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro_sampling is None
         done = steps = 0  # rows in the passes so far, passes so far
-        # each step's drawn tokens stay on the draft's device and feed the next step there; the host reads
-        # them all once, after the build (on a GPU the steps queue up without waiting for each other)
+        # each step's drawn tokens stay on the draft's device, feed the next step there and end in the cache's
+        # token table there: the build never waits for the device (on a GPU its steps queue up back to back)
         drawn_steps: list[torch.Tensor] = []
         step_rows: list[list[tuple[int, int]]] = []
         for step in range(self.k):
@@ -348,19 +355,22 @@ class Speculator:
                 rows_of[i][q].append(done + r)
             done += len(rows)
             steps += 1
-        if drawn_steps:
-            values = iter(torch.cat(drawn_steps).tolist())  # the build's one read from the device
-            for rows in step_rows:
-                for i, q in rows:
-                    tokens[i][q].append(next(values))
+        branches = [(i, q) for i in live for q in range(layouts[i].num_branches)]  # token table rows, in order
+        table = torch.full((len(branches), self.k), -1, dtype=torch.long, device=self.runner.device)
+        if drawn_steps:  # pass row r of step j -> (branch row, j), written in one scatter
+            cell = [0] * done
+            for b, (i, q) in enumerate(branches):
+                for j, r in enumerate(rows_of[i][q]):
+                    cell[r] = b * self.k + j
+            flat = to_device(torch.tensor(cell, dtype=torch.long), table.device)
+            table.view(-1)[flat] = torch.cat(drawn_steps).to(table.device)
+        self.cache.fill(table, RankTable.cat(tables) if tables else None)
         probs = self._branch_probs(seqs, rows_of, all_probs)
-        table = RankTable.cat(tables) if tables else None
-        for i in live:
-            seq, lay = seqs[i], layouts[i]
-            for q in range(lay.num_branches):
-                kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(tokens[i][q]))]
-                self.cache.put(seq.seq_id, lay.fork_depths[q], lay.roots[q],  # kv: the root, then tokens[:-1]
-                               CachedSpeculation(tokens[i][q], probs.get((i, q)), table, rows_of[i][q], kv_slots))
+        for b, (i, q) in enumerate(branches):
+            lay, rows = layouts[i], rows_of[i][q]
+            kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(rows))]  # the root, then tokens[:-1]
+            self.cache.put(seqs[i].seq_id, lay.fork_depths[q], lay.roots[q],
+                           CachedSpeculation(b, len(rows), probs.get((i, q)), rows, kv_slots))
         return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
 
     @staticmethod

@@ -1,0 +1,34 @@
+"""Device helpers: reading several device tensors back in one read."""
+import pytest
+import torch
+
+from saguaro.device import read_together
+from saguaro.sampling.ranked import RankTable, rank_table
+
+
+def test_read_together_gives_what_tolist_gives_tensor_by_tensor():
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randint(0, 151_936, (3, 4), generator=gen), torch.rand(2, 5, generator=gen),
+               torch.zeros(3, 0, dtype=torch.long), torch.tensor(7), torch.tensor([True, False]),
+               torch.rand(2, 2, 3, generator=gen), torch.tensor([2**52 + 1])]
+    got = read_together(tensors)
+    expected = [t.tolist() for t in tensors]
+    expected[3] = [7]  # a 0-d tensor comes back as a one-element list
+    assert got == expected
+    assert all(type(v) is int for v in got[0][0] + got[4] + got[6])  # ids stay ints, exactly
+    assert read_together([]) == []
+
+
+@pytest.mark.parametrize("rows", [None, [2, 0, 2]])
+def test_rank_table_rows_read_once_and_equal_the_rows(rows, monkeypatch):
+    from tests.host_reads import DeviceReads, mark
+    logits = torch.randn(4, 9, generator=torch.Generator().manual_seed(1))
+    table = rank_table(logits, 3)
+    mark([table.ids, table.probs])
+    with DeviceReads() as reads:
+        ranked = table.rows(rows)
+    assert reads.count == 1
+    index = list(range(4)) if rows is None else rows
+    assert [r.ids for r in ranked] == table.ids[index].tolist()
+    assert [r.probs for r in ranked] == table.probs[index].tolist()
+    assert RankTable.empty(3).rows() == []
