@@ -10,8 +10,8 @@ accepted prefix, so no rejected token's k/v survives and no block leaks.
 ``reweight`` (optional) transforms the distribution step j is drawn from, and the proposal
 records the transformed one: the SSD worker passes Saguaro sampling (Def. 14,
 ``saguaro.ssd.saguaro_sampling``) so just-in-time drafts follow the same law as cached ones.
-``keep_ranked`` > 0 also records each step's most likely ids and their probabilities (``Proposal.ranked``, or
-with ``read=False`` ``Proposal.rank_table`` and ``rank_rows``, still on the device).
+``keep_ranked`` > 0 also records each step's most likely ids and their probabilities, left on the device
+(``Proposal.rank_table`` and ``rank_rows``).
 ``state_of`` (optional) finds a sequence's draft cache where its owner keeps it: the SSD speculator keeps
 it with the rest of the sequence's state and frees it itself. By default the proposer keeps one per
 sequence id (``states``), rolled back by ``commit`` and freed by ``release``.
@@ -23,11 +23,11 @@ from typing import Callable
 
 import torch
 
-from saguaro.device import read_together, to_device
+from saguaro.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
-from saguaro.sampling.ranked import RankTable, rank_table, ranked_rows
+from saguaro.sampling.ranked import RankTable, rank_table
 from saguaro.sampling.sampler import sample
 from saguaro.sd.types import Proposal, Proposer
 
@@ -99,16 +99,9 @@ class DraftModelProposer(Proposer):
         if not read:
             return Proposal(None, probs, no_mass, device_tokens=on_device, counts=counts, rank_table=table,
                             rank_rows=rank_rows)
-        if not steps:
-            return Proposal([[] for _ in seqs], probs, no_mass, [[] for _ in seqs] if self.keep_ranked else None)
-        # the one read from the device: the drafts, and their ranked ids when kept
-        values = read_together([on_device] + (table.take() if table is not None else []))
-        tokens = [row[:n] for row, n in zip(values[0], counts)]
-        ranked = None
-        if table is not None:
-            every = ranked_rows(*values[1:])
-            ranked = [[every[r] for r in rows] for rows in rank_rows]
-        return Proposal(tokens, probs, no_mass, ranked)
+        # the one read from the device
+        tokens = [row[:n] for row, n in zip(on_device.tolist(), counts)] if steps else [[] for _ in seqs]
+        return Proposal(tokens, probs, no_mass, rank_table=table, rank_rows=rank_rows)
 
     def prefill(self, seqs: list[Sequence]) -> None:
         """Feed every token but the last (``propose`` starts from the last one, which yields the first

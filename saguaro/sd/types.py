@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from saguaro.engine.sequence import Sequence
-from saguaro.sampling.ranked import Ranked, RankTable
+from saguaro.sampling.ranked import RankTable
 
 
 @dataclass
@@ -26,13 +26,11 @@ class Proposal:
     tokens: list[list[int]] | None
     probs: torch.Tensor | None  # [B, K, V] float32, or None when every row is a point mass
     point_mass: torch.Tensor  # [B] bool
-    # ranked[b][i]: the draft's most likely ids at the position of token i (only when the proposer was
-    # asked to keep them: the SSD speculator reuses them as the next round's outcome guesses)
-    ranked: list[list[Ranked]] | None = None
     device_tokens: torch.Tensor | None = None  # [B, max(K, 1)] long; row b's first counts[b] are its drafts
     counts: list[int] | None = None  # drafts per row when ``tokens`` is None
-    # ``ranked`` left on the device (asked for with read=False): rank_rows[b][i] is the row of rank_table
-    # that ranks token i of sequence b
+    # the draft's most likely ids at the position of each token, on the device (only when the proposer was
+    # asked to keep them: the SSD speculator reuses them as the next round's outcome guesses):
+    # rank_rows[b][i] is the row of rank_table that ranks token i of sequence b
     rank_table: RankTable | None = None
     rank_rows: list[list[int]] | None = None
 
