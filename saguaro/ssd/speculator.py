@@ -162,8 +162,9 @@ class Speculator:
                 self._adopt_kv(state, cached)
             self._verified(state, out, cached is not None)
         order = [self.states[i] for i in req.order]
-        hit_list = [hits[s.seq.seq_id] for s in order if s.seq.seq_id in hits]
-        pieces = self.cache.gather(hit_list) if hit_list else []
+        hit_states = [s for s in order if s.seq.seq_id in hits]
+        hit_list = [hits[s.seq.seq_id] for s in hit_states]
+        pieces = self.cache.gather(hit_list) if hit_list else []  # [tokens, rank ids, rank probs], on the device
         self.cache.clear()
         self._free_scratch()
         misses = [s for s in order if s.seq.seq_id not in hits]
@@ -172,7 +173,7 @@ class Speculator:
         rows = dict(fallback.answer(misses, values[len(pieces):]))
         if hit_list:
             tokens, ranked = values[0], iter(ranked_rows(values[1], values[2]))
-            for state, hit, row in zip([s for s in order if s.seq.seq_id in hits], hit_list, tokens):
+            for state, hit, row in zip(hit_states, hit_list, tokens):
                 state.ranked = [next(ranked) for _ in hit.rank_rows]
                 rows[state.seq.seq_id] = SpecRow(True, row[:hit.length], hit.probs)
         for state in order:
