@@ -63,3 +63,20 @@ def counting_device_reads(monkeypatch):
     monkeypatch.setattr(ModelRunner, "forward_flat", forward_flat)
     with DeviceReads() as reads:
         yield reads
+
+
+@contextmanager
+def reads_per_call(monkeypatch, cls, method: str):
+    """``counting_device_reads``, plus the reads of each call of ``cls.method``: yields the list it appends to."""
+    counts: list[int] = []
+    real = getattr(cls, method)
+
+    def counted(self, *args, **kwargs):
+        start = reads.count
+        out = real(self, *args, **kwargs)
+        counts.append(reads.count - start)
+        return out
+
+    monkeypatch.setattr(cls, method, counted)
+    with counting_device_reads(monkeypatch) as reads:
+        yield counts

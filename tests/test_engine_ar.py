@@ -131,18 +131,8 @@ def test_an_ar_step_reads_from_the_device_once(monkeypatch):
     """Sampling runs where the logits are; the host reads the new tokens once per step (on a GPU, the
     step's one sync; tests/host_reads.py follows device values on the CPU)."""
     from saguaro.engine.decoder import ARDecoder
-    from tests.host_reads import counting_device_reads
-    per_step: list[int] = []
-    real_decode = ARDecoder.decode
-
-    def decode(self, seqs):
-        start = reads.count
-        out = real_decode(self, seqs)
-        per_step.append(reads.count - start)
-        return out
-
-    monkeypatch.setattr(ARDecoder, "decode", decode)
-    with LLM(tiny_model(seed=3), block_size=4) as llm, counting_device_reads(monkeypatch) as reads:
+    from tests.host_reads import reads_per_call
+    with LLM(tiny_model(seed=3), block_size=4) as llm, reads_per_call(monkeypatch, ARDecoder, "decode") as per_step:
         params = [SamplingParams(max_tokens=6), SamplingParams(max_tokens=6, temperature=1.0, seed=3, top_p=0.9)]
         llm.generate([[1, 2, 3], [5, 9, 13, 17]], params)
     assert per_step and all(n == 1 for n in per_step), per_step

@@ -95,20 +95,10 @@ def test_a_round_reads_from_the_device_once(pair, proposer, monkeypatch):
     the outcome: one read per round, which on a GPU is the round's one sync (tests/host_reads.py follows
     device values on the CPU)."""
     from saguaro.sd.sd import SDDecoder
-    from tests.host_reads import counting_device_reads
-    per_round: list[int] = []
-    real_decode = SDDecoder.decode
-
-    def decode(self, seqs):
-        start = reads.count
-        out = real_decode(self, seqs)
-        per_round.append(reads.count - start)
-        return out
-
-    monkeypatch.setattr(SDDecoder, "decode", decode)
+    from tests.host_reads import reads_per_call
     draft = pair[1] if proposer == "draft" else None
     with LLM(target=pair[0], draft=draft, mode="sd", proposer=proposer, num_speculative_tokens=3,
-             block_size=4) as llm, counting_device_reads(monkeypatch) as reads:
+             block_size=4) as llm, reads_per_call(monkeypatch, SDDecoder, "decode") as per_round:
         params = [SamplingParams(max_tokens=9), SamplingParams(max_tokens=9, temperature=1.0, seed=3)]
         llm.generate([[1, 2, 3], [5, 9, 13, 17]], params)
     assert per_round and all(n == 1 for n in per_round), per_round
