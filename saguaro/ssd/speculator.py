@@ -216,11 +216,11 @@ class Speculator:
     def _fallback(self, states: list[SeqState]) -> Fallback:
         """Speculations for the sequences whose outcome the cache missed (or that are new). The just-in-time
         drafter leaves its drafts and ranked ids on the device, for ``respond``'s one read."""
+        if not states:
+            return Fallback()
         for s in states:
             s.ranked = None
         seqs = [s.seq for s in states]
-        if not states:
-            return Fallback()
         if self.fallback == "jit":
             return Fallback(self.jit.propose(seqs, [self.k] * len(seqs), read=False))
         if self.fallback == "ngram":
