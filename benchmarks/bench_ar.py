@@ -90,7 +90,7 @@ def timed(fn: Any, reps: int) -> tuple[float, float]:
 # -- bandwidth ---------------------------------------------------------------------------
 def measure_bandwidth(gigabytes: float, reps: int = 5) -> dict[str, float]:
     """GB/s of a sum over an fp32 tensor, in default pages and in huge pages (median of ``reps``)."""
-    from saguaro.models import kernels
+    from saguaro.backends.cpu_kernels import build as kernels
     n = int(gigabytes * 1e9) // 4
     out = {}
     x = torch.ones(n, dtype=torch.float32)
@@ -277,8 +277,8 @@ def print_table(markdown: str) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from saguaro import LLM
-    from saguaro.models import kernels
-    from saguaro.models.fast_forward import FastCausalLM
+    from saguaro.backends.cpu_kernels import build as kernels
+    from saguaro.backends.cpu_kernels.model import FastCausalLM
 
     cores = list(range(args.core, args.core + args.threads))
     pin_process(cores, args.threads)

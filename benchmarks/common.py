@@ -27,7 +27,7 @@ import torch
 from saguaro import datasets as ds
 from saguaro.config import WORKLOADS
 from saguaro.engine.metrics import summarize
-from saguaro.models.kernels import WEIGHT_FORMATS
+from saguaro.models.draft_format import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 
 TARGET = "qwen2.5-coder-1.5b"

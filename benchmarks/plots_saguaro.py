@@ -32,7 +32,7 @@ from pathlib import Path
 
 from saguaro.calibration.profile import Profile
 from saguaro.config import WORKLOADS
-from saguaro.models.kernels import WEIGHT_FORMATS
+from saguaro.models.draft_format import WEIGHT_FORMATS
 
 TARGET, DRAFT = "qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"
 FIGURES = ("fanout", "geometric", "csweep", "batch", "predicted")

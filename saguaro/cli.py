@@ -7,7 +7,7 @@ import os
 import sys
 
 from saguaro.config import WORKLOADS
-from saguaro.models.kernels import WEIGHT_FORMATS
+from saguaro.models.draft_format import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
 
 # demo defaults: SD at its best K (5 of 3, 5, 7) and SSD at a fixed fan-out with a tapered tree (every branch

@@ -163,7 +163,7 @@ def test_tree_steps_get_their_own_graphs():
 def test_defaults_take_the_fastest_exact_path():
     from saguaro import LLM
     from saguaro.backends import choose_kind
-    from saguaro.models.fast_forward import unsupported_reason
+    from saguaro.backends.cpu_kernels.model import unsupported_reason
     bf16 = tiny_model(seed=3).model.to(torch.bfloat16)
     cpu_default = "cpu_kernels" if unsupported_reason(bf16) is None else "eager"
     assert choose_kind(bf16, torch.device("cpu"), fast=True) == cpu_default

@@ -92,7 +92,7 @@ def test_pass_bytes_eager_counts_parameters_less_the_embedding_table():
 
 def test_pass_bytes_fast_path_is_the_packed_arena():
     from saguaro.calibration.bus import pass_bytes
-    from saguaro.models import kernels
+    from saguaro.backends.cpu_kernels import build as kernels
     from saguaro.engine.model_runner import draft_runner
     from saguaro.models.draft_format import DraftFormat
     if not kernels.available():

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from saguaro import LLM, SamplingParams
-from saguaro.models import kernels
+from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.models.draft_format import DraftFormat
 from tests.dist_harness import measure

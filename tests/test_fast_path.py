@@ -16,9 +16,9 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import build_metadata
-from saguaro.models import kernels
+from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.models.model_config import ModelConfig
-from saguaro.models.fast_forward import FastCausalLM, fast_or_eager, unsupported_reason
+from saguaro.backends.cpu_kernels.model import FastCausalLM, fast_or_eager, unsupported_reason
 from saguaro.models.transformer import CausalLM, paged_attention
 from tests.tiny import tiny_model
 

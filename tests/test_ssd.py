@@ -11,7 +11,7 @@ import threading
 import pytest
 
 from saguaro import LLM, SamplingParams
-from saguaro.models import kernels
+from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.ssd.speculator import Speculator
 from saguaro.ssd.worker import WorkerOptions
 from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated, weak_pair

@@ -40,7 +40,7 @@ def make_backend(model: CausalLM, cache, device: torch.device, fast: bool, weigh
     if kind == "eager":
         return DenseBackend(model, device, "eager")
     if kind == "cpu_kernels":
-        from saguaro.models.fast_forward import fast_or_eager
+        from saguaro.backends.cpu_kernels.model import fast_or_eager
         net = fast_or_eager(model, weights, head_ids)
         return DenseBackend(net, device, "cpu_kernels" if net is not model else "eager")
     return _paged(model, cache, device, graphs, max_table_blocks)
@@ -72,7 +72,7 @@ def _paged(model: CausalLM, cache, device: torch.device, graphs: bool, max_table
 def _cpu_kernels_apply(model: CausalLM) -> bool:
     """Whether the bf16 CPU kernels can run ``model`` here; when they cannot, the default quietly stays eager
     (an fp32 model, a CPU without AVX512-BF16), and the reason is logged at debug level."""
-    from saguaro.models.fast_forward import unsupported_reason
+    from saguaro.backends.cpu_kernels.model import unsupported_reason
     reason = unsupported_reason(model)
     if reason:
         log.debug("bf16 CPU kernels off: %s", reason)

@@ -2,7 +2,7 @@
 
 Both read ``AttentionMetadata`` (every slot a group reads, and a boolean mask). The eager model
 gathers each group's context and runs SDPA with the mask; it is the reference every other path is
-tested against, and what ``enforce_eager=True`` runs. The CPU kernels (``models/fast_forward.py``)
+tested against, and what ``enforce_eager=True`` runs. The CPU kernels (``backends/cpu_kernels/model.py``)
 read the same metadata from C++.
 """
 from __future__ import annotations

@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from saguaro.device import pin_process
 from saguaro.engine.model_runner import ModelRunner
-from saguaro.models import kernels
+from saguaro.backends.cpu_kernels import build as kernels
 
 GIB = 1 << 30
 

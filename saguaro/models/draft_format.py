@@ -6,7 +6,7 @@ any draft that proposes tokens keeps SD and SSD lossless. What a cheaper draft b
 shorter draft step, which is what SD's drafting and SSD's tree build pay for.
 
   * ``weights="int8"``: every matrix quantized per output channel, activations per block of
-    32 (W8A8, vpdpbusd; see saguaro/models/kernels/quant_gemm.h). Half the bytes of bf16.
+    32 (W8A8, vpdpbusd; see saguaro/backends/cpu_kernels/csrc/quant_gemm.h). Half the bytes of bf16.
   * ``weights="int4"``: every matrix quantized per group of 32 inputs, 16 levels from the
     group's min to its max (W4A8): 5 bits a weight with the fp16 scale and offset. The Qwen
     drafts ship as GGUF Q4_K, whose blocks already lie on such a grid, so little is lost
@@ -29,10 +29,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from saguaro.models.fast_forward import WEIGHT_FORMATS
 
 if TYPE_CHECKING:  # a hint only: loading builds models, not the other way round
     from saguaro.loading import LoadedModel
+
+
+WEIGHT_FORMATS = ("bf16", "int8", "int4")  # how the CPU kernels can pack a matrix (backends/cpu_kernels)
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ prepacked linear. ``torch.compile`` (freezing, max-autotune, CPP GEMM template) 
 bandwidth on a lone matrix-vector product, but compiling the whole 0.5B model took 1.5-8
 minutes per row count (autotuning, no cache hits with frozen weights) and the compiled
 decode step still took 0.12 s, its fused attention/cache-write kernels being slow. The
-kernels in ``kernels/cpu_bf16.cpp`` stream the packed weights at ~35 GB/s, the single-core
+kernels in ``csrc/cpu_bf16.cpp`` stream the packed weights at ~35 GB/s, the single-core
 bandwidth in huge pages (a sum over a huge-page tensor reads ~35 GB/s, over 4 KB pages ~31),
 for 1 to 6 rows alike, so verifying K+1 <= 6 tokens or stepping a small batch costs about
 what one token does (more rows are bound by vdpbf16ps throughput). Nothing is traced, so
@@ -35,13 +35,13 @@ import torch.nn.functional as F
 
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata
-from saguaro.models import kernels
+from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.models.transformer import CausalLM
 
 log = logging.getLogger("saguaro.fast")
-TILE = 64  # outputs per packed tile (kernels/cpu_bf16.cpp)
+TILE = 64  # outputs per packed tile (csrc/cpu_bf16.cpp)
 SWIGLU = 1
-ROUND_BF16 = 2  # gemm epilogues (kernels/cpu_bf16.cpp)
+ROUND_BF16 = 2  # gemm epilogues (csrc/cpu_bf16.cpp)
 
 
 def unsupported_reason(model: CausalLM, weights: str = "bf16") -> str | None:
@@ -80,7 +80,7 @@ class _Arena:
     """One huge-page allocation holding every packed matrix back to back.
 
     bf16 tiles are [K/2, 64, 2] values; int8 tiles are [K/4, 64, 4] bytes followed by the 64
-    outputs' fp32 scales; int4 tiles are K/32 blocks of the kernels' I4_BLOCK bytes (kernels/quant_gemm.h).
+    outputs' fp32 scales; int4 tiles are K/32 blocks of the kernels' I4_BLOCK bytes (csrc/quant_gemm.h).
     """
 
     def __init__(self, shapes: list[tuple[int, int]], weights: str):

@@ -17,10 +17,12 @@ import platform
 from pathlib import Path
 from types import ModuleType
 
+from saguaro.models.draft_format import WEIGHT_FORMATS  # noqa: F401  (re-exported: how a matrix can be packed)
+
 log = logging.getLogger("saguaro.kernels")
-SOURCE = Path(__file__).with_name("cpu_bf16.cpp")
-WEIGHT_FORMATS = ("bf16", "int8", "int4")  # how the fast path can pack a matrix (quant_gemm.h)
-HEADERS = [Path(__file__).with_name("quant_gemm.h")]  # #included by SOURCE
+CSRC = Path(__file__).with_name("csrc")
+SOURCE = CSRC / "cpu_bf16.cpp"
+HEADERS = [CSRC / "quant_gemm.h"]  # #included by SOURCE
 
 
 class KernelsUnavailable(RuntimeError):
