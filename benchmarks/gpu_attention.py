@@ -33,8 +33,8 @@ from typing import Callable
 import torch
 
 from benchmarks.common import fmt, int_list, log, table
-from saguaro.attention import paged_attention_triton
-from saguaro.attention.paged_triton import default_splits
+from saguaro.backends.paged.attention_triton import paged_attention_triton
+from saguaro.backends.paged.attention_triton import default_splits
 from saguaro.kv.metadata import AttentionMetadata, build_metadata
 from saguaro.models.transformer import paged_attention
 from saguaro.ssd.tree import BranchLayout

@@ -1,12 +1,12 @@
-"""Cases and checks for the fused ops (``saguaro/ops``), shared by CPU and GPU tests (not a test file).
+"""Cases and checks for the fused ops (``backends/paged/ops_*.py``), shared by CPU and GPU tests (not a test file).
 
-``check_*`` run an implementation (``saguaro.ops.fused_triton``, usually) against the torch
-reference ``fused_torch`` on one device, over shapes that cover the kernels' masking: GQA and
+``check_*`` run an implementation (``saguaro.backends.paged.ops_triton``, usually) against the torch
+reference ``ops_torch`` on one device, over shapes that cover the kernels' masking: GQA and
 MHA, a head count that is not a power of two, head_dim 64, 96 and 128, N = 1 and N = 37, ghost rows,
 caches that are strided views, and rows with more than one block of columns. ``fused_forward``
 is a whole decoder pass through the fused ops, the way the GPU model calls them.
 
-Tolerance, from how the kernels differ from the reference (``fused_triton``'s docstring): they
+Tolerance, from how the kernels differ from the reference (``ops_triton``'s docstring): they
 round where eager rounds, so besides the order of a float32 sum they differ only when a value
 falls near a rounding boundary, by one unit in the last place (ulp), which later steps can carry
 one or two roundings further. ``assert_ulps`` allows ``ulps`` units of ``eps * scale`` per element,
@@ -25,7 +25,7 @@ from saguaro.loading.model_builder import build_model
 from saguaro.models.model_config import ModelConfig
 from saguaro.models.rope import inverse_frequencies
 from saguaro.models.transformer import CausalLM, paged_attention
-from saguaro.ops import fused_torch
+from saguaro.backends.paged import ops_torch
 from tests.tiny import tiny_model
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -89,7 +89,7 @@ def check_rms_norm(impl, device: str, dtypes=DTYPES, interpreted: bool = False) 
             residual = _randn((n, hidden), dtype, device, gen) if with_residual else None
             weight = (1 + _randn((hidden,), torch.float32, "cpu", gen, 0.2)).to(dtype).to(device)
             y, s = impl.rms_norm(x, weight, 1e-6, residual)
-            y_ref, s_ref = fused_torch.rms_norm(x, weight, 1e-6, residual)
+            y_ref, s_ref = ops_torch.rms_norm(x, weight, 1e-6, residual)
             if residual is not None and dtype == torch.bfloat16 and interpreted:  # truncated, not rounded
                 assert_ulps(s, s_ref, 1, x.float().abs() + residual.float().abs(), what=f"{what} stream")
             else:
@@ -104,7 +104,7 @@ def check_silu_mul(impl, device: str, dtypes=DTYPES, interpreted: bool = False) 
         for n, inter in ((1, 80), (37, 40), (3, 1100)):  # 1100: two column blocks, the second one partial
             gate_up = _randn((n, 2 * inter), dtype, device, gen, 3.0)
             what = f"silu_mul {dtype} N={n} inter={inter}"
-            assert_ulps(impl.silu_mul(gate_up), fused_torch.silu_mul(gate_up), allowed_ulps(dtype, interpreted),
+            assert_ulps(impl.silu_mul(gate_up), ops_torch.silu_mul(gate_up), allowed_ulps(dtype, interpreted),
                         what=what, max_differing=allowed_differing(dtype, interpreted))
 
 
@@ -150,7 +150,7 @@ def check_rope_and_store(impl, device: str, dtypes=DTYPES, interpreted: bool = F
             untouched = k_cache.clone(), v_cache.clone()
             q = impl.rope_and_store(qkv, positions, inv_freq, k_cache, v_cache, slot_mapping, heads, kv_heads,
                                     head_dim, q_norm, k_norm, 1e-6)
-            q_ref = fused_torch.rope_and_store(qkv, positions, inv_freq, k_ref, v_ref, slot_mapping, heads,
+            q_ref = ops_torch.rope_and_store(qkv, positions, inv_freq, k_ref, v_ref, slot_mapping, heads,
                                                kv_heads, head_dim, q_norm, k_norm, 1e-6)
             ulps, differing = allowed_ulps(dtype, interpreted), allowed_differing(dtype, interpreted)
             assert_ulps(q, q_ref, ulps, pair_scale(q_ref), what=f"{what} q", max_differing=differing)

@@ -34,11 +34,11 @@ def check_forward(ops) -> None:
 def main(check: str) -> None:
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1: the kernels take CPU tensors only in Triton's interpreter")
-    from saguaro.ops import fused_triton
+    from saguaro.backends.paged import ops_triton
     if check == "forward":
-        check_forward(fused_triton)
+        check_forward(ops_triton)
     else:
-        getattr(fused_cases, f"check_{check}")(fused_triton, "cpu", interpreted=True)
+        getattr(fused_cases, f"check_{check}")(ops_triton, "cpu", interpreted=True)
 
 
 if __name__ == "__main__":

@@ -1,4 +1,5 @@
-"""Per-row paged attention (saguaro/attention): torch equals the eager reference, the Triton kernel equals torch.
+"""Per-row paged attention (backends/paged/attention_*.py): torch equals the eager reference, the Triton kernel
+equals torch.
 
 The eager reference is ``paged_attention`` over ``build_metadata`` (dense [S, Q, L] mask). Every case
 is built twice from the same cache: once as groups with context slots (and tree masks from
@@ -22,7 +23,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from saguaro.attention import choose_splits, paged_attention_torch, paged_attention_triton
+from saguaro.backends.paged.attention_torch import paged_attention_torch
+from saguaro.backends.paged.attention_triton import choose_splits, paged_attention_triton
 from saguaro.kv.metadata import build_metadata
 from saguaro.models.transformer import paged_attention
 from saguaro.ssd.tree import BranchLayout
@@ -287,16 +289,16 @@ def test_triton_kernels_compile_for_hopper(dtype, heads, dim, splits):
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from saguaro.attention import triton_kernels
-    from saguaro.attention.paged_triton import kernel_constants
+    from saguaro.backends.paged import attention_kernels
+    from saguaro.backends.paged.attention_triton import kernel_constants
 
     pointer = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
     types = dict(q_ptr=pointer, k_ptr=pointer, v_ptr=pointer, out_ptr=pointer, tables_ptr="*i32", row_group_ptr="*i32",
                  prefix_len_ptr="*i32", extra_slots_ptr="*i64", extra_len_ptr="*i32", part_acc_ptr="*fp32",
                  part_max_ptr="*fp32", part_sum_ptr="*fp32", scale_log2="fp32")
     split_constants, combine_constants = kernel_constants(dtype, heads, 2, dim, 16, splits, interpret=False)
-    for fn, constants in ((triton_kernels.split_kernel, split_constants),
-                          (triton_kernels.combine_kernel, combine_constants)):
+    for fn, constants in ((attention_kernels.split_kernel, split_constants),
+                          (attention_kernels.combine_kernel, combine_constants)):
         constants = dict(constants)
         warps = constants.pop("num_warps")
         names = list(fn.arg_names)

@@ -11,9 +11,10 @@
 import pytest
 import torch
 
-from saguaro.backends import metadata
 from saguaro.backends.batch import ForwardItem, TreeRows
-from saguaro.backends.graphs import EagerCapture, GraphRunner, bucket_for
+from saguaro.backends.dense import dense_metadata
+from saguaro.backends.paged.graphs import EagerCapture, GraphRunner, bucket_for
+from saguaro.backends.paged.metadata import paged_metadata
 from saguaro.kv.block_manager import slots_for
 from saguaro.kv.kv_cache import KVCache
 from saguaro.ssd.tree import BranchLayout
@@ -23,7 +24,7 @@ BS = 4
 
 
 def dense_sets(items):
-    meta = metadata.dense(items, BS)
+    meta = dense_metadata(items, BS)
     out = []
     for s, item in enumerate(items):
         for q in range(len(item.token_ids)):
@@ -33,7 +34,7 @@ def dense_sets(items):
 
 
 def paged_sets(items):
-    meta = metadata.paged(items, BS)
+    meta = paged_metadata(items, BS)
     out = []
     for r in range(meta.num_rows):
         table = [b for b in meta.block_tables[int(meta.row_group[r])].tolist()]
@@ -118,7 +119,7 @@ def graph_runner():
 
 
 def replay_and_reference(runner, cache, items):
-    meta = metadata.paged(items, BS)
+    meta = paged_metadata(items, BS)
     ids = torch.tensor([t for i in items for t in i.token_ids])
     positions = torch.tensor([p for i in items for p in i.positions])
     before = cache.data.clone()

@@ -57,9 +57,9 @@ def choose_kind(model: CausalLM, device: torch.device, fast: bool, custom: bool 
 
 
 def _paged(model: CausalLM, cache, device: torch.device, graphs: bool, max_table_blocks: int | None) -> Backend:
-    from saguaro.backends.graphs import CudaCapture, EagerCapture, GraphRunner
-    from saguaro.backends.paged import PagedBackend
-    from saguaro.backends.paged_model import PagedCausalLM, ops_for
+    from saguaro.backends.paged.graphs import CudaCapture, EagerCapture, GraphRunner
+    from saguaro.backends.paged.backend import PagedBackend
+    from saguaro.backends.paged.model import PagedCausalLM, ops_for
     net = PagedCausalLM(model, ops_for(device))
     runner = None
     if graphs:

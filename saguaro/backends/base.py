@@ -10,8 +10,8 @@ backend        model                                 metadata
 =============  ====================================  =================================================
 eager          ``CausalLM`` (the exact reference)     dense (``kv/metadata.py``): slots + boolean mask
 cpu_kernels    ``FastCausalLM`` (bf16 C++ kernels)    dense
-paged          ``PagedCausalLM`` (fused ops; CUDA     paged (``kv/paged_metadata.py``): block tables and
-               graphs per bucket on a GPU)            per-row visibility
+paged          ``PagedCausalLM`` (fused ops; CUDA     paged (``backends/paged/metadata.py``):
+               graphs per bucket on a GPU)            block tables and per-row visibility
 =============  ====================================  =================================================
 """
 from __future__ import annotations

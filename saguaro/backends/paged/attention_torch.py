@@ -3,9 +3,9 @@
 Each query row gathers the cache slots it may read (its prefix through the block table, then its
 extra slots) into a ``[rows, W, KVH, D]`` copy, masks what lies past its lengths, and runs softmax
 in float32. That is the dense copy the Triton kernel avoids, so this is not a fast path: it is
-the same contract (``paged_rows.py``) in a few batched ops, for CI and for the CUDA-graph runner's
+the same contract (``attention_rows.py``) in a few batched ops, for CI and for the CUDA-graph runner's
 CPU stand-in. Reading ``prefix_len.max()`` syncs with the device, so this function is not
-graph-capturable; ``paged_triton.py`` is.
+graph-capturable; ``attention_triton.py`` is.
 
 Rows are processed in chunks so that a long prefill (N rows, each up to N positions) does not
 materialize an N x N x KVH x D copy at once; the chunk loop runs a handful of times, never once per row.
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.attention.paged_rows import check_paged_args
+from saguaro.backends.paged.attention_rows import check_paged_args
 
 CHUNK_ELEMENTS = 1 << 24  # gathered k (or v) elements per chunk of rows: 64 MB in float32
 
@@ -23,7 +23,7 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
                           block_tables: torch.Tensor, row_group: torch.Tensor, prefix_len: torch.Tensor,
                           extra_slots: torch.Tensor, extra_len: torch.Tensor, block_size: int, scale: float,
                           out: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of every query row over its paged prefix and its extra slots. Shapes: ``paged_rows.py``."""
+    """Attention of every query row over its paged prefix and its extra slots. Shapes: ``attention_rows.py``."""
     check_paged_args(q, k_cache, v_cache, block_tables, row_group, prefix_len, extra_slots, extra_len,
                      block_size, out)
     if out is None:

@@ -19,6 +19,9 @@ from dataclasses import dataclass, fields
 
 import torch
 
+from saguaro.backends.batch import ForwardItem
+from saguaro.kv.block_manager import slots_for
+
 
 @dataclass
 class PagedMetadata:
@@ -70,3 +73,24 @@ def build_paged_metadata(block_tables: list[list[int]], row_group: list[int], pr
             lens[r] = len(x)
     return PagedMetadata(torch.tensor(slot_mapping, dtype=torch.int64), tables, groups, visible, extras, lens,
                          block_size)
+
+
+def paged_metadata(items: list[ForwardItem], block_size: int) -> PagedMetadata:
+    """The paged form of a pass (``backends/batch.py``), as host tensors; the runner moves them to the
+    device (or into a graph's buffers)."""
+    tables, groups, visible, writes = [], [], [], []
+    extras: list[list[int]] = []
+    any_tree = any(item.tree is not None for item in items)
+    for g, item in enumerate(items):
+        tables.append(item.block_table)
+        n = len(item.token_ids)
+        groups += [g] * n
+        if item.tree is None:
+            visible += range(item.start + 1, item.start + n + 1)
+            writes += slots_for(item.block_table, item.start, item.start + n, block_size)
+            extras += [[] for _ in range(n)]
+        else:
+            visible += item.tree.visible
+            writes += item.tree.write_slots
+            extras += item.tree.extra_slots
+    return build_paged_metadata(tables, groups, visible, writes, extras if any_tree else None, block_size)

@@ -1,6 +1,6 @@
 """Per-row paged attention as a Triton kernel: the GPU fast path, capturable in a CUDA graph.
 
-Same contract as ``paged_torch.py`` (shapes in ``paged_rows.py``). How it runs:
+Same contract as ``attention_torch.py`` (shapes in ``attention_rows.py``). How it runs:
 
 * **One program per (query row, kv head, split).** The program loads the G query heads that share
   the kv head, so under GQA each K/V tile is read once for all of them, and walks its positions in
@@ -30,7 +30,7 @@ import functools
 
 import torch
 
-from saguaro.attention.paged_rows import check_paged_args
+from saguaro.backends.paged.attention_rows import check_paged_args
 
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 64
@@ -42,7 +42,7 @@ def paged_attention_triton(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            block_tables: torch.Tensor, row_group: torch.Tensor, prefix_len: torch.Tensor,
                            extra_slots: torch.Tensor, extra_len: torch.Tensor, block_size: int, scale: float,
                            out: torch.Tensor | None = None, *, num_splits: int | None = None) -> torch.Tensor:
-    """Attention of every query row over its paged prefix and its extra slots. Shapes: ``paged_rows.py``.
+    """Attention of every query row over its paged prefix and its extra slots. Shapes: ``attention_rows.py``.
 
     ``num_splits`` overrides ``choose_splits`` (tests and benchmarks); it must stay fixed for a captured graph.
     """
@@ -135,20 +135,20 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _kernels(device: torch.device) -> tuple:
-    """(split_kernel, combine_kernel, interpreted?), importing triton on first use (see triton_kernels.py)."""
+    """(split_kernel, combine_kernel, interpreted?), importing triton on first use (see attention_kernels.py)."""
     try:
         import triton
     except ImportError as e:  # triton ships Linux wheels only
         raise RuntimeError("paged_attention_triton needs triton (pip install triton==3.6.0)") from e
     from triton.runtime.interpreter import InterpretedFunction
 
-    from saguaro.attention import triton_kernels
+    from saguaro.backends.paged import attention_kernels
 
-    interpreted = isinstance(triton_kernels.split_kernel, InterpretedFunction)
+    interpreted = isinstance(attention_kernels.split_kernel, InterpretedFunction)
     library_interpreted = isinstance(triton.language.max, InterpretedFunction)  # decorated at triton's import
     if not interpreted == library_interpreted == bool(triton.knobs.runtime.interpret):
         raise RuntimeError("TRITON_INTERPRET changed after triton was imported; set it before the first import")
     if device.type != "cuda" and not interpreted:
         raise RuntimeError(f"paged_attention_triton runs on CUDA tensors, or on CPU ones under TRITON_INTERPRET=1; "
                            f"got {device}")
-    return triton_kernels.split_kernel, triton_kernels.combine_kernel, interpreted
+    return attention_kernels.split_kernel, attention_kernels.combine_kernel, interpreted

@@ -1,9 +1,9 @@
-"""The two Triton kernels behind ``paged_triton.py``, which imports this module when it first launches one.
+"""The two Triton kernels behind ``attention_triton.py``, which imports this module when it first launches one.
 
 ``triton.jit`` picks the compiler or the CPU interpreter from ``TRITON_INTERPRET`` when a function is
 decorated, and triton's own library functions (``tl.max``, ``tl.cdiv``...) are decorated when triton
-is imported. So the variable must be set before triton is first imported; importing ``saguaro.attention``
-does not import triton, and ``paged_triton`` says so clearly when the modes disagree.
+is imported. So the variable must be set before triton is first imported; importing ``attention_triton``
+does not import triton, and ``attention_triton`` says so clearly when the modes disagree.
 
 Terms: a *row* is one query row; a *split* is one contiguous slice of the row's visible
 positions (prefix first, then extras) that one program reads; *log2 units*: scores are scaled

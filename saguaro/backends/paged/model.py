@@ -13,7 +13,7 @@ op by op, so on the CPU this class computes what ``CausalLM`` does (it runs ther
 to check the paged metadata and the CUDA-graph bookkeeping without a GPU).
 
 Attention reads ``PagedMetadata`` (block tables and per-row visibility), whose buffers have fixed
-shapes per row count, so the whole pass can be captured as a CUDA graph (``backends/graphs.py``).
+shapes per row count, so the whole pass can be captured as a CUDA graph (``backends/paged/graphs.py``).
 """
 from __future__ import annotations
 
@@ -25,13 +25,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from saguaro.kv.kv_cache import KVCache
-from saguaro.kv.paged_metadata import PagedMetadata
+from saguaro.backends.paged.metadata import PagedMetadata
 from saguaro.models.transformer import CausalLM
 
 
 @dataclass(frozen=True)
 class PagedOps:
-    """One implementation of the fused ops (signatures in ``saguaro/ops`` and ``saguaro/attention``)."""
+    """One implementation of the fused ops (signatures in ``ops_*.py`` and ``attention_*.py``)."""
     name: str
     rms_norm: Callable  # (x, weight, eps, residual) -> (y, residual stream)
     rope_and_store: Callable  # (qkv, positions, inv_freq, k_cache, v_cache, slots, H, KVH, D, q_norm, k_norm, eps) -> q
@@ -42,11 +42,11 @@ class PagedOps:
 def ops_for(device: torch.device) -> PagedOps:
     """Triton kernels on CUDA; the torch references elsewhere."""
     if device.type == "cuda":
-        from saguaro.attention.paged_triton import paged_attention_triton
-        from saguaro.ops import fused_triton as f
+        from saguaro.backends.paged.attention_triton import paged_attention_triton
+        from saguaro.backends.paged import ops_triton as f
         return PagedOps("triton", f.rms_norm, f.rope_and_store, f.silu_mul, paged_attention_triton)
-    from saguaro.attention.paged_torch import paged_attention_torch
-    from saguaro.ops import fused_torch as f
+    from saguaro.backends.paged.attention_torch import paged_attention_torch
+    from saguaro.backends.paged import ops_torch as f
     return PagedOps("torch", f.rms_norm, f.rope_and_store, f.silu_mul, paged_attention_torch)
 
 

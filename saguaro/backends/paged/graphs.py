@@ -33,7 +33,7 @@ import torch
 
 from saguaro.device import copy_into
 from saguaro.kv.kv_cache import KVCache
-from saguaro.kv.paged_metadata import PagedMetadata
+from saguaro.backends.paged.metadata import PagedMetadata
 
 log = logging.getLogger("saguaro.graphs")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)

@@ -1,20 +1,19 @@
 """The paged backend: ``PagedCausalLM`` over ``PagedMetadata``, replayed from CUDA graphs where it fits.
 
-A pass whose row count has a bucket replays that bucket's graph (``backends/graphs.py``); a larger
+A pass whose row count has a bucket replays that bucket's graph (``backends/paged/graphs.py``); a larger
 one (a long prefill) runs the same model eagerly. With ``graphs=None`` every pass runs eagerly.
 """
 from __future__ import annotations
 
 import torch
 
-from saguaro.backends import metadata
 from saguaro.backends.base import Backend
 from saguaro.backends.batch import ForwardItem
-from saguaro.backends.graphs import GraphRunner
-from saguaro.backends.paged_model import PagedCausalLM
+from saguaro.backends.paged.graphs import GraphRunner
+from saguaro.backends.paged.model import PagedCausalLM
 from saguaro.device import to_device
 from saguaro.kv.kv_cache import KVCache
-from saguaro.kv.paged_metadata import PagedMetadata
+from saguaro.backends.paged.metadata import PagedMetadata, paged_metadata
 
 
 class PagedBackend(Backend):
@@ -27,7 +26,7 @@ class PagedBackend(Backend):
         self.eager_passes = 0
 
     def prepare(self, items: list[ForwardItem], block_size: int) -> PagedMetadata:
-        return metadata.paged(items, block_size)
+        return paged_metadata(items, block_size)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata, cache: KVCache,
             logit_rows: torch.Tensor) -> torch.Tensor | None:

@@ -1,6 +1,6 @@
 """The fused per-layer ops of the GPU model as Triton kernels: one launch per op.
 
-Same signatures and semantics as the torch reference :mod:`saguaro.ops.fused_torch` (its docstring
+Same signatures and semantics as the torch reference :mod:`saguaro.backends.paged.ops_torch` (its docstring
 has the terms: N, H, KVH, D, residual stream, ghost row). The eager model launches about 40 small
 kernels per layer (RMSNorm alone is 7), which makes a decode step launch-bound even inside a CUDA
 graph; these replace them with three launches besides the GEMMs and attention:
@@ -72,7 +72,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
              residual: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [N, hidden]; weight: [hidden]. Returns (RMSNorm(s), s), s = residual + x (or x).
 
-    The same contract as ``fused_torch.rms_norm``, restricted to 2-D inputs whose rows are
+    The same contract as ``ops_torch.rms_norm``, restricted to 2-D inputs whose rows are
     contiguous; with no residual, ``s`` is ``x`` itself (no copy).
     """
     _check_rows("x", x)
@@ -173,7 +173,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
                    eps: float = 1e-6) -> torch.Tensor:
     """qkv: [N, (H + 2 KVH) D] -> rotated q [N, H, D]; rotated k and v land in the caches at slot_mapping.
 
-    The contract of ``fused_torch.rope_and_store``; qkv rows and the caches' last dim must be
+    The contract of ``ops_torch.rope_and_store``; qkv rows and the caches' last dim must be
     contiguous (the caches may be views with any slot and head strides).
     """
     _check_rows("qkv", qkv)
@@ -232,7 +232,7 @@ def _silu_mul_kernel(gate_up_ptr, out_ptr, gate_up_stride, inter, BLOCK: tl.cons
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: [N, 2 I] = cat(gate, up) -> silu(gate) * up, [N, I] (the contract of ``fused_torch.silu_mul``)."""
+    """gate_up: [N, 2 I] = cat(gate, up) -> silu(gate) * up, [N, I] (the contract of ``ops_torch.silu_mul``)."""
     _check_rows("gate_up", gate_up)
     n, cols = gate_up.shape
     if cols % 2:

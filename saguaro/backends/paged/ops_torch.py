@@ -2,7 +2,7 @@
 
 The GPU model (fused qkv and gate_up projections, CUDA graphs) calls three elementwise ops per
 layer besides its GEMMs and attention. Each has two implementations with one signature: this
-module, and the Triton kernels of :mod:`saguaro.ops.fused_triton` (one launch per op). This one
+module, and the Triton kernels of :mod:`saguaro.backends.paged.ops_triton` (one launch per op). This one
 repeats the eager model's ops (:mod:`saguaro.models.transformer`, :mod:`saguaro.models.rope`)
 one for one, in the same order and dtypes, so in float32 it equals the eager model **bitwise**
 (``tests/test_ops_fused.py``); the kernels are tested against it.
