@@ -33,7 +33,7 @@ def test_negative_control_recording_p_instead_of_q_fails(pair, monkeypatch):  # 
     import saguaro.sd.draft_model as draft_module
     import saguaro.ssd.speculator as speculator_module
     from saguaro.ssd.saguaro_sampling import saguaro_reweight
-    from saguaro.ssd.worker import InProcessLink
+    from saguaro.ssd.in_process import InProcessLink
 
     real = speculator_module.sample
 

@@ -147,7 +147,7 @@ def pair():
 
 def test_auto_fallback_switches_with_batch_size_and_uses_backup_fan_out(pair, caplog):
     plan = SpecPlan(2, [0.0], [[[1, 1, 1]]], [[[0, 0, 3]]], [1.0], "auto", b_star=2.5)
-    spec = Speculator(ModelRunner(pair[1].model, 512, 4), 2, plan)
+    spec = Speculator(ModelRunner(pair[1].model, 512, 4), plan)
     greedy = SamplingParams()
     adm = [Admission(i, [3, 7, 1 + i], greedy, 0) for i in range(3)]
     with caplog.at_level(logging.INFO, logger="saguaro.ssd"):

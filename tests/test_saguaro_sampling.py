@@ -65,7 +65,7 @@ def test_every_primary_draw_uses_the_down_weighted_law(pair):
     drafted token is never one of them -- for just-in-time drafts and for cached branches alike."""
     fan_out = [1, 2, 3, 2]
     runner = ModelRunner(pair[1].model, 256, 4)
-    spec = Speculator(runner, 3, fan_out, "jit", saguaro_c=0.0)
+    spec = Speculator(runner, SpecPlan.fixed(fan_out, c=0.0))
     params = [SamplingParams(temperature=1.0), SamplingParams()]
     admissions = [Admission(i, [3, 7, 1, i], p, seed=i) for i, p in enumerate(params)]
     rows = spec.respond(RoundRequest([], admissions, [], [0, 1])).rows

@@ -13,7 +13,7 @@ import pytest
 from saguaro import LLM, SamplingParams
 from saguaro.models import kernels
 from saguaro.ssd.speculator import Speculator
-from saguaro.ssd.worker import WorkerOptions
+from saguaro.ssd import thread_link
 from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated, weak_pair
 
 TRANSPORTS = ["process", "thread"]
@@ -145,9 +145,9 @@ def test_speculator_thread_silent(pair, ar_outputs, monkeypatch):
 
 
 def test_speculator_thread_start_up_failure(pair, monkeypatch):
-    def broken(self, runner, recorder=None):
+    def broken(draft, opts, recorder=None):
         raise RuntimeError("no draft here")
-    monkeypatch.setattr(WorkerOptions, "make_speculator", broken)
+    monkeypatch.setattr(thread_link, "start_speculator", broken)
     with pytest.raises(RuntimeError, match="speculator thread failed during start-up.*no draft here"):
         ssd(pair, speculator_transport="thread")
 

@@ -51,7 +51,8 @@ from saguaro.sd.ngram_proposer import NgramProposer
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.ranks import RankRecord, RankRecorder
 from saguaro.ssd.ssd_decoder import SSDDecoder
-from saguaro.ssd.worker import InProcessLink, WorkerOptions
+from saguaro.ssd.host import SpeculatorOptions
+from saguaro.ssd.in_process import InProcessLink
 from saguaro.theory import fit_power_law
 
 
@@ -176,7 +177,7 @@ def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingPar
                  dtype=dtype_name(model_dtype(draft)), draft_cores=None, kv_cache_tokens=kv_tokens,
                  block_size=block_size, max_num_seqs=max_num_seqs, enforce_eager=not fast,
                  draft_weights=draft_format.weights, draft_vocab=draft_format.vocab, worker_timeout_s=600.0)
-    opts = WorkerOptions.from_config(cfg, plan)
+    opts = SpeculatorOptions.from_config(cfg, plan)
     recorder = RankRecorder(build_branches=build_branches)
     decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), plan, max_len)
     engine = LLMEngine(runner, target.tokenizer, decoder, max_len, max_num_seqs, 1 << 14)

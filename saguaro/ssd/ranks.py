@@ -70,12 +70,12 @@ class RankRecorder:
 
 class RecordingSpeculator(Speculator):
     """The speculator with a ``RankRecorder`` attached, as calibration runs it: in the engine's process
-    (``worker.InProcessLink``), every build complete. Each build ranks every depth of every speculation from
+    (``in_process.InProcessLink``), every build complete. Each build ranks every depth of every speculation from
     its own glue (not from the ranked ids a speculation came with), and decodes the branches only with
     ``recorder.build_branches``: the ranks need only the glue's logits."""
 
-    def __init__(self, runner: ModelRunner, k: int, plan: SpecPlan, recorder: RankRecorder):
-        super().__init__(runner, k, plan)
+    def __init__(self, runner: ModelRunner, plan: SpecPlan, recorder: RankRecorder):
+        super().__init__(runner, plan)
         self.recorder = recorder
 
     def build(self, interrupted: Callable[[], bool] = lambda: False) -> BuildStats:

@@ -74,17 +74,13 @@ def seq_temperature(seq: Sequence) -> float:
 
 class Speculator:
     """The SSD draft side: ``respond`` answers a round from the speculation cache, ``build`` fills it for the
-    next one. Synchronous; a transport (``link.py``) runs it in a thread or a process beside the target.
+    next one. Synchronous; a transport (``link.py``) runs it in a thread or a process beside the target
+    (``host.py`` starts and serves it). K, the fan-outs, C and the miss strategy are ``plan``'s."""
 
-    ``fan_out`` is a ``SpecPlan`` or one F_0..F_K list (then ``fallback`` and ``saguaro_c`` apply to all)."""
-
-    def __init__(self, runner: ModelRunner, k: int, fan_out: list[int] | SpecPlan, fallback: str = "jit",
-                 saguaro_c: float = 1.0):
-        self.plan = fan_out if isinstance(fan_out, SpecPlan) else SpecPlan.fixed(list(fan_out), saguaro_c, fallback)
-        if self.plan.k != k:
-            raise ValueError(f"plan is for K={self.plan.k}, speculator for K={k}")
+    def __init__(self, runner: ModelRunner, plan: SpecPlan):
+        self.plan = plan
         self.runner = runner
-        self.k = k
+        self.k = plan.k
         self.batch = 1  # size of the batch in the last request
         self.fallback_choice = FallbackChoice(self.plan)  # follows the batch size (fallback "auto", Thm 18)
         self.saguaro_sampling = None  # Def. 14 sampling, only when some temperature uses C < 1

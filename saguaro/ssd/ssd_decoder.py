@@ -31,7 +31,8 @@ from saguaro.ssd.link import SpeculatorLink
 from saguaro.ssd.plan import FallbackChoice, SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
 from saguaro.ssd.thread_link import ThreadLink
-from saguaro.ssd.worker import WorkerLink, WorkerOptions
+from saguaro.ssd.host import SpeculatorOptions
+from saguaro.ssd.worker import WorkerLink
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -180,6 +181,6 @@ def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: L
                       max_model_len: int) -> SSDDecoder:
     """The verifier side, with the speculator started on ``plan`` (``calibration.resolve.ssd_plan``) over the
     transport Config placed it on (``saguaro.placement``)."""
-    opts = WorkerOptions.from_config(cfg, plan)
+    opts = SpeculatorOptions.from_config(cfg, plan)
     link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
     return SSDDecoder(target, link, plan, max_model_len)
