@@ -49,7 +49,7 @@ def test_plan_lookup():
     assert plan.fan_out(0.1, "p", 1) == [1, 2] and plan.fan_out(0.0, "p", 9) == [1, 1]
     assert plan.fan_out(0.8, "p", 2) == [3, 3] and plan.fan_out(0.8, "b") == [0, 2]
     assert plan.c_for(0.7) == 0.4 and plan.c_for(0.2) == 1.0
-    assert [plan.fallback_for(b) for b in (1, 2, 3, 8)] == ["jit", "jit", "ngram", "ngram"]
+    assert [plan.miss_strategy_for(b) for b in (1, 2, 3, 8)] == ["jit", "jit", "ngram", "ngram"]
     with pytest.raises(ValueError, match="K\\+1"):
         SpecPlan.fixed([1, 1]).__class__(2, [0.0], [[[1, 1]]], [[[1, 1]]], [1.0])
 

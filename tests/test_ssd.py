@@ -41,7 +41,7 @@ def ssd(pair, **kw):
     ([2, 2, 2, 4], "jit", dict(branch_steps=1, deep_branches=2)),  # tapered tree: hits of 1 and 3 tokens
 ])
 def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper, transport):
-    with ssd(pair, fan_out=fan_out, fallback=fallback, speculator_transport=transport, **taper) as llm:
+    with ssd(pair, fan_out=fan_out, miss_strategy=fallback, speculator_transport=transport, **taper) as llm:
         link = llm.engine.decoder.link
         single = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24))[0]
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))

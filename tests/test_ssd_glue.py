@@ -153,11 +153,11 @@ def test_prefill_that_does_not_match_the_admission_starts_over(draft):
 @pytest.mark.parametrize("fallback", ["jit", "random"])  # drafted misses, point-mass misses
 def test_a_speculator_round_reads_from_the_device_once_per_half(draft, fallback, monkeypatch):
     """The build reads once (the glue's ranking, which chooses the branches) and leaves the branches' tokens
-    on the device; respond gathers the hits there and reads them with the fallback's drafts and ranked ids:
+    on the device; respond gathers the hits there and reads them with the misses' drafts and ranked ids:
     one read each, however many sequences hit or miss (tests/host_reads.py follows device values on the
     CPU). Greedy and sampled sequences, hits and misses, every round."""
     from tests.host_reads import counting_device_reads
-    spec = Speculator(ModelRunner(draft.model, 256, BLOCK), SpecPlan.fixed([1, 1, 1, 2], fallback=fallback))
+    spec = Speculator(ModelRunner(draft.model, 256, BLOCK), SpecPlan.fixed([1, 1, 1, 2], miss_strategy=fallback))
     params = [SamplingParams(max_tokens=64), SamplingParams(temperature=1.0, max_tokens=64)]
     order = [0, 1, 2, 3]
     admissions = [Admission(i, [3, 7, 1, 9 + i], params[i % 2], seed=i) for i in order]
