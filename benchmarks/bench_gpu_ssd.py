@@ -131,7 +131,7 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
     configs: list[tuple[str, str, int | None, SSDShape | None, dict[str, Any]]] = [("AR", "ar", None, None, {})]
     configs += [(f"SD K={k}", "sd", k, None, dict(draft=draft, num_speculative_tokens=k)) for k in args.sd_k]
     configs += [(s.name, "ssd", s.k, s, dict(draft=draft, num_speculative_tokens=s.k, fan_out=s.fan_out,
-                                             branch_steps=s.branch_steps, deep_branches=s.deep, fallback="jit",
+                                             branch_steps=s.branch_steps, deep_branches=s.deep, miss_strategy="jit",
                                              speculator_transport="thread")) for s in args.ssd]
     rows = []
     for name, mode, k, shape, extra in configs:

@@ -144,7 +144,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             ssd_k[name] = k_f
             by_transport.setdefault(base, {})[transport] = name
             configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
-                                       fallback=fallback, draft_cores=[1], branch_steps=steps,
+                                       miss_strategy=fallback, draft_cores=[1], branch_steps=steps,
                                        deep_branches=args.deep_branches, saguaro_c=c if c == "auto" else float(c),
                                        speculator_transport=transport, **fmt_)))
     return {"configs": configs, "names": names, "ssd": ssd, "ssd_k": ssd_k, "sd_one": sd_one,

@@ -213,8 +213,8 @@ def fig_batch(args, prompts, out: Path, plt) -> list[dict]:
     for b in [int(x) for x in _floats(args.batch_sizes)]:
         rows.append(dict(run(args, "ar", prompts, batch=b), label="AR"))
         rows.append(dict(run(args, "sd", prompts, batch=b), label="SD"))
-        rows.append(dict(run(args, "ssd", prompts, batch=b, fan_out="auto", fallback="jit"), label="SSD jit"))
-        rows.append(dict(run(args, "ssd", prompts, batch=b, fan_out="auto", fallback="ngram"), label="SSD n-gram"))
+        rows.append(dict(run(args, "ssd", prompts, batch=b, fan_out="auto", miss_strategy="jit"), label="SSD jit"))
+        rows.append(dict(run(args, "ssd", prompts, batch=b, fan_out="auto", miss_strategy="ngram"), label="SSD n-gram"))
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for label in ("AR", "SD", "SSD jit", "SSD n-gram"):
         sel = [r for r in rows if r["label"] == label]

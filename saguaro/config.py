@@ -7,18 +7,28 @@ from __future__ import annotations
 
 import os
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import InitVar, dataclass, field
+from typing import Any
 
 import torch
 
 from saguaro.models.draft_format import DraftFormat
 from saguaro.placement import check_transport, gpu_index, place_speculator
+from saguaro.ssd_settings import SETTINGS, SSDSettings
 
 MODES = ("ar", "sd", "ssd")
 PROPOSERS = ("draft", "ngram")
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a calibration profile was measured on
+
+
+class _Unset:
+    def __repr__(self) -> str:
+        return "<not given: see Config.ssd>"
+
+
+_UNSET: Any = _Unset()  # a flat SSD setting that was not given (read the value from Config.ssd)
 
 
 @dataclass
@@ -28,11 +38,7 @@ class Config:
     mode: str = "ar"
     proposer: str = "draft"  # SD proposer: the draft model or the n-gram matcher
     num_speculative_tokens: int | str = 4  # K, or "auto": the calibration profile's best K (resolved by LLM)
-    fan_out: list[int] | str | None = None  # SSD: F_0..F_K, or "auto" from a calibration profile
-    fallback: str = "jit"  # SSD cache-miss fallback: "jit" (primary drafts), "ngram", "random", or "auto"
-    saguaro_c: float | str = 1.0  # SSD: Saguaro sampling down-weighting constant C in [0, 1], or "auto"
-    branch_steps: int | str | None = None  # SSD: steps decoding every branch (None: K; fewer: tapered), or "auto"
-    deep_branches: int = 1  # SSD: the likeliest branches that go on past branch_steps, up to K tokens
+    ssd: SSDSettings = field(default_factory=SSDSettings)  # fan-outs, miss strategy, C, the tree's taper
     dtype: str = "auto"  # "auto": the checkpoint's own dtype (saguaro.loading.dtype), e.g. bf16 for the Qwen files
     device: str = "cpu"  # "cpu" or "cuda:N" for the target
     draft_device: str | None = None  # SSD: the draft's device; default the CPU, else the next GPU, else the target's
@@ -52,8 +58,16 @@ class Config:
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
+    # the flat spellings of ``ssd``'s fields (SSDSettings), as LLM(...) and the CLI take them
+    fan_out: InitVar[list[int] | str | None] = _UNSET
+    miss_strategy: InitVar[str] = _UNSET
+    saguaro_c: InitVar[float | str] = _UNSET
+    branch_steps: InitVar[int | str | None] = _UNSET
+    deep_branches: InitVar[int] = _UNSET
+    fallback: InitVar[str] = _UNSET  # deprecated spelling of miss_strategy
 
-    def __post_init__(self) -> None:
+    def __post_init__(self, *flat: Any) -> None:
+        self._gather_ssd(dict(zip(SETTINGS + ("fallback",), flat)))
         if self.compile is not None:
             warnings.warn("Config(compile=...) is deprecated: the fast path is the default and enforce_eager=True "
                           "turns it off", DeprecationWarning, stacklevel=3)
@@ -83,23 +97,8 @@ class Config:
         for name in ("block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
-        c = self.saguaro_c
-        if c != "auto" and not (isinstance(c, (int, float)) and 0.0 <= c <= 1.0):
-            raise ValueError(f"saguaro_c must be in [0, 1], got {self.saguaro_c}")
-        if self.fallback not in ("jit", "ngram", "random", "auto"):
-            raise ValueError(f"fallback must be jit, ngram, random or auto, got {self.fallback!r}")
-        if isinstance(self.fan_out, list):
-            if k != "auto" and len(self.fan_out) != k + 1:
-                raise ValueError(f"fan_out needs K+1 = {k + 1} entries, got {len(self.fan_out)}")
-            if any(f < 0 for f in self.fan_out):
-                raise ValueError(f"fan_out entries must be >= 0, got {self.fan_out}")
-        elif self.fan_out not in (None, "auto"):
-            raise ValueError(f"fan_out must be a list of K+1 ints, 'auto' or None, got {self.fan_out!r}")
-        steps = self.branch_steps
-        if steps not in (None, "auto") and (not isinstance(steps, int) or steps < 1 or (k != "auto" and steps > k)):
-            raise ValueError(f"branch_steps must lie in [1, K = {k}], got {steps}")
-        if self.deep_branches < 1:
-            raise ValueError(f"deep_branches must be >= 1, got {self.deep_branches}")
+        if k != "auto":
+            self.ssd.check_k(k)
         self.draft_format  # validates draft_weights / draft_vocab
         check_device(self.device)
         if self.draft_device is not None:
@@ -110,6 +109,18 @@ class Config:
                 bad = [c for c in cores if not 0 <= c < (os.cpu_count() or 1)]
                 if bad:
                     raise ValueError(f"CPU cores {bad} do not exist (this machine has {os.cpu_count()})")
+
+    def _gather_ssd(self, flat: dict[str, Any]) -> None:
+        """Map the flat SSD keyword arguments into ``ssd`` (validated there, once)."""
+        given = {name: value for name, value in flat.items() if value is not _UNSET}
+        if "fallback" in given:
+            warnings.warn("Config(fallback=...) is deprecated: the cache-miss strategy is miss_strategy=...",
+                          DeprecationWarning, stacklevel=4)
+            given.setdefault("miss_strategy", given.pop("fallback"))
+        if given:
+            if self.ssd != SSDSettings():
+                raise ValueError(f"give the SSD settings either as ssd=SSDSettings(...) or flat, not both: {given}")
+            self.ssd = SSDSettings(**given)
 
     def _place_speculator(self) -> None:
         """SSD: resolve draft_device and speculator_transport (saguaro.placement), or refuse what cannot work."""

@@ -5,7 +5,8 @@ from saguaro.config import Config
 from saguaro.ssd.link import SpeculatorLink
 from saguaro.placement import Placement, place_speculator
 from saguaro.ssd.thread_link import ThreadLink
-from saguaro.ssd.worker import InProcessLink, WorkerLink
+from saguaro.ssd.in_process import InProcessLink
+from saguaro.ssd.worker import WorkerLink
 
 
 @pytest.mark.parametrize("device, draft_device, gpus, transport, expected", [

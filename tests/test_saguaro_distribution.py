@@ -16,7 +16,7 @@ from tests.test_distribution_ssd import POSITIONS, pair  # noqa: F401  (fixture)
 @pytest.mark.parametrize("fallback, c", [("jit", 0.3), ("ngram", 0.3), ("random", 0.3)])
 def test_saguaro_sampling_and_fallbacks_are_exact(pair, fallback, c):  # noqa: F811
     llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[1, 2],
-              fallback=fallback, saguaro_c=c, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
+              miss_strategy=fallback, saguaro_c=c, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
     try:
         tv, threshold = measure(llm, pair[0], SamplingParams(temperature=1.0), POSITIONS)
         hits = [h for t in llm.engine.decoder.trace for h in t.hits]
@@ -33,7 +33,7 @@ def test_negative_control_recording_p_instead_of_q_fails(pair, monkeypatch):  # 
     import saguaro.sd.draft_model as draft_module
     import saguaro.ssd.speculator as speculator_module
     from saguaro.ssd.saguaro_sampling import saguaro_reweight
-    from saguaro.ssd.worker import InProcessLink
+    from saguaro.ssd.in_process import InProcessLink
 
     real = speculator_module.sample
 

@@ -49,7 +49,7 @@ def test_plan_lookup():
     assert plan.fan_out(0.1, "p", 1) == [1, 2] and plan.fan_out(0.0, "p", 9) == [1, 1]
     assert plan.fan_out(0.8, "p", 2) == [3, 3] and plan.fan_out(0.8, "b") == [0, 2]
     assert plan.c_for(0.7) == 0.4 and plan.c_for(0.2) == 1.0
-    assert [plan.fallback_for(b) for b in (1, 2, 3, 8)] == ["jit", "jit", "ngram", "ngram"]
+    assert [plan.miss_strategy_for(b) for b in (1, 2, 3, 8)] == ["jit", "jit", "ngram", "ngram"]
     with pytest.raises(ValueError, match="K\\+1"):
         SpecPlan.fixed([1, 1]).__class__(2, [0.0], [[[1, 1]]], [[[1, 1]]], [1.0])
 
@@ -65,7 +65,7 @@ def test_every_primary_draw_uses_the_down_weighted_law(pair):
     drafted token is never one of them -- for just-in-time drafts and for cached branches alike."""
     fan_out = [1, 2, 3, 2]
     runner = ModelRunner(pair[1].model, 256, 4)
-    spec = Speculator(runner, 3, fan_out, "jit", saguaro_c=0.0)
+    spec = Speculator(runner, SpecPlan.fixed(fan_out, c=0.0))
     params = [SamplingParams(temperature=1.0), SamplingParams()]
     admissions = [Admission(i, [3, 7, 1, i], p, seed=i) for i, p in enumerate(params)]
     rows = spec.respond(RoundRequest([], admissions, [], [0, 1])).rows

@@ -13,7 +13,7 @@ import pytest
 from saguaro import LLM, SamplingParams
 from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.ssd.speculator import Speculator
-from saguaro.ssd.worker import WorkerOptions
+from saguaro.ssd import thread_link
 from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated, weak_pair
 
 TRANSPORTS = ["process", "thread"]
@@ -41,7 +41,7 @@ def ssd(pair, **kw):
     ([2, 2, 2, 4], "jit", dict(branch_steps=1, deep_branches=2)),  # tapered tree: hits of 1 and 3 tokens
 ])
 def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper, transport):
-    with ssd(pair, fan_out=fan_out, fallback=fallback, speculator_transport=transport, **taper) as llm:
+    with ssd(pair, fan_out=fan_out, miss_strategy=fallback, speculator_transport=transport, **taper) as llm:
         link = llm.engine.decoder.link
         single = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24))[0]
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
@@ -145,9 +145,9 @@ def test_speculator_thread_silent(pair, ar_outputs, monkeypatch):
 
 
 def test_speculator_thread_start_up_failure(pair, monkeypatch):
-    def broken(self, runner, recorder=None):
+    def broken(draft, opts, recorder=None):
         raise RuntimeError("no draft here")
-    monkeypatch.setattr(WorkerOptions, "make_speculator", broken)
+    monkeypatch.setattr(thread_link, "start_speculator", broken)
     with pytest.raises(RuntimeError, match="speculator thread failed during start-up.*no draft here"):
         ssd(pair, speculator_transport="thread")
 

@@ -58,8 +58,8 @@ def _glue_lengths(spec: Speculator) -> list[int]:
 
 @pytest.mark.parametrize("temperature, branch_steps", [(0.0, None), (1.0, None), (0.0, 1), (1.0, 2)])
 def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature, branch_steps):
-    k = 3  # a tapered tree (branch_steps < K) hits branches of different lengths
-    spec = Speculator(ModelRunner(draft.model, 128, BLOCK), k,
+    # K = 3: a tapered tree (branch_steps < K) hits branches of different lengths
+    spec = Speculator(ModelRunner(draft.model, 128, BLOCK),
                            SpecPlan.fixed([1, 1, 1, 2], branch_steps=branch_steps, deep_branches=2))
     glues = _glue_lengths(spec)
     params = SamplingParams(temperature=temperature, max_tokens=64)
@@ -91,7 +91,7 @@ def test_glue_is_one_row_and_the_draft_cache_stays_exact(draft, temperature, bra
 
 def test_draft_blocks_return_to_full(draft):
     runner = ModelRunner(draft.model, 128, BLOCK)
-    spec = Speculator(runner, 3, [2, 1, 1, 2], "jit")
+    spec = Speculator(runner, SpecPlan.fixed([2, 1, 1, 2]))
     params = [SamplingParams(), SamplingParams(temperature=1.0)]
     admissions = [Admission(i, [3, 7, 1, i + 2], p, seed=i) for i, p in enumerate(params)]
     spec.respond(RoundRequest([], admissions, [], [0, 1]))
@@ -116,7 +116,7 @@ def test_prefill_ahead_of_admission_is_kept_and_exact(draft):
     """The draft cache filled during the target's prefill serves the first speculation: only the last
     prompt token and the first generated one are fed, and the cache equals a fresh prefill."""
     runner = ModelRunner(draft.model, 128, BLOCK)
-    spec = Speculator(runner, 3, [1, 1, 1, 2], "jit")
+    spec = Speculator(runner, SpecPlan.fixed([1, 1, 1, 2]))
     prompt = [3, 7, 1, 9, 4, 11, 2]
     spec.prefill(_prefill_request(0, prompt))
     assert spec.states[0].draft.num_cached == len(prompt) - 1
@@ -136,7 +136,7 @@ def test_prefill_ahead_of_admission_is_kept_and_exact(draft):
 
 def test_prefill_that_does_not_match_the_admission_starts_over(draft):
     runner = ModelRunner(draft.model, 128, BLOCK)
-    spec = Speculator(runner, 3, [1, 1, 1, 2], "jit")
+    spec = Speculator(runner, SpecPlan.fixed([1, 1, 1, 2]))
     spec.prefill(_prefill_request(0, [3, 7, 1, 9]))
     spec.prefill(_prefill_request(1, [4, 4, 4]))
     spec.respond(RoundRequest([], [Admission(0, [3, 8, 1, 9, 2], SamplingParams(), 0)], [], [0]))
@@ -153,11 +153,11 @@ def test_prefill_that_does_not_match_the_admission_starts_over(draft):
 @pytest.mark.parametrize("fallback", ["jit", "random"])  # drafted misses, point-mass misses
 def test_a_speculator_round_reads_from_the_device_once_per_half(draft, fallback, monkeypatch):
     """The build reads once (the glue's ranking, which chooses the branches) and leaves the branches' tokens
-    on the device; respond gathers the hits there and reads them with the fallback's drafts and ranked ids:
+    on the device; respond gathers the hits there and reads them with the misses' drafts and ranked ids:
     one read each, however many sequences hit or miss (tests/host_reads.py follows device values on the
     CPU). Greedy and sampled sequences, hits and misses, every round."""
     from tests.host_reads import counting_device_reads
-    spec = Speculator(ModelRunner(draft.model, 256, BLOCK), 3, SpecPlan.fixed([1, 1, 1, 2], fallback=fallback))
+    spec = Speculator(ModelRunner(draft.model, 256, BLOCK), SpecPlan.fixed([1, 1, 1, 2], miss_strategy=fallback))
     params = [SamplingParams(max_tokens=64), SamplingParams(temperature=1.0, max_tokens=64)]
     order = [0, 1, 2, 3]
     admissions = [Admission(i, [3, 7, 1, 9 + i], params[i % 2], seed=i) for i in order]

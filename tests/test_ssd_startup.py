@@ -17,7 +17,8 @@ from saguaro import LLM, SamplingParams
 from saguaro.ssd import launch
 from saguaro.ssd.launch import WorkerStartError
 from saguaro.ssd.plan import SpecPlan
-from saguaro.ssd.worker import WorkerLink, WorkerOptions
+from saguaro.ssd.host import SpeculatorOptions
+from saguaro.ssd.worker import WorkerLink
 from tests.tiny import weak_pair
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,8 +52,8 @@ def test_ssd_from_python_dash_c_completes():
     assert done.returncode == 0 and "SSD OK" in done.stdout, done.stderr[-3000:]
 
 
-def _opts(timeout_s: float = 60) -> WorkerOptions:
-    return WorkerOptions(plan=SpecPlan.fixed([1, 1, 1, 1], 1.0, "jit"), dtype=torch.float32, device="cpu",
+def _opts(timeout_s: float = 60) -> SpeculatorOptions:
+    return SpeculatorOptions(plan=SpecPlan.fixed([1, 1, 1, 1], 1.0, "jit"), dtype=torch.float32, device="cpu",
                          cores=None, threads=1, kv_cache_tokens=256, block_size=4, timeout_s=timeout_s)
 
 

@@ -64,7 +64,7 @@ def test_branch_widths_and_layout_checks():
 def test_every_branch_equals_sequential_drafting(draft, branch_steps, deep):
     k, fan_out = 4, [2, 1, 1, 1, 3]
     plan = SpecPlan.fixed(fan_out, branch_steps=branch_steps, deep_branches=deep)
-    spec = Speculator(ModelRunner(draft.model, 256, BLOCK), k, plan)
+    spec = Speculator(ModelRunner(draft.model, 256, BLOCK), plan)
     prompt = [3, 7, 1, 9, 4, 11]
     spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(max_tokens=64), seed=0)], [], [0]))
     spec.build()

@@ -52,7 +52,8 @@ def _floats(text: str) -> list[float]:
 def run(args: argparse.Namespace) -> int:
     # the measuring and planning code loads only for `saguaro calibrate`, not with every command's parser
     from saguaro.calibration.measure import calibrate, measure_timing
-    from saguaro.calibration.policy import describe, make_plan, recommended_k
+    from saguaro.calibration.policy import make_plan, recommended_k
+    from saguaro.ssd_settings import MissStrategy, SSDSettings
     pin_process([args.core] if args.core >= 0 else None, args.threads)
     dtype = DTYPES[args.dtype]
     fast = not args.enforce_eager  # the engine's own default (Config.fast)
@@ -86,10 +87,12 @@ def run(args: argparse.Namespace) -> int:
         with open(args.json, "w") as f:
             json.dump(profile.to_dict(), f, indent=1)
     vocab = target.config.vocab_size
-    plan = make_plan(profile, args.k, "auto", "auto", args.max_batch, vocab)
-    print(f"fan_out='auto', saguaro_c='auto', fallback='auto' at K={args.k}: {describe(plan)}")
-    b_star = plan.b_star
-    print(f"fallback='auto': jit for batch < {b_star:.2f}, n-gram from then on"
-          if math.isfinite(b_star) else "fallback='auto': jit at every batch size")
+    settings = SSDSettings(fan_out="auto", miss_strategy=MissStrategy.AUTO, saguaro_c="auto")
+    chosen = make_plan(profile, args.k, settings, args.max_batch, vocab)
+    print(f"fan_out='auto', saguaro_c='auto', miss_strategy='auto' at K={args.k}: "
+          f"{chosen.report.describe(settings.miss_strategy)}")
+    b_star = chosen.plan.b_star
+    print(f"miss_strategy='auto': jit for batch < {b_star:.2f}, n-gram from then on"
+          if math.isfinite(b_star) else "miss_strategy='auto': jit at every batch size")
     print(f"num_speculative_tokens='auto' would pick K={recommended_k(profile, 'jit', vocab)}")
     return 0

@@ -50,8 +50,10 @@ from saguaro.sampling.sampler import sample
 from saguaro.sd.ngram_proposer import NgramProposer
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.ranks import RankRecord, RankRecorder
+from saguaro.ssd_settings import DraftedBy, MissStrategy, SSDSettings
 from saguaro.ssd.ssd_decoder import SSDDecoder
-from saguaro.ssd.worker import InProcessLink, WorkerOptions
+from saguaro.ssd.host import SpeculatorOptions
+from saguaro.ssd.in_process import InProcessLink
 from saguaro.theory import fit_power_law
 
 
@@ -176,7 +178,7 @@ def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingPar
                  dtype=dtype_name(model_dtype(draft)), draft_cores=None, kv_cache_tokens=kv_tokens,
                  block_size=block_size, max_num_seqs=max_num_seqs, enforce_eager=not fast,
                  draft_weights=draft_format.weights, draft_vocab=draft_format.vocab, worker_timeout_s=600.0)
-    opts = WorkerOptions.from_config(cfg, plan)
+    opts = SpeculatorOptions.from_config(cfg, plan)
     recorder = RankRecorder(build_branches=build_branches)
     decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), plan, max_len)
     engine = LLMEngine(runner, target.tokenizer, decoder, max_len, max_num_seqs, 1 << 14)
@@ -256,12 +258,13 @@ def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) ->
 
 def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens, batch, plan=None,
                 fast: bool = False, draft_format: DraftFormat = DraftFormat()) -> Source:
-    plan = plan or SpecPlan.fixed([0] * (k + 1), 1.0, "jit" if source == "primary" else "ngram")
+    plan = plan or SpecPlan.fixed([0] * (k + 1), 1.0, MissStrategy.JIT if source == "primary" else MissStrategy.NGRAM)
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
               for i in range(len(prompts))]
     records, metrics = run_ranked(target, draft, prompts, params, k, plan, batch, fast=fast, draft_format=draft_format)
-    summary = summarize_source([r for r in records if r.source == ("p" if source == "primary" else "b")], k, metrics)
-    if source == "primary":  # what each fallback would deliver after each round (miss_rounds)
+    drafted_by = DraftedBy.PRIMARY if source == "primary" else DraftedBy.BACKUP
+    summary = summarize_source([r for r in records if r.drafted_by == drafted_by], k, metrics)
+    if source == "primary":  # what each miss strategy would deliver after each round (miss_rounds)
         summary.follow_ups = follow_ups(records, metrics["sequences"], k)
     return summary
 
@@ -306,10 +309,10 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
     for t in [t for t in temperatures if t > 0]:
         key = str(float(t))
         for c in [c for c in c_values if c < 1.0]:
-            plan = make_plan(replace(profile, temperatures={key: profile.temperatures[key]}), k, 1.0, "jit", 1, vocab)
-            reweight = plan.primary[0][0]
+            one = replace(profile, temperatures={key: profile.temperatures[key]})
+            reweight = make_plan(one, k, SSDSettings(fan_out="auto"), 1, vocab).plan.primary[0][0]
             s = _source_run(target, draft, prompt_ids, t, k, "primary", max_tokens, batch,
-                            SpecPlan.fixed(reweight, c, "jit"), fast=fast, draft_format=draft_format)
+                            SpecPlan.fixed(reweight, c, MissStrategy.JIT), fast=fast, draft_format=draft_format)
             s.c, s.fan_out = float(c), reweight
             profile.temperatures[key].c_sweep.append(s)
             log(f"  T={t} C={c}: acceptance {s.acceptance:.3f}, p_hit(F=1) {1 - s.miss_uniform[1]:.2f} "

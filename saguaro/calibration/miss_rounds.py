@@ -1,13 +1,13 @@
-"""What follows a cache miss: the tokens of the round after a miss, for each fallback (calibration).
+"""What follows a cache miss: the tokens of the round after a miss, for each miss strategy (calibration).
 
 A miss is not a random round. The cache misses where the draft misjudged the target, and those are the
 stretches where *any* speculator does worse: fresh code after an echoed signature, a word the draft did
-not see coming. So the tokens a fallback delivers after a miss are fewer than its average over all
+not see coming. So the tokens a miss strategy delivers after a miss are fewer than its average over all
 rounds. Taken unconditionally, the n-gram backup looks nearly as good as the draft on code (echoed
 prompts are its best case), and the policy would pick it at batch 1, where it is measurably slower.
 
 From the primary calibration run (every speculation drafted by the draft, empty cache) each round is
-annotated with what the round after it delivers, per fallback:
+annotated with what the round after it delivers, per miss strategy:
 
 * ``jit``: the draft's next speculation, as it ran: that round's accepted tokens + 1.
 * ``ngram``: the n-gram backup's proposal from the same context, replayed offline against the tokens the
@@ -23,6 +23,7 @@ from collections import defaultdict
 
 from saguaro.calibration.profile import Source
 from saguaro.sd.ngram import NgramIndex
+from saguaro.ssd_settings import DraftedBy, MissStrategy
 
 MIN_MISS_ROUNDS = 8  # fewer misses than this in the calibration run: use the unconditional estimate
 COLUMNS = ("depth", "rank", "jit", "ngram")  # one row per primary round (see follow_ups)
@@ -41,7 +42,7 @@ def follow_ups(records: list, sequences: dict[int, list[int]], k: int) -> list[l
     ``sequences`` the final prompt + output of each sequence."""
     by_seq: dict[int, list] = defaultdict(list)
     for r in records:
-        if r.source == "p" and r.seq_id >= 0:
+        if r.drafted_by == DraftedBy.PRIMARY and r.seq_id >= 0:
             by_seq[r.seq_id].append(r)
     rows = []
     for seq_id, recs in by_seq.items():
@@ -58,11 +59,11 @@ def follow_ups(records: list, sequences: dict[int, list[int]], k: int) -> list[l
     return rows
 
 
-def miss_tokens(source: Source, fan_out: list[int], fallback: str) -> float | None:
+def miss_tokens(source: Source, fan_out: list[int], strategy: MissStrategy) -> float | None:
     """Mean tokens of the round after a miss with ``fan_out`` (None: no annotated rounds, or too few misses).
-    ``fallback``: "jit" or "ngram"."""
+    ``strategy``: jit or ngram."""
     rows = source.follow_ups
-    column = COLUMNS.index(fallback)
+    column = COLUMNS.index(MissStrategy.parse(strategy).value)
     k = len(fan_out) - 1
     missed = [row[column] for row in rows if row[1] >= fan_out[min(row[0], k)]]
     return sum(missed) / len(missed) if len(missed) >= MIN_MISS_ROUNDS else None

@@ -19,9 +19,9 @@ Per temperature and batch size b, for each candidate per-sequence branch budget 
 * **Hit rates**: p_hit,p = sum_k P(k) p_hit^k(F_k) (Appendix A, proof of Thm 13), P(k) the measured
   outcome law (the capped geometric law of acceptance a when none was measured); with the n-gram backup,
   p_hit,b likewise and the stationary p_hit = p_hit,b / (1 + p_hit,b - p_hit,p) (Thm 2); with the jit
-  fallback every speculation is the primary's, so p_hit = p_hit,p.
+  miss strategy every speculation is the primary's, so p_hit = p_hit,p.
 * **Speedup**: Cor. 17 (``theory.ssd_speedup_batch``) with E_hit = sum_k P(k) (k + 1) for length L;
-  E_miss the tokens of the round after a miss, measured per fallback over the calibration rounds that F^p
+  E_miss the tokens of the round after a miss, measured per miss strategy over the calibration rounds that F^p
   would have missed (``miss_rounds``: misses fall where every speculator struggles), else the same sum
   for length K (jit) or the backup's tokens per round; T_p = hit-round time / t_v, T_b = miss drafting
   time / t_v.
@@ -42,7 +42,7 @@ from ``theory.critical_batch_size`` (Thm 18) with the jit and n-gram options' me
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -52,6 +52,7 @@ from saguaro.calibration.miss_rounds import miss_tokens
 from saguaro.calibration.profile import F_MAX, Profile, Source, TemperatureEntry, Timing
 from saguaro.calibration.timeline import BuildTime, build_time, rows_time
 from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd_settings import MissStrategy, SSDSettings
 from saguaro.theory import (choose_fallback, critical_batch_size, expected_tokens,
                             integer_geometric_fanout, optimal_fanout, ssd_speedup_batch, unconditional_hit_rate)
 
@@ -84,9 +85,9 @@ def fan_out_for_budget(source: Source, length: int, k: int, budget: int, vocab: 
 
 @dataclass
 class Choice:
-    """The predicted best configuration at one (temperature, batch size, fallback)."""
+    """The predicted best configuration at one (temperature, batch size, miss strategy)."""
     batch: int
-    fallback: str  # "jit" or "ngram"
+    miss_strategy: MissStrategy  # jit or ngram
     budget: int
     steps: int  # L, tokens in a cached speculation (its every branch)
     primary: list[int]
@@ -109,9 +110,9 @@ class Choice:
 
 
 def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, build: BuildTime,
-            f_p: list[int], f_b: list[int], fallback: str, method: str = "given", branch_steps: int | None = None,
-            deep: int = 1) -> Choice:
-    """Thm 2 / Cor. 17 prediction for given fan-outs (see module doc); ``fallback`` is "jit" or "ngram"."""
+            f_p: list[int], f_b: list[int], strategy: MissStrategy, method: str = "given",
+            branch_steps: int | None = None, deep: int = 1) -> Choice:
+    """Thm 2 / Cor. 17 prediction for given fan-outs (see module doc); ``strategy`` is jit or ngram."""
     timing = profile.timing
     primary, backup = entry.primary, entry.backup
     steps, t_hit, t_v = build.steps, build.t_hit, build.t_v
@@ -121,20 +122,22 @@ def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budge
     p_p, p_b = min(float(p_p), 1.0), min(float(p_b), 1.0)
     e_hit = (1 - share) * expected_round_tokens(primary, steps) + share * expected_round_tokens(primary,
                                                                                                 build.deep_steps)
-    if fallback == "jit":
-        e_miss = miss_tokens(primary, f_p, "jit") or expected_round_tokens(primary, k)
+    if strategy == MissStrategy.JIT:
+        e_miss = miss_tokens(primary, f_p, strategy) or expected_round_tokens(primary, k)
         t_miss = jit_draft_s(timing, k, batch) / t_v
         p_hit = p_p
     else:
-        e_miss = miss_tokens(primary, f_p, "ngram") or float(backup.tokens_per_round
+        e_miss = miss_tokens(primary, f_p, strategy) or float(backup.tokens_per_round
                                                                or expected_tokens(float(backup.acceptance), k))
         t_miss = batch * float(timing.ngram_s) / t_v
         p_hit = float(unconditional_hit_rate(p_p, p_b)) if abs(p_p - p_b) < 1 else p_p
     speedup = float(ssd_speedup_batch(p_hit, e_hit, e_miss, t_hit, t_miss, batch))
     tok_s = speedup / t_v
-    return Choice(batch, fallback, budget, steps, list(f_p), list(f_b), method, p_p, p_b, p_hit, e_hit, e_miss,
-                  t_hit, t_miss, t_v, speedup, tok_s, tok_s * rows_time(timing.target_rows, batch),
-                  branch_steps, build.deep_steps, share)
+    return Choice(batch=batch, miss_strategy=strategy, budget=budget, steps=steps, primary=list(f_p),
+                  backup=list(f_b), method=method, p_hit_p=p_p, p_hit_b=p_b, p_hit=p_hit, e_hit=e_hit, e_miss=e_miss,
+                  t_hit=t_hit, t_miss=t_miss, verify_s=t_v, speedup=speedup, tok_s=tok_s,
+                  speedup_vs_ar=tok_s * rows_time(timing.target_rows, batch), branch_steps=branch_steps,
+                  deep_steps=build.deep_steps, deep_share=share)
 
 
 def jit_draft_s(timing: Timing, k: int, batch: int) -> float:
@@ -143,9 +146,9 @@ def jit_draft_s(timing: Timing, k: int, batch: int) -> float:
     return rows_time(timing.draft_rows, 2 * batch) + (k - 1) * rows_time(timing.draft_rows, batch)
 
 
-def evaluate(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, fallback: str, vocab: int,
-             branch_steps: int | None = None, deep: int = 1) -> Choice:
-    """Predicted outcome of budget ``budget`` at ``batch`` with the "jit" or "ngram" fallback (see module doc)."""
+def evaluate(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, strategy: MissStrategy,
+             vocab: int, branch_steps: int | None = None, deep: int = 1) -> Choice:
+    """Predicted outcome of budget ``budget`` at ``batch`` with the jit or ngram miss strategy (see module doc)."""
     build = build_time(profile.timing, k, batch, budget, branch_steps, deep, sampled=entry.temperature > 0)
     f_b, _ = fan_out_for_budget(entry.backup, k, k, budget, vocab, backup_weights(entry.backup, k))
     # the fan-out spreads the budget over one speculation length's outcomes; the verified speculations mix
@@ -153,17 +156,18 @@ def evaluate(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budg
     lengths = sorted({n for n in (build.steps, build.deep_steps, k) if n >= 1})
     candidates = {(tuple(f), m) for f, m in (fan_out_for_budget(entry.primary, n, k, budget, vocab)
                                              for n in lengths)}
-    return max((predict(profile, entry, k, batch, budget, build, list(f_p), f_b, fallback, method, branch_steps,
+    return max((predict(profile, entry, k, batch, budget, build, list(f_p), f_b, strategy, method, branch_steps,
                         deep) for f_p, method in candidates), key=lambda c: c.tok_s)
 
 
 def predict_fixed(profile: Profile, temperature: float, k: int, batch: int, f_p: list[int], f_b: list[int],
-                  fallback: str, c: float = 1.0, branch_steps: int | None = None, deep: int = 1) -> Choice:
+                  strategy: MissStrategy, c: float = 1.0, branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Prediction for explicit fan-out lists at the nearest calibrated temperature (for measured-vs-theory)."""
     entry = entry_at(profile, temperature, c)
     budget = max(sum(f_p), sum(f_b))
     build = build_time(profile.timing, k, batch, sum(f_p), branch_steps, deep, sampled=temperature > 0)
-    return predict(profile, entry, k, batch, budget, build, f_p, f_b, fallback, "given", branch_steps, deep)
+    return predict(profile, entry, k, batch, budget, build, f_p, f_b, MissStrategy.parse(strategy), "given",
+                   branch_steps, deep)
 
 
 def entry_at(profile: Profile, temperature: float, c: float = 1.0) -> TemperatureEntry:
@@ -177,11 +181,11 @@ def tree_shapes(k: int, taper: bool) -> list[int | None]:
     return [None] + (list(range(1, k)) if taper else [])
 
 
-def best_choice(profile: Profile, entry: TemperatureEntry, k: int, batch: int, fallback: str, vocab: int,
+def best_choice(profile: Profile, entry: TemperatureEntry, k: int, batch: int, strategy: MissStrategy, vocab: int,
                 shapes: list[int | None] = (None,), deep: int = 1) -> Choice:
     """The budget B and tree shape (``branch_steps`` among ``shapes``, ``deep`` branches past them) with the
     best predicted speed (tokens per second: t_v differs per budget, through contention)."""
-    return max((evaluate(profile, entry, k, batch, b, fallback, vocab, s, deep) for b in BUDGETS for s in shapes),
+    return max((evaluate(profile, entry, k, batch, b, strategy, vocab, s, deep) for b in BUDGETS for s in shapes),
                key=lambda c: c.tok_s)
 
 
@@ -196,20 +200,20 @@ def calibrated_cs(entry: TemperatureEntry) -> list[float]:
     return [1.0] + sorted(float(s.c) for s in entry.c_sweep)
 
 
-def choose_c(profile: Profile, temperature: str, k: int, fallback: str, vocab: int) -> float:
+def choose_c(profile: Profile, temperature: str, k: int, strategy: MissStrategy, vocab: int) -> float:
     """The calibrated C with the best predicted speedup at b = 1 (1 when no C < 1 was calibrated or greedy)."""
     entry = profile.temperatures[temperature]
     if float(temperature) <= 0:
         return 1.0
     return max(calibrated_cs(entry),
-               key=lambda c: best_choice(profile, _entry_with_c(entry, c), k, 1, fallback, vocab).tok_s)
+               key=lambda c: best_choice(profile, _entry_with_c(entry, c), k, 1, strategy, vocab).tok_s)
 
 
 def critical_batch(profile: Profile, temperature: str, k: int, vocab: int, c: float = 1.0) -> tuple[float, dict]:
     """Thm 18's b* (jit below, n-gram at or above) from the jit option's b = 1 prediction."""
     entry = _entry_with_c(profile.temperatures[temperature], c)
-    jit = best_choice(profile, entry, k, 1, "jit", vocab)
-    ngram = best_choice(profile, entry, k, 1, "ngram", vocab)
+    jit = best_choice(profile, entry, k, 1, MissStrategy.JIT, vocab)
+    ngram = best_choice(profile, entry, k, 1, MissStrategy.NGRAM, vocab)
     args = dict(p_hit=jit.p_hit, E_hit=jit.e_hit, T_p=jit.t_hit, E_miss_ngram=ngram.e_miss, T_ngram=ngram.t_miss,
                 E_miss_jit=jit.e_miss, T_jit=jit.t_miss)
     try:
@@ -231,11 +235,11 @@ def sd_speedup_vs_ar(profile: Profile, temperature: float, k: int) -> float:
     return sd_tokens_per_s(profile, entry_at(profile, temperature), k) * rows_time(profile.timing.target_rows, 1)
 
 
-def recommended_k(profile: Profile, fallback: str = "jit", vocab: int = 1 << 20, ks=range(1, 9),
+def recommended_k(profile: Profile, strategy: MissStrategy = MissStrategy.JIT, vocab: int = 1 << 20, ks=range(1, 9),
                   mode: str = "ssd", taper: bool = False, deep: int = 1) -> int:
     """K with the best predicted speed at b = 1 (SSD: Cor. 17 per K, with tapered trees if ``taper``;
     SD: E / (1 + T_SD)), summed over the calibrated temperatures."""
-    kind = "jit" if fallback in ("jit", "auto") else "ngram"
+    kind = _at_batch_one(strategy)
     entries = list(profile.temperatures.values())
     if mode == "sd":
         return max(ks, key=lambda k: sum(sd_tokens_per_s(profile, e, k) for e in entries))
@@ -252,44 +256,74 @@ def paper_budget(timing: Timing, k: int, batch: int = 1) -> int:
     return max(fits, default=0)
 
 
-def make_plan(profile: Profile, k: int, c_setting: float | str, fallback: str, max_batch: int, vocab: int,
-              taper: bool = False, deep: int = 1) -> SpecPlan:
-    """The engine's plan for ``fan_out="auto"``: per temperature C, per batch size F^p and F^b, and b*; with
-    ``taper`` also the tree's branch_steps per temperature for ``deep`` deep branches (chosen at b = 1, kept
-    for every batch size)."""
+@dataclass
+class TemperatureReport:
+    c: float  # the Saguaro C chosen
+    choice: Choice  # the prediction at b = 1
+
+
+@dataclass
+class PlanReport:
+    """How a plan was chosen from a profile (logs and reports)."""
+    default_profile: bool  # the documented defaults, not a measured profile
+    b_star: float  # Thm 18's critical batch size (miss strategy "auto")
+    thm18_inputs: dict[str, float]
+    paper_budget: int  # the paper's B, beside the chosen one
+    temperatures: dict[str, TemperatureReport] = field(default_factory=dict)
+
+    def describe(self, strategy: MissStrategy) -> str:
+        parts = []
+        for t, r in self.temperatures.items():
+            n = r.choice
+            tree = f", tapered to {n.deep_steps} after {n.branch_steps}" if n.branch_steps else ""
+            parts.append(f"T={t}: F^p={n.primary} F^b={n.backup} (B={n.budget}, L={n.steps}{tree}, {n.method}, "
+                         f"p_hit,p={n.p_hit_p:.2f}, p_hit,b={n.p_hit_b:.2f}, C={r.c:.2f}, "
+                         f"predicted {n.speedup_vs_ar:.2f}x AR)")
+        if strategy == MissStrategy.AUTO:
+            parts.append(f"b*={self.b_star:.2f}")
+        return "; ".join(parts)
+
+
+@dataclass
+class CalibratedPlan:
+    plan: SpecPlan
+    report: PlanReport
+
+
+def _at_batch_one(strategy: MissStrategy) -> MissStrategy:
+    """The strategy predictions use at b = 1: "auto" starts with jit; random is priced as the n-gram backup."""
+    return MissStrategy.JIT if strategy in (MissStrategy.JIT, MissStrategy.AUTO) else MissStrategy.NGRAM
+
+
+def make_plan(profile: Profile, k: int, settings: SSDSettings, max_batch: int, vocab: int) -> CalibratedPlan:
+    """The engine's plan for ``settings`` with some "auto": per temperature C, per batch size F^p and F^b, and
+    b*; with ``branch_steps="auto"`` also the tree's branch_steps per temperature for ``deep_branches`` deep
+    branches (chosen at b = 1, kept for every batch size). Explicit settings override their part."""
     temps = sorted(profile.temperatures, key=float)
-    cs = [choose_c(profile, t, k, "jit" if fallback in ("jit", "auto") else "ngram", vocab) if c_setting == "auto"
-          else float(c_setting) for t in temps]  # greedy rows ignore C
-    b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0]) if fallback == "auto" else (math.inf, {})
-    primary, backup, notes = [], [], {"default_profile": profile.default, "b_star": b_star,
-                                      "thm18_inputs": thm18, "temperatures": {},
-                                      "paper_budget": paper_budget(profile.timing, k)}
-    tapers = []
+    strategy, deep = settings.miss_strategy, settings.deep_branches
+    cs = [choose_c(profile, t, k, _at_batch_one(strategy), vocab) if settings.saguaro_c == "auto"
+          else float(settings.saguaro_c) for t in temps]  # greedy rows ignore C
+    auto = strategy == MissStrategy.AUTO
+    b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0]) if auto else (math.inf, {})
+    report = PlanReport(profile.default, b_star, thm18, paper_budget(profile.timing, k))
+    primary, backup, tapers = [], [], []
     for t, c in zip(temps, cs):
         entry = _entry_with_c(profile.temperatures[t], c)
-        p_table, b_table, shapes = [], [], tree_shapes(k, taper)
+        p_table, b_table, shapes = [], [], tree_shapes(k, settings.branch_steps == "auto")
         for b in range(1, max_batch + 1):
-            kind = {"jit": "jit", "auto": "jit" if b < b_star else "ngram"}.get(fallback, "ngram")
+            kind = (MissStrategy.JIT if b < b_star else MissStrategy.NGRAM) if auto else _at_batch_one(strategy)
             choice = best_choice(profile, entry, k, b, kind, vocab, shapes, deep)
             p_table.append(choice.primary)
             b_table.append(choice.backup)
             if b == 1:
                 shapes = [choice.branch_steps]
                 tapers.append(choice.branch_steps)
-                notes["temperatures"][t] = {"c": c, **asdict(choice)}
+                report.temperatures[t] = TemperatureReport(c, choice)
         primary.append(p_table)
         backup.append(b_table)
-    return SpecPlan(k, [float(t) for t in temps], primary, backup, cs, fallback, b_star, notes, tapers, deep)
-
-
-def describe(plan: SpecPlan) -> str:
-    parts = []
-    for t, n in plan.notes.get("temperatures", {}).items():
-        tree = f", tapered to {n['deep_steps']} after {n['branch_steps']}" if n.get("branch_steps") else ""
-        parts.append(f"T={t}: F^p={n['primary']} F^b={n['backup']} (B={n['budget']}, L={n['steps']}{tree}, "
-                     f"{n['method']}, "
-                     f"p_hit,p={n['p_hit_p']:.2f}, p_hit,b={n['p_hit_b']:.2f}, C={n['c']:.2f}, "
-                     f"predicted {n['speedup_vs_ar']:.2f}x AR)")
-    if plan.fallback == "auto":
-        parts.append(f"b*={plan.b_star:.2f}")
-    return "; ".join(parts)
+    if settings.fan_out != "auto":
+        primary, backup = ([[settings.fan_out_for(k)] for _ in temps] for _ in range(2))
+    if settings.branch_steps != "auto":
+        tapers = [settings.branch_steps] * len(temps)
+    plan = SpecPlan(k, [float(t) for t in temps], primary, backup, cs, strategy, b_star, tapers, deep)
+    return CalibratedPlan(plan, report)

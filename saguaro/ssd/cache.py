@@ -4,7 +4,7 @@ The keys, (sequence id, accepted count k, bonus token t*), are known on the host
 draft's ranking after the glue to choose them. The drafted tokens are not: they stay where the build drew
 them, in one fixed-size ``[R, K]`` table on the draft's device (a row per branch), with the branches'
 distributions and ranked ids beside it. ``respond`` gathers the rows that hit on the device and reads them
-together with the fallback's drafts, so a build ends without waiting for the device and a round's answer is
+together with the misses' drafts, so a build ends without waiting for the device and a round's answer is
 one read.
 """
 from __future__ import annotations
@@ -37,10 +37,23 @@ class SpeculationCache:
         self.tokens: torch.Tensor | None = None  # [R, K] long on the draft's device; -1 past a row's length
         self.ranks: RankTable | None = None  # every position of every branch, ranked
 
-    def fill(self, tokens: torch.Tensor, ranks: RankTable | None) -> None:
-        """Start a build's cache from its token table and rank table (entries follow with ``put``)."""
+    def fill(self, branch_rows: list[list[int]], drawn: list[torch.Tensor], ranks: RankTable | None, k: int,
+             device: torch.device) -> None:
+        """Start a build's cache (entries follow with ``put``): its rank table, and its [R, K] token table
+        scattered on ``device`` from the steps' drawn tokens in one write.
+
+        ``drawn[j]``: the tokens of step j's pass, a row each; ``branch_rows[b]``: the pass rows (numbered
+        across the steps, in order) that drew branch b's tokens, one per step it was decoded."""
+        table = torch.full((len(branch_rows), k), -1, dtype=torch.long, device=device)
+        if drawn:  # pass row r of step j -> cell (b, j)
+            cell = [0] * sum(len(d) for d in drawn)
+            for b, rows in enumerate(branch_rows):
+                for j, r in enumerate(rows):
+                    cell[r] = b * k + j
+            flat = to_device(torch.tensor(cell, dtype=torch.long), device)
+            table.view(-1)[flat] = torch.cat(drawn).to(device)
         self._entries.clear()
-        self.tokens, self.ranks = tokens, ranks
+        self.tokens, self.ranks = table, ranks
 
     def put(self, seq_id: int, k: int, token: int, spec: CachedSpeculation) -> None:
         self._entries[(seq_id, k, token)] = spec

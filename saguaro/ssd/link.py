@@ -8,11 +8,11 @@ once, at start-up (``saguaro.placement``):
     two distinct GPUs);
   * ``ThreadLink`` (``thread_link.py``): a thread of the target's process, fed through an
     in-process queue; messages pass as objects, and on a GPU it works on its own CUDA stream;
-  * ``InProcessLink`` (``worker.py``): no concurrency at all, each exchange responds and then
+  * ``InProcessLink`` (``in_process.py``): no concurrency at all, each exchange responds and then
     builds the whole cache (calibration).
 
-Every link carries the same two messages (``protocol.py``) and serves them the same way:
-respond first, then build the next cache until the next request arrives. A link that cannot
+Every link carries the same two messages (``protocol.py``), and starts and serves its speculator the
+same way (``host.py``): respond first, then build the next cache until the next request arrives. A link that cannot
 deliver -- its speculator died, raised, or did not answer within ``worker_timeout_s`` --
 raises ``ChannelClosed``; the decoder then finishes every request without it.
 """

@@ -1,28 +1,32 @@
-"""The speculator's plan: fan-outs, Saguaro C and the cache-miss fallback, looked up per round.
+"""The speculator's plan: fan-outs, Saguaro C and the miss strategy, looked up per round.
 
 A ``SpecPlan`` is computed once by the engine (``saguaro.calibration.policy.make_plan`` from a calibration
 profile, or ``SpecPlan.fixed`` from an explicit ``fan_out`` list) and shipped to the speculator process.
 Every round the speculator asks it, per sequence:
 
-* ``fan_out(temperature, source, batch)`` -- F_0..F_K for building the cache of a speculation that was
-  produced by the primary draft (``source="p"``: a cache hit or just-in-time drafting) or by the fast
-  backup (``"b"``: n-gram / random), at the current batch size. Separate lists per source are the paper's
-  F^p_k and F^b_k (Thm 12 / Thm 13); per batch size because the branch budget B is shared by the batch.
+* ``fan_out(temperature, drafted_by, batch)`` -- F_0..F_K for building the cache of a speculation that was
+  drafted by the primary draft (``DraftedBy.PRIMARY``: a cache hit or just-in-time drafting) or by the
+  point-mass backup (``DraftedBy.BACKUP``: n-gram / random), at the current batch size. Separate lists per
+  drafter are the paper's F^p_k and F^b_k (Thm 12 / Thm 13); per batch size because the branch budget B is
+  shared by the batch.
 * ``c(temperature)`` -- the Saguaro sampling constant (Def. 14) for that temperature.
 * ``branch_widths(n, temperature)`` -- how many of a sequence's n branches (likeliest first) each build step
   decodes: all of them for the first ``branch_steps`` steps, then only the ``deep_branches`` likeliest, up to
   K (a tapered tree; ``branch_steps`` None decodes every branch K steps).
-* ``fallback_for(batch)`` -- "jit" below the critical batch size b* and "ngram" at or above it when the
-  fallback is "auto" (Thm 18); the configured fallback otherwise.
+* ``miss_strategy_for(batch)`` -- "jit" below the critical batch size b* and "ngram" at or above it when the
+  miss strategy is "auto" (Thm 18); the configured one otherwise.
 
-Temperatures are matched to the nearest calibrated one (greedy is temperature 0). ``FallbackChoice`` follows
-``fallback_for`` from round to round and logs each switch.
+Temperatures are matched to the nearest calibrated one (greedy is temperature 0). ``MissStrategyTracker``
+follows ``miss_strategy_for`` from round to round and logs each switch. How calibration chose a plan is
+its own report (``saguaro.calibration.policy.PlanReport``).
 """
 from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+
+from saguaro.ssd_settings import DraftedBy, MissStrategy
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -34,15 +38,13 @@ class SpecPlan:
     primary: list[list[list[int]]]  # [temperature index][batch - 1] -> F_0..F_K after a primary speculation
     backup: list[list[list[int]]]  # same, after a backup speculation
     c: list[float]  # Saguaro C per temperature
-    fallback: str = "jit"  # "jit" | "ngram" | "random" | "auto"
+    miss_strategy: MissStrategy = MissStrategy.JIT
     b_star: float = math.inf  # "auto": jit for batch < b_star, n-gram otherwise
-    notes: dict = field(default_factory=dict)  # how the plan was chosen (for logs and reports)
     branch_steps: list[int | None] | None = None  # per temperature: build steps that decode every branch (None: K)
     deep_branches: int = 1  # branches that go on past branch_steps, up to K tokens
 
     def __post_init__(self) -> None:
-        if self.fallback not in ("jit", "ngram", "random", "auto"):
-            raise ValueError(f"unknown fallback {self.fallback!r}")
+        self.miss_strategy = MissStrategy.parse(self.miss_strategy)
         n = len(self.temperatures)
         if not n or len(self.primary) != n or len(self.backup) != n or len(self.c) != n:
             raise ValueError("a plan needs one fan-out table and one C per temperature")
@@ -59,11 +61,11 @@ class SpecPlan:
             raise ValueError(f"Saguaro C must lie in [0, 1], got {self.c}")
 
     @classmethod
-    def fixed(cls, fan_out: list[int], c: float = 1.0, fallback: str = "jit", b_star: float = math.inf,
-              branch_steps: int | None = None, deep_branches: int = 1) -> "SpecPlan":
-        """One fan-out list for every temperature, source and batch size (the explicit ``fan_out=[...]``)."""
-        return cls(len(fan_out) - 1, [0.0], [[list(fan_out)]], [[list(fan_out)]], [float(c)], fallback, b_star,
-                   branch_steps=[branch_steps], deep_branches=deep_branches)
+    def fixed(cls, fan_out: list[int], c: float = 1.0, miss_strategy: MissStrategy | str = MissStrategy.JIT,
+              b_star: float = math.inf, branch_steps: int | None = None, deep_branches: int = 1) -> "SpecPlan":
+        """One fan-out list for every temperature, drafter and batch size (the explicit ``fan_out=[...]``)."""
+        return cls(len(fan_out) - 1, [0.0], [[list(fan_out)]], [[list(fan_out)]], [float(c)],
+                   MissStrategy.parse(miss_strategy), b_star, branch_steps=[branch_steps], deep_branches=deep_branches)
 
     def branch_widths(self, n: int, temperature: float = 0.0) -> list[int]:
         """Branches decoded at each of the K build steps, for a sequence with ``n`` (likeliest first)."""
@@ -81,40 +83,40 @@ class SpecPlan:
     def _index(self, temperature: float) -> int:
         return min(range(len(self.temperatures)), key=lambda i: abs(self.temperatures[i] - temperature))
 
-    def fan_out(self, temperature: float, source: str, batch: int = 1) -> list[int]:
-        table = (self.primary if source == "p" else self.backup)[self._index(temperature)]
+    def fan_out(self, temperature: float, drafted_by: DraftedBy, batch: int = 1) -> list[int]:
+        table = (self.primary if drafted_by == DraftedBy.PRIMARY else self.backup)[self._index(temperature)]
         return table[max(1, min(batch, len(table))) - 1]
 
     def c_for(self, temperature: float) -> float:
         return self.c[self._index(temperature)]
 
-    def fallback_for(self, batch: int) -> str:
-        if self.fallback != "auto":
-            return self.fallback
-        return "jit" if batch < self.b_star else "ngram"
+    def miss_strategy_for(self, batch: int) -> MissStrategy:
+        if self.miss_strategy != MissStrategy.AUTO:
+            return self.miss_strategy
+        return MissStrategy.JIT if batch < self.b_star else MissStrategy.NGRAM
 
     def max_fan_out(self) -> int:
         return max(max(f) for table in self.primary + self.backup for f in table)
 
 
-class FallbackChoice:
-    """The cache-miss fallback from round to round: ``plan.fallback_for`` at each round's batch size, each
-    switch logged and kept in ``switches`` as (batch size, new fallback).
+class MissStrategyTracker:
+    """The miss strategy from round to round: ``plan.miss_strategy_for`` at each round's batch size, each
+    switch logged and kept in ``switches`` as (batch size, new strategy).
 
     The speculator follows it to draft its misses; the verifier's side keeps one too, for its round trace
     and its log: both see every round's batch size, so the two agree."""
 
     def __init__(self, plan: SpecPlan):
         self.plan = plan
-        self.current = plan.fallback_for(1)
-        self.switches: list[tuple[int, str]] = []
+        self.current = plan.miss_strategy_for(1)
+        self.switches: list[tuple[int, MissStrategy]] = []
 
-    def at(self, batch: int) -> str:
-        """The fallback for a round of ``batch`` sequences."""
-        fallback = self.plan.fallback_for(batch)
-        if fallback != self.current:
-            log.info("batch size %d: SSD cache-miss fallback %s -> %s (b* = %.2f, Thm 18)", batch, self.current,
-                     fallback, self.plan.b_star)
-            self.switches.append((batch, fallback))
-            self.current = fallback
-        return fallback
+    def at(self, batch: int) -> MissStrategy:
+        """The miss strategy for a round of ``batch`` sequences."""
+        strategy = self.plan.miss_strategy_for(batch)
+        if strategy != self.current:
+            log.info("batch size %d: SSD miss strategy %s -> %s (b* = %.2f, Thm 18)", batch, self.current,
+                     strategy, self.plan.b_star)
+            self.switches.append((batch, strategy))
+            self.current = strategy
+        return strategy

@@ -75,7 +75,7 @@ class SpecRow:
     hit: bool
     tokens: list[int]
     probs: torch.Tensor | None  # [len(tokens), V]: the distributions the tokens were drawn from
-    point_mass: bool = False  # drafted deterministically (n-gram/random fallback): no distribution
+    point_mass: bool = False  # drafted deterministically (the n-gram / random backup): no distribution
 
     def __post_init__(self) -> None:
         if self.point_mass and self.probs is not None:

@@ -23,13 +23,14 @@ from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Outcome
 from saguaro.ssd.seq_state import SeqState
+from saguaro.ssd_settings import DraftedBy
 from saguaro.ssd.speculator import Speculator, BuildStats, seq_temperature
 from saguaro.ssd.tree import BranchLayout
 
 
 @dataclass
 class RankRecord:
-    source: str  # "p": the speculation came from the primary draft, "b": from the fast backup
+    drafted_by: DraftedBy  # who drafted the speculation: the primary draft or the point-mass backup
     drafted: int  # n, tokens in the speculation that was verified
     accepted: int  # k
     rank: int  # rank of the bonus token at depth k (0 = top); -1 when the logits were not available
@@ -49,20 +50,21 @@ class RankRecorder:
         """``logits[k]``: the draft's next-token logits after the prefix and d_1..d_k (k = 0..n)."""
         self._pending[seq_id] = (logits, list(speculation))
 
-    def observe(self, seq_id: int, source: str, drafted: int, accepted: int, bonus: int, temperature: float) -> None:
+    def observe(self, seq_id: int, drafted_by: DraftedBy, drafted: int, accepted: int, bonus: int,
+                temperature: float) -> None:
         rank = -1
         held = self._pending.pop(seq_id, None)
         if held is not None and len(held[1]) == drafted:
             logits, spec = held
             if accepted < drafted and spec[accepted] == bonus:  # the verifier cut the speculation short (max_tokens)
-                self.records.append(RankRecord(source, drafted, accepted, -1, temperature))
+                self.records.append(RankRecord(drafted_by, drafted, accepted, -1, temperature))
                 return
             row = logits[accepted].float()
             above = row > row[bonus]
             if accepted < drafted:
                 above[spec[accepted]] = False  # the drafted token is never the bonus token; the cache skips it
             rank = int(above.sum())
-        self.records.append(RankRecord(source, drafted, accepted, rank, temperature))
+        self.records.append(RankRecord(drafted_by, drafted, accepted, rank, temperature))
 
     def forget(self, seq_id: int) -> None:
         self._pending.pop(seq_id, None)
@@ -70,12 +72,12 @@ class RankRecorder:
 
 class RecordingSpeculator(Speculator):
     """The speculator with a ``RankRecorder`` attached, as calibration runs it: in the engine's process
-    (``worker.InProcessLink``), every build complete. Each build ranks every depth of every speculation from
+    (``in_process.InProcessLink``), every build complete. Each build ranks every depth of every speculation from
     its own glue (not from the ranked ids a speculation came with), and decodes the branches only with
     ``recorder.build_branches``: the ranks need only the glue's logits."""
 
-    def __init__(self, runner: ModelRunner, k: int, plan: SpecPlan, recorder: RankRecorder):
-        super().__init__(runner, k, plan)
+    def __init__(self, runner: ModelRunner, plan: SpecPlan, recorder: RankRecorder):
+        super().__init__(runner, plan)
         self.recorder = recorder
 
     def build(self, interrupted: Callable[[], bool] = lambda: False) -> BuildStats:
@@ -84,7 +86,7 @@ class RecordingSpeculator(Speculator):
         return super().build()  # every glue and every step: never interrupted
 
     def _verified(self, state: SeqState, outcome: Outcome, hit: bool) -> None:
-        self.recorder.observe(outcome.seq_id, state.source, len(state.sent), outcome.num_accepted, outcome.bonus,
+        self.recorder.observe(outcome.seq_id, state.drafted_by, len(state.sent), outcome.num_accepted, outcome.bonus,
                               seq_temperature(state.seq))
         record = self.recorder.records[-1]
         record.hit, record.seq_id, record.length = hit, outcome.seq_id, len(state.seq)

@@ -12,6 +12,7 @@ from saguaro.kv.block_manager import BlockManager
 from saguaro.sampling.ranked import Ranked
 from saguaro.sd.draft_model import DraftState
 from saguaro.sd.ngram import NgramIndex
+from saguaro.ssd_settings import DraftedBy
 
 
 @dataclass
@@ -20,7 +21,7 @@ class SeqState:
     draft: DraftState = field(default_factory=DraftState)  # its draft KV cache: block table, tokens cached
     prefilled: list[int] | None = None  # the tokens a prefill put in the draft cache, until its admission
     sent: list[int] = field(default_factory=list)  # the speculation under verification
-    source: str = "p"  # who drafted it: "p" (the primary draft) or "b" (the fast backup)
+    drafted_by: DraftedBy = DraftedBy.PRIMARY  # the primary draft, or the point-mass backup (n-gram / random)
     ranked: list[Ranked] | None = None  # the draft's ranked ids at each position of it (primary only)
     scratch: list[int] = field(default_factory=list)  # blocks of the last build's branches, until the next respond
     ngram: NgramIndex = field(default_factory=NgramIndex)  # the n-gram backup's index of its tokens

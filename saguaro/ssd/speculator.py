@@ -4,8 +4,8 @@ Per round it does two things, in this order:
 
 ``respond(request)``: apply the verifier's outcomes to its copy of each sequence, then
 answer every sequence with its next speculation: from the speculation cache on a hit,
-otherwise from the fallback (just-in-time drafting by the primary draft for only the
-sequences that missed, or a fast n-gram / random backup; with fallback "auto" the choice
+otherwise by the miss strategy (just-in-time drafting by the primary draft for only the
+sequences that missed, or a point-mass n-gram / random backup; with strategy "auto" the choice
 follows the batch size, Thm 18). The hits are gathered on the draft's device and read
 together with the just-in-time drafts: one read.
 
@@ -26,8 +26,8 @@ cache, and a hit's branch wrote it into the build's scratch, which ``respond`` c
 before freeing the scratch. So only the last drafted token is fed, for the depth-K guesses.
 A backup speculation (n-gram / random) has neither and is glued whole.
 
-Fan-outs, the Saguaro sampling constant C and the fallback come from a ``SpecPlan`` (per
-temperature, per batch size, and per source: the cache for a speculation drafted by the
+Fan-outs, the Saguaro sampling constant C and the miss strategy come from a ``SpecPlan`` (per
+temperature, per batch size, and per drafter: the cache for a speculation drafted by the
 primary uses F^p, one drafted by the backup uses F^b). Every token the primary draws for
 index j of a speculation -- branch step j, or just-in-time step j -- is drawn from
 sigma_{F_j, C} (Def. 14, ``saguaro_sampling``), and that distribution is what the verifier
@@ -50,12 +50,13 @@ from saguaro.sampling.ranked import RankTable, rank_positions, rank_table, ranke
 from saguaro.sampling.sampler import sample
 from saguaro.sd.draft_model import DraftModelProposer
 from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
-from saguaro.ssd.fallback import Fallback
+from saguaro.ssd.miss_drafts import MissDrafts
 from saguaro.ssd.outcomes import predict_outcomes
-from saguaro.ssd.plan import FallbackChoice, SpecPlan
+from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest, RoundResponse, SpecRow
 from saguaro.ssd.saguaro_sampling import SaguaroSampling
 from saguaro.ssd.seq_state import SeqState
+from saguaro.ssd_settings import DraftedBy, MissStrategy
 from saguaro.ssd.tree import BranchLayout
 
 
@@ -68,28 +69,34 @@ class BuildStats:
     branches: int = 0
 
 
+@dataclass
+class DraftStep:
+    """One build step's pass: a row per decoded branch."""
+    rows: list[tuple[int, int]]  # (sequence index, branch q) of each pass row
+    drawn: torch.Tensor  # [rows] the tokens drawn, on the draft's device
+    ranks: RankTable  # the draft's likeliest ids at each row
+    probs: torch.Tensor | None  # [rows, V] what they were drawn from; None when every row is greedy
+
+
 def seq_temperature(seq: Sequence) -> float:
     return 0.0 if seq.params.greedy else float(seq.params.temperature)
 
 
 class Speculator:
     """The SSD draft side: ``respond`` answers a round from the speculation cache, ``build`` fills it for the
-    next one. Synchronous; a transport (``link.py``) runs it in a thread or a process beside the target.
+    next one. Synchronous; a transport (``link.py``) runs it in a thread or a process beside the target
+    (``host.py`` starts and serves it). K, the fan-outs, C and the miss strategy are ``plan``'s."""
 
-    ``fan_out`` is a ``SpecPlan`` or one F_0..F_K list (then ``fallback`` and ``saguaro_c`` apply to all)."""
-
-    def __init__(self, runner: ModelRunner, k: int, fan_out: list[int] | SpecPlan, fallback: str = "jit",
-                 saguaro_c: float = 1.0):
-        self.plan = fan_out if isinstance(fan_out, SpecPlan) else SpecPlan.fixed(list(fan_out), saguaro_c, fallback)
-        if self.plan.k != k:
-            raise ValueError(f"plan is for K={self.plan.k}, speculator for K={k}")
+    def __init__(self, runner: ModelRunner, plan: SpecPlan):
+        self.plan = plan
         self.runner = runner
-        self.k = k
+        self.k = plan.k
         self.batch = 1  # size of the batch in the last request
-        self.fallback_choice = FallbackChoice(self.plan)  # follows the batch size (fallback "auto", Thm 18)
+        self.miss_strategies = MissStrategyTracker(self.plan)  # follows the batch size (strategy "auto", Thm 18)
         self.saguaro_sampling = None  # Def. 14 sampling, only when some temperature uses C < 1
         if min(self.plan.c) < 1.0:
-            self.saguaro_sampling = SaguaroSampling(lambda s: self.plan.fan_out(seq_temperature(s), "p", self.batch),
+            self.saguaro_sampling = SaguaroSampling(lambda s: self.plan.fan_out(seq_temperature(s), DraftedBy.PRIMARY,
+                                                                     self.batch),
                                            lambda s: self.plan.c_for(seq_temperature(s)))
         self.width = self.plan.max_fan_out() + 1  # ranked ids kept per draft position (top-F_k plus the drafted)
         self.states: dict[int, SeqState] = {}  # per sequence id, from its prefill or admission to its release
@@ -103,20 +110,20 @@ class Speculator:
 
     def fan_out_for(self, state: SeqState) -> list[int]:
         """F_0..F_K for the cache of a sequence's speculation under verification."""
-        return self.plan.fan_out(seq_temperature(state.seq), state.source, self.batch)
+        return self.plan.fan_out(seq_temperature(state.seq), state.drafted_by, self.batch)
 
     @property
-    def fallback(self) -> str:
-        """The cache-miss fallback for the current batch size: "jit", "ngram" or "random"."""
-        return self.fallback_choice.current
+    def miss_strategy(self) -> MissStrategy:
+        """The miss strategy for the current batch size: jit, ngram or random."""
+        return self.miss_strategies.current
 
     @property
-    def fallback_switches(self) -> list[tuple[int, str]]:
-        return self.fallback_choice.switches
+    def miss_strategy_switches(self) -> list[tuple[int, MissStrategy]]:
+        return self.miss_strategies.switches
 
     def _set_batch(self, batch: int) -> None:
         self.batch = max(1, batch)
-        self.fallback_choice.at(self.batch)
+        self.miss_strategies.at(self.batch)
 
     # -- prefill -----------------------------------------------------------------
     def prefill(self, req: RoundRequest) -> None:
@@ -140,7 +147,7 @@ class Speculator:
     # -- respond -----------------------------------------------------------------
     def respond(self, req: RoundRequest) -> RoundResponse:
         """Apply the outcomes, then answer every sequence in ``req.order``: the hits from the cache, gathered on
-        the draft's device, and the misses from the fallback; the host reads both together, once."""
+        the draft's device, and the misses' drafts by the miss strategy; the host reads both together, once."""
         start = time.perf_counter()
         for seq_id in req.releases:
             self._forget(seq_id)
@@ -168,9 +175,9 @@ class Speculator:
         self.cache.clear()
         self._free_scratch()
         misses = [s for s in order if s.seq.seq_id not in hits]
-        fallback = self._fallback(misses)
-        values = read_together(pieces + fallback.pieces)  # the round's one read from the draft's device
-        rows = dict(fallback.answer(misses, values[len(pieces):]))
+        drafts = self._draft_misses(misses)
+        values = read_together(pieces + drafts.pieces)  # the round's one read from the draft's device
+        rows = dict(drafts.answer(misses, values[len(pieces):]))
         if hit_list:
             tokens, ranked = values[0], iter(ranked_rows(values[1], values[2]))
             for state, hit, row in zip(hit_states, hit_list, tokens):
@@ -179,7 +186,7 @@ class Speculator:
         for state in order:
             row = rows[state.seq.seq_id]
             state.sent = row.tokens
-            state.source = "b" if row.point_mass else "p"
+            state.drafted_by = DraftedBy.BACKUP if row.point_mass else DraftedBy.PRIMARY
         return RoundResponse([rows[i] for i in req.order], self.last_build.seconds, time.perf_counter() - start,
                              self.last_build.steps)
 
@@ -213,17 +220,17 @@ class Speculator:
         for state in self.states.values():
             self.runner.blocks.free(state.scratch)
 
-    def _fallback(self, states: list[SeqState]) -> Fallback:
+    def _draft_misses(self, states: list[SeqState]) -> MissDrafts:
         """Speculations for the sequences whose outcome the cache missed (or that are new). The just-in-time
         drafter leaves its drafts and ranked ids on the device, for ``respond``'s one read."""
         if not states:
-            return Fallback()
+            return MissDrafts()
         for s in states:
             s.ranked = None
         seqs = [s.seq for s in states]
-        if self.fallback == "jit":
-            return Fallback(self.jit.propose(seqs, [self.k] * len(seqs), read=False))
-        if self.fallback == "ngram":
+        if self.miss_strategy == MissStrategy.JIT:
+            return MissDrafts(self.jit.propose(seqs, [self.k] * len(seqs), read=False))
+        if self.miss_strategy == MissStrategy.NGRAM:
             tokens = []
             for s in states:
                 s.ngram.follow(s.seq.tokens)
@@ -231,7 +238,7 @@ class Speculator:
         else:
             vocab = self.runner.config.vocab_size
             tokens = [[self._rng.randrange(vocab) for _ in range(self.k)] for _ in seqs]
-        return Fallback(point_mass=tokens)
+        return MissDrafts(point_mass=tokens)
 
     def _forget(self, seq_id: int) -> None:
         state = self.states.pop(seq_id, None)
@@ -239,7 +246,7 @@ class Speculator:
             state.free(self.runner.blocks)
 
     def _verified(self, state: SeqState, outcome: Outcome, hit: bool) -> None:
-        """Called once the outcome of ``state``'s speculation is applied (``state.sent`` and ``state.source``
+        """Called once the outcome of ``state``'s speculation is applied (``state.sent`` and ``state.drafted_by``
         are still the verified speculation's); calibration records it (``ranks.RecordingSpeculator``)."""
 
     # -- build -------------------------------------------------------------------
@@ -300,9 +307,9 @@ class Speculator:
 
     def _decode_branches(self, states: list[SeqState], layouts: list[BranchLayout],
                          interrupted: Callable[[], bool]) -> BuildStats:
-        """Decode the branches of every sequence together, one tree-masked pass per step; step j decodes
-        each sequence's ``width(j)`` likeliest branches (``layouts[i]``: those of ``states[i]``), their k/v
-        in each sequence's scratch blocks."""
+        """Decode the branches of every sequence together, one tree-masked pass per step (``_draft_step``);
+        step j decodes each sequence's ``width(j)`` likeliest branches (``layouts[i]``: those of ``states[i]``),
+        their k/v in each sequence's scratch blocks. The drawn tokens go into the cache's token table."""
         live = [i for i, lay in enumerate(layouts) if lay.num_branches]
         if not live:
             return BuildStats()
@@ -311,84 +318,71 @@ class Speculator:
             size = layouts[i].scratch_size(self.k)
             self.runner.blocks.reserve(states[i].scratch, size)
             layouts[i].scratch_slots = self.runner.slots(states[i].scratch, 0, size)
-        # per live sequence and branch: the rows (over all steps' passes) whose tokens, distributions and ranked
-        # ids the branch drew
-        rows_of: dict[int, list[list[int]]] = {i: [[] for _ in range(layouts[i].num_branches)] for i in live}
-        all_probs: list[torch.Tensor] = []
-        tables: list[RankTable] = []
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
         greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro_sampling is None
-        done = steps = 0  # rows in the passes so far, passes so far
-        # each step's drawn tokens stay on the draft's device, feed the next step there and end in the cache's
-        # token table there: the build never waits for the device (on a GPU its steps queue up back to back)
-        drawn_steps: list[torch.Tensor] = []
-        step_rows: list[list[tuple[int, int]]] = []
+        steps: list[DraftStep] = []
         for step in range(self.k):
             if step > 0 and interrupted():
                 break
-            rows = [(i, q) for i in live for q in range(layouts[i].width(step))]
-            row_seqs = [seqs[i] for i, _ in rows]
-            if step == 0:
-                inputs = torch.tensor([layouts[i].roots[q] for i, q in rows], dtype=torch.long)
-            else:  # every branch of this step was decoded by the last one (widths never grow)
-                last = {row: r for r, row in enumerate(step_rows[-1])}
-                index = torch.tensor([last[row] for row in rows])
-                inputs = drawn_steps[-1][to_device(index, drawn_steps[-1].device)]
-            items, first = [], 0
-            for i in live:
-                width = layouts[i].width(step)
-                items.append(layouts[i].step_item(step, inputs[first:first + width]))
-                first += width
-            logits = self.runner.forward_flat(items)[0]
-            tables.append(rank_table(logits, self.width))
-            if greedy_only:
-                drawn = logits.argmax(dim=-1)
-            else:
-                step_probs = processed_probs(logits, row_seqs)
-                if self.saguaro_sampling is not None:
-                    step_probs = self.saguaro_sampling.apply(step_probs, step, row_seqs)  # Def. 14 for index ``step``
-                greedy = torch.tensor([s.params.greedy for s in row_seqs])
-                drawn = sample(step_probs, [s.generator for s in row_seqs], greedy)
-                all_probs.append(step_probs)
-            drawn_steps.append(drawn)
-            step_rows.append(rows)
-            for r, (i, q) in enumerate(rows):
-                rows_of[i][q].append(done + r)
-            done += len(rows)
-            steps += 1
+            steps.append(self._draft_step(step, live, layouts, seqs, steps[-1] if steps else None, greedy_only))
         branches = [(i, q) for i in live for q in range(layouts[i].num_branches)]  # token table rows, in order
-        table = torch.full((len(branches), self.k), -1, dtype=torch.long, device=self.runner.device)
-        if drawn_steps:  # pass row r of step j -> (branch row, j), written in one scatter
-            cell = [0] * done
-            for b, (i, q) in enumerate(branches):
-                for j, r in enumerate(rows_of[i][q]):
-                    cell[r] = b * self.k + j
-            flat = to_device(torch.tensor(cell, dtype=torch.long), table.device)
-            table.view(-1)[flat] = torch.cat(drawn_steps).to(table.device)
-        self.cache.fill(table, RankTable.cat(tables) if tables else None)
-        probs = self._branch_probs(seqs, rows_of, all_probs)
+        rows_of: dict[tuple[int, int], list[int]] = {branch: [] for branch in branches}  # pass rows, all steps
+        done = 0
+        for drafted in steps:
+            for r, branch in enumerate(drafted.rows):
+                rows_of[branch].append(done + r)
+            done += len(drafted.rows)
+        self.cache.fill([rows_of[b] for b in branches], [d.drawn for d in steps],
+                        RankTable.cat([d.ranks for d in steps]) if steps else None, self.k, self.runner.device)
+        probs = self._branch_probs(seqs, rows_of, [d.probs for d in steps if d.probs is not None])
         for b, (i, q) in enumerate(branches):
-            lay, rows = layouts[i], rows_of[i][q]
+            lay, rows = layouts[i], rows_of[i, q]
             kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(rows))]  # the root, then tokens[:-1]
             self.cache.put(seqs[i].seq_id, lay.fork_depths[q], lay.roots[q],
                            CachedSpeculation(b, len(rows), probs.get((i, q)), rows, kv_slots))
-        return BuildStats(steps=steps, branches=sum(layouts[i].num_branches for i in live))
+        return BuildStats(steps=len(steps), branches=len(branches))
+
+    def _draft_step(self, step: int, live: list[int], layouts: list[BranchLayout], seqs: list[Sequence],
+                    last: DraftStep | None, greedy_only: bool) -> DraftStep:
+        """One build step: every decoded branch's input (its root at step 0, else what ``last`` drew for it:
+        widths never grow, so ``last`` decoded every branch of this step) -> one tree-masked pass -> the
+        tokens drawn, left on the draft's device to feed the next step and fill the token table there."""
+        rows = [(i, q) for i in live for q in range(layouts[i].width(step))]
+        row_seqs = [seqs[i] for i, _ in rows]
+        if last is None:
+            inputs = torch.tensor([layouts[i].roots[q] for i, q in rows], dtype=torch.long)
+        else:
+            where = {row: r for r, row in enumerate(last.rows)}
+            inputs = last.drawn[to_device(torch.tensor([where[row] for row in rows]), last.drawn.device)]
+        items, first = [], 0
+        for i in live:
+            width = layouts[i].width(step)
+            items.append(layouts[i].step_item(step, inputs[first:first + width]))
+            first += width
+        logits = self.runner.forward_flat(items)[0]
+        ranks = rank_table(logits, self.width)
+        if greedy_only:
+            return DraftStep(rows, logits.argmax(dim=-1), ranks, None)
+        probs = processed_probs(logits, row_seqs)
+        if self.saguaro_sampling is not None:
+            probs = self.saguaro_sampling.apply(probs, step, row_seqs)  # Def. 14 for index ``step``
+        greedy = torch.tensor([s.params.greedy for s in row_seqs])
+        return DraftStep(rows, sample(probs, [s.generator for s in row_seqs], greedy), ranks, probs)
 
     @staticmethod
-    def _branch_probs(seqs: list[Sequence], rows_of: dict[int, list[list[int]]],
+    def _branch_probs(seqs: list[Sequence], rows_of: dict[tuple[int, int], list[int]],
                       all_probs: list[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
         """[len(tokens), V] distributions of every sampled (non-greedy) branch: one gather per branch length."""
         by_length: dict[int, list[tuple[int, int]]] = {}
-        for i, branches in rows_of.items():
+        for (i, q), rows in rows_of.items():
             if not seqs[i].params.greedy:
-                for q, rows in enumerate(branches):
-                    by_length.setdefault(len(rows), []).append((i, q))
+                by_length.setdefault(len(rows), []).append((i, q))
         if not by_length:
             return {}
         flat = torch.cat(all_probs)
         out = {}
         for members in by_length.values():
-            index = to_device(torch.tensor([rows_of[i][q] for i, q in members]), flat.device)
+            index = to_device(torch.tensor([rows_of[m] for m in members]), flat.device)
             gathered = flat[index]  # [branches, length, V]
             out.update(zip(members, gathered))
         return out

@@ -5,7 +5,7 @@ Per round, for the running batch:
      pass (the SD verifier, unchanged: it only ever sees tokens and the q they came from);
   2. one request goes to the speculator: each verified sequence's outcome (k, t*), new
      sequences' tokens, finished sequences' ids;
-  3. one response comes back: the next speculation for every sequence (hit or fallback).
+  3. one response comes back: the next speculation for every sequence (a hit, or drafted after a miss).
 If the speculator dies or stops answering, the decoder logs it and finishes every request
 with lossless n-gram SD in this process; nothing in flight is lost.
 """
@@ -28,10 +28,12 @@ from saguaro.sd.sd import SDDecoder, draft_budget, verify_round
 from saguaro.sd.types import Proposal
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.link import SpeculatorLink
-from saguaro.ssd.plan import FallbackChoice, SpecPlan
+from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
+from saguaro.ssd_settings import MissStrategy
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
 from saguaro.ssd.thread_link import ThreadLink
-from saguaro.ssd.worker import WorkerLink, WorkerOptions
+from saguaro.ssd.host import SpeculatorOptions
+from saguaro.ssd.worker import WorkerLink
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -44,7 +46,7 @@ class RoundTrace:
     build_s: float  # speculator's cache build for this round (overlapping verification)
     build_steps: int
     hits: list[bool] = field(default_factory=list)  # per verified sequence: was its speculation a cache hit
-    fallback: str = ""  # the cache-miss fallback for this round's batch size (plan.FallbackChoice)
+    miss_strategy: str = ""  # the miss strategy for this round's batch size (plan.MissStrategyTracker)
     emitted: list[int] = field(default_factory=list)  # per verified sequence: tokens the verification emitted
 
 
@@ -55,7 +57,7 @@ class SSDDecoder(Decoder):
     def __init__(self, target: ModelRunner, link: SpeculatorLink, plan: SpecPlan, max_model_len: int):
         self.target = target
         self.link: SpeculatorLink | None = link
-        self.plan = plan  # what the speculator was told (fan-outs, C, fallback)
+        self.plan = plan  # what the speculator was told (fan-outs, C, miss strategy)
         self.k = plan.k
         self.lookahead = self.k + 1
         self.max_model_len = max_model_len
@@ -63,13 +65,13 @@ class SSDDecoder(Decoder):
         self.prev_hit: dict[int, bool] = {}
         self.released: list[int] = []
         self.trace: list[RoundTrace] = []
-        self.fallback: SDDecoder | None = None
+        self.local_sd: SDDecoder | None = None  # n-gram SD in the target once the speculator is gone
         self.failure: str | None = None
-        self.fallback_choice = FallbackChoice(plan)  # the speculator's, followed here for the trace and the log
+        self.miss_strategies = MissStrategyTracker(plan)  # the speculator's, followed here for trace and log
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
-            return self.fallback.decode(seqs)
+            return self.local_sd.decode(seqs)
         t0 = time.perf_counter()
         out: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         ready = [s for s in seqs if s.seq_id in self.pending]
@@ -93,7 +95,7 @@ class SSDDecoder(Decoder):
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
-                                     response.build_steps, hits, self.fallback_choice.at(len(seqs)),
+                                     response.build_steps, hits, self.miss_strategies.at(len(seqs)),
                                      [len(out[s.seq_id]) for s in ready]))
         return [out[s.seq_id] for s in seqs]
 
@@ -110,9 +112,9 @@ class SSDDecoder(Decoder):
             self._fail(str(e))
 
     @property
-    def fallback_switches(self) -> list[tuple[int, str]]:
-        """(batch size, new fallback) each time fallback "auto" switched."""
-        return self.fallback_choice.switches
+    def miss_strategy_switches(self) -> list[tuple[int, MissStrategy]]:
+        """(batch size, new strategy) each time miss strategy "auto" switched."""
+        return self.miss_strategies.switches
 
     def _proposal(self, seqs: list[Sequence]) -> Proposal:
         rows = [self.pending[s.seq_id] for s in seqs]
@@ -154,15 +156,15 @@ class SSDDecoder(Decoder):
         self.link.kill()
         self.link = None
         self.pending.clear()
-        self.fallback = SDDecoder(self.target, NgramProposer(), self.k, self.max_model_len)
+        self.local_sd = SDDecoder(self.target, NgramProposer(), self.k, self.max_model_len)
 
     def release(self, seq: Sequence) -> None:
         self.pending.pop(seq.seq_id, None)
         self.prev_hit.pop(seq.seq_id, None)
         if self.link is not None:
             self.released.append(seq.seq_id)
-        elif self.fallback is not None:
-            self.fallback.release(seq)
+        elif self.local_sd is not None:
+            self.local_sd.release(seq)
 
     def close(self) -> None:
         if self.link is not None:
@@ -180,6 +182,6 @@ def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: L
                       max_model_len: int) -> SSDDecoder:
     """The verifier side, with the speculator started on ``plan`` (``calibration.resolve.ssd_plan``) over the
     transport Config placed it on (``saguaro.placement``)."""
-    opts = WorkerOptions.from_config(cfg, plan)
+    opts = SpeculatorOptions.from_config(cfg, plan)
     link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
     return SSDDecoder(target, link, plan, max_model_len)

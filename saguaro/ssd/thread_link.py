@@ -1,8 +1,8 @@
 """The colocated speculator: the same ``Speculator`` in a thread of the target's process.
 
-It serves exactly as the speculator process does (``worker.py``): take a request, respond,
-then build the next cache while the target verifies, and cut the build short as soon as the
-next request is waiting. Only the transport differs: requests and responses pass as Python
+It starts and serves exactly as the speculator process does (``host.py``): take a request,
+respond, then build the next cache while the target verifies, and cut the build short as soon
+as the next request is waiting. Only the transport differs: requests and responses pass as Python
 objects through two in-process queues, with no packing. Ownership passes with the message:
 the decoder builds a fresh ``RoundRequest`` every round and never touches it after sending,
 and the speculator never touches a response's rows after sending them.
@@ -36,11 +36,9 @@ from typing import Any
 
 import torch
 
-from saguaro.device import load_or_place
-from saguaro.engine.model_runner import draft_runner
 from saguaro.ssd.channel import ChannelClosed
-from saguaro.ssd.protocol import CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse
-from saguaro.ssd.worker import WorkerOptions
+from saguaro.ssd.host import SpeculatorOptions, serve, start_speculator
+from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -58,7 +56,7 @@ class _Reply:
 class ThreadLink:
     """The engine's handle on a speculator thread (the ``SpeculatorLink`` protocol)."""
 
-    def __init__(self, draft: Any, opts: WorkerOptions, sms: int | None = None):
+    def __init__(self, draft: Any, opts: SpeculatorOptions, sms: int | None = None):
         self.opts = opts
         self.requests: queue.SimpleQueue[RoundRequest] = queue.SimpleQueue()
         self.replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
@@ -126,35 +124,22 @@ class ThreadLink:
         opts = self.opts
         try:
             with _lane(opts, sms) as stream, torch.no_grad():  # grad mode is per thread
-                draft = load_or_place(draft, opts.device, opts.dtype)
-                runner = draft_runner(opts.draft_format, draft, opts.draft_blocks(), opts.block_size, opts.device,
-                                      opts.fast)
-                speculator = opts.make_speculator(runner)
+                speculator = start_speculator(draft, opts)
                 self.replies.put(_Reply())  # ready
-                try:
-                    self._loop(speculator, stream)
-                finally:
-                    speculator.close()
+                serve(speculator, self._next_request,
+                      lambda response: self.replies.put(_Reply(response, event=_handoff_event(stream))),
+                      lambda: self.stopping.is_set() or not self.requests.empty())
         except BaseException as e:  # handed to the target's next exchange
             log.error("speculator thread raised %s: %s", type(e).__name__, e, exc_info=True)
             self.replies.put(_Reply(error=e))
 
-    def _loop(self, speculator, stream) -> None:
-        interrupted = lambda: self.stopping.is_set() or not self.requests.empty()  # noqa: E731
-        while True:
-            req = self.requests.get()
-            if req.command == CMD_STOP or self.stopping.is_set():
-                return
-            if req.command == CMD_PREFILL:  # no response; a build it cut short stays as it is
-                speculator.prefill(req)
-                continue
-            response = speculator.respond(req)
-            self.replies.put(_Reply(response, event=_handoff_event(stream)))
-            speculator.build(interrupted=interrupted)
+    def _next_request(self) -> RoundRequest | None:
+        req = self.requests.get()
+        return None if self.stopping.is_set() else req
 
 
 @contextmanager
-def _lane(opts: WorkerOptions, sms: int | None) -> Iterator[Any]:
+def _lane(opts: SpeculatorOptions, sms: int | None) -> Iterator[Any]:
     """Run the body on the speculator's lane; yields its CUDA stream (None on the CPU)."""
     if opts.device == "cpu":
         if opts.cores and hasattr(os, "sched_setaffinity"):

@@ -1,4 +1,5 @@
-"""A round's answer for the sequences the speculation cache missed (the fallback's drafts), before it is read.
+"""A round's answer for the sequences the speculation cache missed (their drafts, by the miss strategy),
+before it is read.
 
 The just-in-time drafter leaves its drafts and ranked ids on the draft's device; ``respond`` reads them
 together with the hits it gathered there (``pieces``), then makes the rows (``answer``). A point-mass
@@ -17,7 +18,7 @@ from saguaro.ssd.seq_state import SeqState
 
 
 @dataclass
-class Fallback:
+class MissDrafts:
     """The misses' speculations: a just-in-time proposal still on the draft's device, or point-mass tokens."""
     proposal: Proposal | None = None
     point_mass: list[list[int]] | None = None

@@ -1,4 +1,4 @@
-"""fan_out / saguaro_c / fallback / K = "auto": choices from a profile (Thm 12, 13, 18) and their wiring."""
+"""fan_out / saguaro_c / miss_strategy / K = "auto": choices from a profile (Thm 12, 13, 18) and their wiring."""
 import logging
 import math
 from dataclasses import replace
@@ -16,6 +16,7 @@ from saguaro.calibration.timeline import build_time, rows_time
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
+from saguaro.ssd_settings import SSDSettings
 from saguaro.ssd.speculator import Speculator
 from saguaro.theory import critical_batch_size, integer_geometric_fanout, optimal_fanout
 from tests.tiny import tiny_model, truncated
@@ -103,11 +104,13 @@ def test_taper_is_chosen_when_it_predicts_faster():
     tapered = best_choice(profile, entry, 5, 1, "jit", VOCAB, tree_shapes(5, True))
     assert tapered.tok_s >= plain.tok_s
     assert tapered.branch_steps is not None and tapered.deep_steps > tapered.steps and 0 < tapered.deep_share <= 1
-    plan = make_plan(profile, 5, 1.0, "jit", 2, VOCAB, taper=True)
+    plan = make_plan(profile, 5, SSDSettings(fan_out="auto", branch_steps="auto"), 2, VOCAB).plan
     assert plan.branch_steps[0] == tapered.branch_steps and len(plan.branch_steps) == len(plan.temperatures)
     assert plan.branch_widths(7, 0.0) == [7] * tapered.branch_steps + [1] * (5 - tapered.branch_steps)
-    assert make_plan(profile, 5, 1.0, "jit", 2, VOCAB).branch_steps == [None] * len(plan.temperatures)
-    wide = make_plan(profile, 5, 1.0, "jit", 1, VOCAB, taper=True, deep=2)  # the deep count reaches the plan
+    full = make_plan(profile, 5, SSDSettings(fan_out="auto"), 2, VOCAB).plan
+    assert full.branch_steps == [None] * len(plan.temperatures)
+    wide = make_plan(profile, 5, SSDSettings(fan_out="auto", branch_steps="auto", deep_branches=2), 1, VOCAB).plan
+    # the deep count reaches the plan
     assert wide.deep_branches == 2
     source, f = entry.primary, tapered.primary
     assert deep_share(source, f, tapered.steps, 2) >= deep_share(source, f, tapered.steps, 1)
@@ -130,11 +133,12 @@ def test_plan_tables_and_c():
     profile = default_profile("a", "b", "bf16", 2)
     sweep = replace(profile.temperatures["1.0"].primary, c=0.5, acceptance=0.74)
     profile.temperatures["1.0"] = replace(profile.temperatures["1.0"], c_sweep=[sweep])
-    plan = make_plan(profile, 2, "auto", "auto", 4, VOCAB)
+    chosen = make_plan(profile, 2, SSDSettings(fan_out="auto", miss_strategy="auto", saguaro_c="auto"), 4, VOCAB)
+    plan = chosen.plan
     assert plan.temperatures == [0.0, 1.0] and plan.c[0] == 1.0 and plan.c[1] in (1.0, 0.5)
     assert all(len(t) == 4 for t in plan.primary + plan.backup)
-    assert plan.notes["b_star"] == plan.b_star
-    fixed = make_plan(profile, 2, 0.3, "jit", 2, VOCAB)
+    assert chosen.report.b_star == plan.b_star
+    fixed = make_plan(profile, 2, SSDSettings(fan_out="auto", saguaro_c=0.3), 2, VOCAB).plan
     assert fixed.c == [0.3, 0.3] and fixed.b_star == math.inf
     assert 1 <= recommended_k(profile) <= 8
 
@@ -145,26 +149,26 @@ def pair():
     return target, truncated(target, 1)
 
 
-def test_auto_fallback_switches_with_batch_size_and_uses_backup_fan_out(pair, caplog):
+def test_auto_miss_strategy_switches_with_batch_size_and_uses_backup_fan_out(pair, caplog):
     plan = SpecPlan(2, [0.0], [[[1, 1, 1]]], [[[0, 0, 3]]], [1.0], "auto", b_star=2.5)
-    spec = Speculator(ModelRunner(pair[1].model, 512, 4), 2, plan)
+    spec = Speculator(ModelRunner(pair[1].model, 512, 4), plan)
     greedy = SamplingParams()
     adm = [Admission(i, [3, 7, 1 + i], greedy, 0) for i in range(3)]
     with caplog.at_level(logging.INFO, logger="saguaro.ssd"):
         rows = spec.respond(RoundRequest([], adm[:2], [], [0, 1])).rows  # batch 2 < b*: just in time
-        assert not any(r.point_mass for r in rows) and spec.fallback == "jit"
+        assert not any(r.point_mass for r in rows) and spec.miss_strategy == "jit"
         spec.build()
         outs = [Outcome(i, 0, 63) for i in range(2)]  # unlikely outcomes: misses
         rows = spec.respond(RoundRequest(outs, adm[2:], [], [0, 1, 2])).rows  # batch 3 >= b*: n-gram
-        assert all(r.point_mass for r in rows) and spec.fallback == "ngram"
+        assert all(r.point_mass for r in rows) and spec.miss_strategy == "ngram"
         spec.build()
         keys = spec.cache.keys()
         assert keys and all(k == len(spec.states[seq].sent) for seq, k, _ in keys)  # F^b: only the all-accepted depth
         outs = [Outcome(i, 0, 63) for i in range(2)]
         rows = spec.respond(RoundRequest(outs, [], [2], [0, 1])).rows  # back to batch 2
-        assert spec.fallback == "jit" and not any(r.point_mass for r in rows)
-    assert spec.fallback_switches == [(3, "ngram"), (2, "jit")]
-    assert sum("fallback jit -> ngram" in r.message for r in caplog.records) == 1
+        assert spec.miss_strategy == "jit" and not any(r.point_mass for r in rows)
+    assert spec.miss_strategy_switches == [(3, "ngram"), (2, "jit")]
+    assert sum("miss strategy jit -> ngram" in r.message for r in caplog.records) == 1
     spec.close()
 
 
@@ -175,13 +179,14 @@ def test_engine_auto_settings_with_and_without_a_profile(pair, tmp_path, monkeyp
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     with LLM(pair[0], block_size=4) as ar:
         want = [o.token_ids for o in ar.generate(PROMPTS, SamplingParams(max_tokens=16))]
-    opts = dict(mode="ssd", fan_out="auto", fallback="auto", saguaro_c="auto", block_size=4, max_num_seqs=4)
+    opts = dict(mode="ssd", fan_out="auto", miss_strategy="auto", saguaro_c="auto", block_size=4, max_num_seqs=4)
     with caplog.at_level(logging.INFO):
         with LLM(target=pair[0], draft=pair[1], num_speculative_tokens=3, **opts) as llm:
             assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=16))] == want
             plan = llm.engine.decoder.plan
     assert any("no calibration profile" in r.message for r in caplog.records)
-    assert plan.notes["default_profile"] and len(plan.primary[0]) == 4 and plan.k == 3
+    assert any("SSD plan (defaults)" in r.message for r in caplog.records)
+    assert len(plan.primary[0]) == 4 and plan.k == 3
     profile = _empirical(default_profile(pair[0].name, pair[1].name, "float32", 3))
     profile.default = False
     save_profile(profile)
@@ -193,11 +198,12 @@ def test_engine_auto_settings_with_and_without_a_profile(pair, tmp_path, monkeyp
             k = llm.config.num_speculative_tokens
     assert [o.token_ids for o in out] == want
     assert not any("no calibration profile" in r.message for r in caplog.records)
-    assert isinstance(k, int) and plan.k == k and not plan.notes["default_profile"]
-    assert plan.notes["temperatures"]["0.0"]["method"] == "thm13-empirical"
+    assert isinstance(k, int) and plan.k == k
+    report = [r.message for r in caplog.records if "SSD plan (calibrated)" in r.message]
+    assert report and "thm13-empirical" in report[0].split("T=1.0")[0]  # the greedy row's method
 
 
-def test_engine_auto_fallback_switches_at_b_star(pair, tmp_path, monkeypatch, caplog):
+def test_engine_auto_miss_strategy_switches_at_b_star(pair, tmp_path, monkeypatch, caplog):
     """A profile whose Thm 18 threshold is b* = 2.5: batches of 3 use the n-gram backup, smaller ones jit."""
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     profile = default_profile(pair[0].name, pair[1].name, "float32", 3)
@@ -210,16 +216,16 @@ def test_engine_auto_fallback_switches_at_b_star(pair, tmp_path, monkeypatch, ca
     with LLM(pair[0], block_size=4) as ar:
         want = [o.token_ids for o in ar.generate(PROMPTS, SamplingParams(max_tokens=16))]
     with caplog.at_level(logging.INFO, logger="saguaro.ssd"):
-        with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, fallback="auto",
+        with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, miss_strategy="auto",
                  fan_out=[1, 1, 1, 1], block_size=4, max_num_seqs=4) as llm:
             first = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16))[0]
             outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16))
             decoder = llm.engine.decoder
     assert decoder.plan.b_star == pytest.approx(2.5, abs=0.1)
     assert first.token_ids == want[0] and [o.token_ids for o in outs] == want
-    assert {t.fallback for t in decoder.trace} == {"jit", "ngram"}
-    assert decoder.fallback_switches[0] == (3, "ngram")
-    assert any("fallback jit -> ngram" in r.message for r in caplog.records)
+    assert {t.miss_strategy for t in decoder.trace} == {"jit", "ngram"}
+    assert decoder.miss_strategy_switches[0] == (3, "ngram")
+    assert any("miss strategy jit -> ngram" in r.message for r in caplog.records)
 
 
 def test_verified_mix_follows_the_lengths_of_the_verified_speculations():
@@ -261,7 +267,7 @@ def test_a_pair_that_always_hits_plans_without_error():
         for source in ("primary", "backup"):
             s = getattr(entry, source)
             s.hit_curves, s.power_law = [[0.0] + [1.0] * 64] * len(s.hit_curves), False
-    make_plan(profile, 4, "auto", "auto", 8, VOCAB)
+    make_plan(profile, 4, SSDSettings(fan_out="auto", miss_strategy="auto", saguaro_c="auto"), 8, VOCAB)
     for entry in profile.temperatures.values():
-        for batch, fallback in ((1, "jit"), (8, "ngram")):
-            assert 0.0 <= best_choice(profile, entry, 4, batch, fallback, VOCAB).p_hit <= 1.0
+        for batch, strategy in ((1, "jit"), (8, "ngram")):
+            assert 0.0 <= best_choice(profile, entry, 4, batch, strategy, VOCAB).p_hit <= 1.0
