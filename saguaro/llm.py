@@ -102,7 +102,8 @@ class LLM:
         """Yield tokens of one request as rounds produce them."""
         ids, text = self._encode(prompt)
         seq = self.engine.add_request(ids, params or SamplingParams(), text)
-        shown = StreamText(self.tokenizer, seq.params.stop)  # decodes only the new tokens of each chunk
+        # decodes only the new tokens of each chunk
+        shown = StreamText(self.tokenizer, seq.params.stop, seq.params.skip_special_tokens)
         try:
             while not seq.finished:
                 for s, tokens in self.engine.step():

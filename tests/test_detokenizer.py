@@ -24,9 +24,9 @@ class CountingTokenizer:
     def __init__(self, inner):
         self.inner, self.sizes = inner, []
 
-    def decode(self, ids):
+    def decode(self, ids, skip_special_tokens=False):
         self.sizes.append(len(ids))
-        return self.inner.decode(ids)
+        return self.inner.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7])

@@ -116,8 +116,8 @@ def test_n_choices(client, reference):
             texts[c.index] += c.delta.content or ""
     whole = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=2, n=2)
     assert [texts[0], texts[1]] == [c.message.content for c in whole.choices]
-    with pytest.raises(openai.BadRequestError, match="n: Input should be less than or equal to 64"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=65)
+    with pytest.raises(openai.BadRequestError, match="n: Input should be less than or equal to 128"):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, n=129)
 
 
 def test_several_prompts(client, reference):

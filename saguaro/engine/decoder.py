@@ -23,9 +23,9 @@ class Decoder(ABC):
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         """Advance each sequence by one round; return the new tokens per sequence."""
 
-    def prefilling(self, seqs: list[Sequence]) -> None:
-        """The engine is about to prefill these sequences in the target (a speculator on another device
-        may prefill its draft meanwhile)."""
+    def prefilling(self, seqs: list[Sequence], ends: list[int]) -> None:
+        """The engine is about to feed the target ``seqs[i].tokens[:ends[i]]`` (a prefill chunk; the prompt is
+        complete when ``ends[i] == seqs[i].prefill_end``). A draft may prefill as far meanwhile."""
 
     def release(self, seq: Sequence) -> None:
         """Forget per-sequence state (on finish or preemption)."""

@@ -26,8 +26,9 @@ _INCOMPLETE = "\ufffd"
 
 
 class IncrementalDetokenizer:
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens  # leave special tokens (chat markers, EOS) out
         self.ids: list[int] = []
         self.text = ""  # everything emitted so far
         self.prefix_offset = 0
@@ -45,8 +46,9 @@ class IncrementalDetokenizer:
     def _advance(self, final: bool) -> str:
         if self.read_offset == len(self.ids):
             return ""
-        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset])
-        window = self.tokenizer.decode(self.ids[self.prefix_offset:])
+        skip = self.skip_special_tokens
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset:self.read_offset], skip_special_tokens=skip)
+        window = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=skip)
         if not final and (window.endswith(_INCOMPLETE) or len(window) <= len(prefix)):
             return ""
         new = window[len(prefix):]
@@ -63,8 +65,8 @@ class StreamText:
     that begins earlier is already complete, so the engine has finished the request.)
     """
 
-    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = ()):
-        self.detokenizer = IncrementalDetokenizer(tokenizer)
+    def __init__(self, tokenizer: Tokenizer, stop: Sequence[str] = (), skip_special_tokens: bool = False):
+        self.detokenizer = IncrementalDetokenizer(tokenizer, skip_special_tokens)
         self.holdback = max((len(s) for s in stop), default=1) - 1
         self.shown = 0
 

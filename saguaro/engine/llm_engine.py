@@ -63,31 +63,42 @@ class LLMEngine:
 
     # -- one step -----------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Run one prefill or decode round; return (sequence, tokens it gained)."""
+        """Run one prefill chunk or decode round; return (sequence, tokens it gained).
+
+        What goes wrong with one sequence's row after the batch's pass (a token it cannot take, a failing
+        stop-string check) finishes that sequence alone with finish reason ``"error: ..."``; the others go on.
+        """
         batch = self.scheduler.schedule(self.decoder.lookahead)
         if batch is None:
             return []
-        new_tokens = self._prefill(batch.seqs) if batch.is_prefill else self.decoder.decode(batch.seqs)
+        new_tokens = self._prefill(batch.seqs, batch.chunks) if batch.is_prefill else self.decoder.decode(batch.seqs)
         events = []
         for seq, tokens in zip(batch.seqs, new_tokens):
-            gained = self._append(seq, tokens)
+            try:
+                gained = self._append(seq, tokens)
+            except Exception as e:  # this row only: the batch goes on
+                gained = []
+                seq.status, seq.finish_reason = Status.FINISHED, f"error: {type(e).__name__}: {e}"
             events.append((seq, gained))
             if seq.finished:
                 self._finish(seq)
         return events
 
-    def _prefill(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Fill the target cache; fresh requests sample their first token from the last logits."""
-        items = []
-        for seq in seqs:
-            fresh = not seq.output_ids
-            upto = len(seq) if fresh else len(seq) - 1  # a resumed request re-feeds its last token next round
-            items.append(ForwardItem(seq.tokens[seq.num_cached:upto], seq.num_cached, seq.block_table,
-                                     "last" if fresh else "none"))
-        self.decoder.prefilling(seqs)
+    def _prefill(self, seqs: list[Sequence], chunks: list[int]) -> list[list[int]]:
+        """Feed each sequence its next ``chunks[i]`` prompt tokens; a fresh request whose prompt is then complete
+        samples its first token from the last logits."""
+        items, ends = [], []
+        for seq, n in zip(seqs, chunks):
+            start, end = seq.num_cached, seq.num_cached + n
+            sample = end == len(seq) and not seq.output_ids  # a resumed request re-feeds its last token next round
+            items.append(ForwardItem(seq.tokens[start:end], start, seq.block_table, "last" if sample else "none"))
+            ends.append(end)
+        self.decoder.prefilling(seqs, ends)
         logits = self.target.forward(items)
-        for seq, item in zip(seqs, items):
-            seq.num_cached += len(item.token_ids)
+        for seq, end in zip(seqs, ends):
+            seq.num_cached = end
+            if end == seq.prefill_end:
+                self.scheduler.prefilled(seq)
         fresh = [(i, seq) for i, seq in enumerate(seqs) if logits[i] is not None]
         new_tokens: list[list[int]] = [[] for _ in seqs]
         if fresh:
@@ -97,15 +108,20 @@ class LLMEngine:
         return new_tokens
 
     def _append(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append tokens one by one, stopping at EOS, stop strings, max_tokens or the context end."""
+        """Append tokens one by one, stopping at EOS, a stop token or string, max_tokens or the context end.
+        Raises ``ValueError`` for a token outside the vocabulary (a row the sampler could not sample)."""
         gained = []
         params = seq.params
+        vocab = self.target.config.vocab_size
         for token in tokens:
+            if not 0 <= token < vocab:
+                raise ValueError(f"sampling produced no valid token (got id {token}; the vocabulary is [0, {vocab}))"
+                                 " - the logits of this request were not finite")
             seq.output_ids.append(token)
             gained.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = time.perf_counter()
-            if token in self.eos_ids and not params.ignore_eos:
+            if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif params.stop and self._hit_stop_string(seq):
                 seq.finish_reason = "stop"
@@ -119,7 +135,7 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         """Search only the new text (plus a stop string's length before it): linear in the output, not quadratic."""
         if seq.stop_text is None:
-            seq.stop_text = IncrementalDetokenizer(self.tokenizer)
+            seq.stop_text = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
         detok = seq.stop_text
         before = len(detok.text)
         if not detok.push(seq.output_ids[len(detok.ids):]):
@@ -144,7 +160,7 @@ class LLMEngine:
 
     # -- results ------------------------------------------------------------------
     def output(self, seq: Sequence) -> RequestOutput:
-        text = self.tokenizer.decode(seq.output_ids)
+        text = self.tokenizer.decode(seq.output_ids, skip_special_tokens=seq.params.skip_special_tokens)
         if seq.stop_text_cut is not None:
             text = text[:seq.stop_text_cut]
         end = seq.finish_time or time.perf_counter()

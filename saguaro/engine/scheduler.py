@@ -1,16 +1,20 @@
-"""Continuous batching over the target's paged KV cache.
+"""Continuous batching over the target's paged KV cache, with chunked prefill.
 
-Each step is either a prefill batch (admit waiting requests whose blocks fit) or a decode
-batch (every running request advances one round). A decode round may write up to
-``lookahead`` new positions per sequence (1 for AR, K+1 for speculative verification);
-blocks for them are reserved up front. When blocks run out, the most recently admitted
-request is preempted: its blocks are freed and it goes back to the front of the queue,
-to be recomputed later. Nothing crashes and no request is dropped.
+Each step is either a prefill step or a decode step. Waiting requests are admitted when their
+prompt's blocks fit; an admitted request is *prefilling* until its prompt is in the cache, fed
+at most ``max_prefill_tokens`` tokens per step over all prefilling requests (a long prompt takes
+several steps: chunks). While requests are decoding, prefill and decode steps alternate, so a
+long prompt delays the running streams by one chunk per token, never by its whole prefill.
+
+A decode round may write up to ``lookahead`` new positions per sequence (1 for AR, K+1 for
+speculative verification); blocks for them are reserved up front. When blocks run out, the most
+recently admitted request is preempted (a prefilling one first): its blocks are freed and it goes
+back to the front of the queue, to be recomputed later. Nothing crashes and no request is dropped.
 """
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable
 
 from saguaro.engine.sequence import Sequence, Status
@@ -21,6 +25,7 @@ from saguaro.kv.block_manager import BlockManager
 class Batch:
     seqs: list[Sequence]
     is_prefill: bool
+    chunks: list[int] = field(default_factory=list)  # prefill: tokens each sequence feeds this step
 
 
 class Scheduler:
@@ -31,42 +36,60 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.on_preempt = on_preempt
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.prefilling: list[Sequence] = []  # admitted; their prompt is partly in the cache
+        self.running: list[Sequence] = []  # decoding
         self.num_preemptions = 0
+        self._decode_next = False  # alternate prefill chunks with decode rounds
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def schedule(self, lookahead: int) -> Batch | None:
-        admitted = self._admit(lookahead)
-        if admitted:
-            return Batch(admitted, is_prefill=True)
+        self._admit(lookahead)
+        if self.prefilling and not (self.running and self._decode_next):
+            self._decode_next = True
+            return self._prefill_batch()
+        self._decode_next = False
         if not self.running:
             return None
         self._reserve_decode(lookahead)
         return Batch(list(self.running), is_prefill=False)
 
-    def _admit(self, lookahead: int) -> list[Sequence]:
-        admitted: list[Sequence] = []
-        budget = self.max_prefill_tokens
-        while self.waiting and len(self.running) < self.max_num_seqs:
+    def _admit(self, lookahead: int) -> None:
+        """Admit waiting requests while the next chunk has room for them (so blocks are not held idle)."""
+        pending = sum(s.prefill_end - s.num_cached for s in self.prefilling)
+        while (self.waiting and pending < self.max_prefill_tokens
+               and len(self.running) + len(self.prefilling) < self.max_num_seqs):
             seq = self.waiting[0]
-            need = len(seq) + lookahead  # prompt now, plus room for the first decode round
-            if admitted and len(seq) > budget:
-                break
-            if not self.blocks.can_reserve(seq.block_table, need):
+            if not self.blocks.can_reserve(seq.block_table, len(seq) + lookahead):  # + the first decode round
                 break
             self.waiting.popleft()
             self.blocks.reserve(seq.block_table, len(seq))
             seq.status = Status.RUNNING
-            self.running.append(seq)
-            admitted.append(seq)
-            budget -= len(seq)
-        return admitted
+            self.prefilling.append(seq)
+            pending += seq.prefill_end - seq.num_cached
+
+    def _prefill_batch(self) -> Batch:
+        """The next chunk: prefilling requests in admission order, ``max_prefill_tokens`` tokens in all."""
+        budget = self.max_prefill_tokens
+        seqs, chunks = [], []
+        for seq in self.prefilling:
+            if budget <= 0:
+                break
+            n = min(seq.prefill_end - seq.num_cached, budget)
+            seqs.append(seq)
+            chunks.append(n)
+            budget -= n
+        return Batch(seqs, is_prefill=True, chunks=chunks)
+
+    def prefilled(self, seq: Sequence) -> None:
+        """``seq``'s prompt is in the cache: it decodes from the next round on."""
+        self.prefilling.remove(seq)
+        self.running.append(seq)
 
     def _reserve_decode(self, lookahead: int) -> None:
         """Make room for ``lookahead`` new positions per running sequence, preempting if needed."""
@@ -75,7 +98,7 @@ class Scheduler:
             seq = self.running[i]
             need = seq.num_cached + lookahead
             while not self.blocks.can_reserve(seq.block_table, need):
-                victim = self.running[-1]
+                victim = self.prefilling[-1] if self.prefilling else self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
@@ -84,7 +107,7 @@ class Scheduler:
                 i += 1
 
     def preempt(self, seq: Sequence) -> None:
-        self.running.remove(seq)
+        (self.prefilling if seq in self.prefilling else self.running).remove(seq)
         self.blocks.free(seq.block_table)
         seq.num_cached = 0
         seq.status = Status.WAITING
@@ -93,8 +116,8 @@ class Scheduler:
         self.on_preempt(seq)
 
     def finish(self, seq: Sequence) -> None:
-        if seq in self.running:
-            self.running.remove(seq)
-        elif seq in self.waiting:
-            self.waiting.remove(seq)
+        for queue in (self.running, self.prefilling, self.waiting):
+            if seq in queue:
+                queue.remove(seq)
+                break
         self.blocks.free(seq.block_table)

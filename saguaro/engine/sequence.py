@@ -82,6 +82,12 @@ class Sequence:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
+    def prefill_end(self) -> int:
+        """Tokens the target caches by the end of prefill: all of a fresh prompt (its last logits give the first
+        token), all but the last of a resumed request (the next round feeds it)."""
+        return len(self) if not self.output_ids else len(self) - 1
+
+    @property
     def last_token(self) -> int:
         return self.output_ids[-1] if self.output_ids else self.prompt_ids[-1]
 

@@ -11,6 +11,8 @@ from saguaro.sampling.sampler import sample
 if TYPE_CHECKING:
     from saguaro.engine.sequence import Sequence
 
+INVALID_TOKEN = -1  # what ``sample_next`` gives a row it cannot sample from; the engine fails that request alone
+
 
 def processed_probs(logits: torch.Tensor, seqs: list["Sequence"], rows_per_seq: int = 1) -> torch.Tensor:
     """Probabilities after each sequence's temperature/top-k/top-p; rows grouped per sequence."""
@@ -20,7 +22,10 @@ def processed_probs(logits: torch.Tensor, seqs: list["Sequence"], rows_per_seq: 
 
 
 def sample_next(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int]:
-    """One token per sequence from its logits row, with that sequence's own generator."""
+    """One token per sequence from its logits row, with that sequence's own generator; ``INVALID_TOKEN`` for a
+    row whose probabilities are no distribution (NaN or infinite logits)."""
     probs = processed_probs(logits, seqs)
     greedy = torch.tensor([s.params.greedy for s in seqs])
-    return sample(probs, [s.generator for s in seqs], greedy).tolist()
+    tokens = sample(probs, [s.generator for s in seqs], greedy)
+    valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # on the device: read with the tokens
+    return torch.where(valid, tokens, torch.full_like(tokens, INVALID_TOKEN)).tolist()

@@ -88,7 +88,10 @@ def probs_from_logits(
     top_p = to_device(top_p.to(torch.float64).reshape(n), device)
 
     greedy = temperature <= 0
-    x = logits / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
+    # shifted so the top logit is 0 before dividing: a tiny temperature sends the others to -inf, never the
+    # whole row to inf (whose softmax is NaN); softmax is unchanged by the shift
+    shifted = logits - logits.amax(dim=-1, keepdim=True)
+    x = shifted / torch.where(greedy, torch.ones_like(temperature), temperature).unsqueeze(1)
 
     use_k = (top_k > 0) & (top_k < vocab) & ~greedy
     use_p = (top_p < 1) & ~greedy

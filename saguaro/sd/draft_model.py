@@ -103,10 +103,11 @@ class DraftModelProposer(Proposer):
         tokens = [row[:n] for row, n in zip(on_device.tolist(), counts)] if steps else [[] for _ in seqs]
         return Proposal(tokens, probs, no_mass, rank_table=table, rank_rows=rank_rows)
 
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """Feed every token but the last (``propose`` starts from the last one, which yields the first
-        draft's logits)."""
-        items = [self._feed(seq, seq.tokens[self._state(seq).num_cached:len(seq) - 1], "none") for seq in seqs]
+    def prefill(self, seqs: list[Sequence], ends: list[int] | None = None) -> None:
+        """Feed every token but the last, or up to ``ends[i]`` of a chunked prefill (``propose`` starts from
+        the last one, which yields the first draft's logits)."""
+        upto = [len(seq) - 1 if ends is None else min(end, len(seq) - 1) for seq, end in zip(seqs, ends or seqs)]
+        items = [self._feed(seq, seq.tokens[self._state(seq).num_cached:end], "none") for seq, end in zip(seqs, upto)]
         items = [item for item in items if item.token_ids]
         if items:
             self.runner.forward(items)

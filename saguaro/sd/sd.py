@@ -83,8 +83,8 @@ class SDDecoder(Decoder):
             self.proposer.commit(seq, drafted, accepted)
         return result.output_tokens
 
-    def prefilling(self, seqs: list[Sequence]) -> None:
-        self.proposer.prefill(seqs)
+    def prefilling(self, seqs: list[Sequence], ends: list[int]) -> None:
+        self.proposer.prefill(seqs, ends)
 
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)

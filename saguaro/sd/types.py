@@ -55,9 +55,10 @@ class Proposer(ABC):
         """Draft ``num_tokens[b]`` tokens after all of ``seqs[b]``'s tokens. ``read=False`` lets a proposer
         whose tokens live on a device leave them there (see ``Proposal``); others ignore it."""
 
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """The engine is prefilling these sequences in the target: catch up on their tokens now, so the
-        draft's prompt prefill counts in the prefill (time to first token) and not in the first round."""
+    def prefill(self, seqs: list[Sequence], ends: list[int] | None = None) -> None:
+        """The engine is prefilling these sequences in the target (up to ``ends[i]`` tokens, a chunk; None: all):
+        catch up on as many of their tokens now, so the draft's prompt prefill counts in the prefill (time to
+        first token) and not in the first round."""
 
     def commit(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """The verifier kept ``num_accepted`` drafts and appended a bonus token."""

@@ -6,10 +6,13 @@ uses server-sent events in OpenAI's chunk format, ending with ``data: [DONE]``; 
 carry a ``saguaro`` block with timings and speculation metrics (one per choice when there are
 several). Request fields: ``saguaro.server.schemas``; metrics: ``saguaro.server.metrics``.
 
-A client that disconnects aborts its requests: their KV blocks are free by the next round.
+A client that disconnects aborts its requests: their KV blocks are free by the next round (the
+next prefill chunk or decode round). Limits and deadlines: ``saguaro.server.lifecycle``.
 Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a
-request the engine cannot serve, 401 without the API key (``api_key``), 404 for another model
-name, 500 if the engine fails; a bad request never touches the others.
+request the engine cannot serve or a limit it breaks, 401 without the API key (``api_key``), 404
+for another model name, 408 for a body not sent in time, 503 while shutting down, 500 if the
+engine fails on a request; a bad request never touches the others. ``/health`` is 503 while the
+engine loop is stalled.
 """
 from __future__ import annotations
 
@@ -28,7 +31,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from saguaro.engine.outputs import RequestOutput, StreamChunk
-from saguaro.server.async_engine import AsyncEngine
+from saguaro.sampling.params import SamplingParams
+from saguaro.server.async_engine import AsyncEngine, ServerClosing
+from saguaro.server.end_of_turn import end_of_turn_ids
+from saguaro.server.lifecycle import BodyDeadline, GracefulServer, ServerLimits
 from saguaro.server.schemas import ChatRequest, CompletionRequest, UnsupportedField, BaseRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -48,11 +54,10 @@ class _Choices:
         self.queue: asyncio.Queue[tuple[int, StreamChunk]] = asyncio.Queue()
         self.ids: list[int] = []
 
-    def submit(self, index: int, prompt_ids: list[int], req: BaseRequest, choice: int, default_max: int,
-               text: str | None) -> None:
+    def submit(self, index: int, prompt_ids: list[int], params: SamplingParams, text: str | None) -> None:
         def deliver(chunk: StreamChunk) -> None:  # on the engine thread
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, chunk))
-        self.ids.append(self.engine.submit(prompt_ids, req.sampling(choice, default_max), deliver, text))
+        self.ids.append(self.engine.submit(prompt_ids, params, deliver, text))
 
     def abort(self) -> None:
         for request_id in self.ids:
@@ -133,13 +138,35 @@ def _validation_message(exc: RequestValidationError) -> str:
     return "invalid request: " + "; ".join(parts.values())
 
 
-def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None) -> FastAPI:
+def _context_error(longest: int, n_prompt: int, n_out: int) -> str:
+    """vLLM's wording, so clients that parse it keep working."""
+    return (f"This model's maximum context length is {longest} tokens. However, you requested {n_prompt + n_out} "
+            f"tokens ({n_prompt} in the messages, {n_out} in the completion). Please reduce the length of the "
+            "messages or completion.")
+
+
+def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
+               limits: ServerLimits = ServerLimits()) -> FastAPI:
     app = FastAPI(title="Saguaro", description="OpenAI-compatible server for lossless SSD decoding")
     if api_key:
         app.add_middleware(_APIKey, key=api_key)
+    app.add_middleware(BodyDeadline, timeout_s=limits.body_timeout_s, on_timeout=lambda: _error(
+        f"the request body did not arrive within {limits.body_timeout_s:g} s", 408, code="request_timeout"))
     llm = engine.llm
     capacity = llm.engine.target.blocks.num_blocks * llm.engine.target.block_size - llm.engine.decoder.lookahead
     longest = min(llm.max_model_len, capacity)  # the most a request's prompt plus output may hold
+    end_of_turn = end_of_turn_ids(llm.tokenizer)  # chat requests stop there
+
+    def sampling(req: BaseRequest, kind: str, n_prompt: int) -> list[SamplingParams]:
+        """Each choice's settings; raises ``ValueError`` when prompt plus completion overflow the context."""
+        asked = req.requested_max_tokens()
+        if asked is None:  # OpenAI's default for completions, the rest of the context for chat
+            default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else longest
+            asked = max(1, min(default, longest - n_prompt))
+        if n_prompt + asked > longest:
+            raise ValueError(_context_error(longest, n_prompt, asked))
+        stop_ids = end_of_turn if kind == "chat" else []
+        return [req.sampling(c, asked, stop_ids) for c in range(req.n)]
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -150,6 +177,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return _error(str(exc.detail), exc.status_code, kind)
 
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception) -> JSONResponse:  # a bug: still JSON, never plain text
+        return _error(f"internal error: {type(exc).__name__}", 500, "server_error")
+
     async def run(request: Request, req: BaseRequest, prompts: list[tuple[list[int], str | None]], kind: str):
         if req.model is not None and req.model != model_name:
             return _error(f"model {req.model!r} is not served here; this server serves {model_name!r} "
@@ -158,15 +189,21 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
             req.check_supported()
         except UnsupportedField as e:
             return _error(str(e))
+        if len(prompts) * req.n > limits.max_choices:
+            return _error(f"{len(prompts)} prompts x n = {req.n} asks for {len(prompts) * req.n} completions; this "
+                          f"server allows at most {limits.max_choices} per request")
         choices = _Choices(engine)
+        p = 0
         try:
             for p, (ids, text) in enumerate(prompts):
-                default_max = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else max(1, longest - len(ids))
-                for c in range(req.n):
-                    choices.submit(p * req.n + c, ids, req, c, default_max, text)
-        except ValueError as e:  # the engine refused one (too long, token ids outside the vocabulary, ...)
+                for c, params in enumerate(sampling(req, kind, len(ids))):
+                    choices.submit(p * req.n + c, ids, params, text)
+        except ServerClosing as e:
             choices.abort()
-            where = f"prompt {len(choices.ids) // req.n}: " if len(prompts) > 1 else ""
+            return _error(str(e), 503, "server_error")
+        except ValueError as e:  # refused (too long, token ids outside the vocabulary, ...)
+            choices.abort()
+            where = f"prompt {p}: " if len(prompts) > 1 else ""
             return _error(where + str(e))
         prefix = "chatcmpl" if kind == "chat" else "cmpl"
         meta = {"id": f"{prefix}-{uuid.uuid4().hex[:24]}", "created": int(time.time()), "model": model_name}
@@ -204,6 +241,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None)
 
     @app.get("/health")
     async def health():
+        if engine.stalled(limits.health_stall_s):
+            return JSONResponse({"status": "stalled", "detail": f"the engine has completed no step for over "
+                                 f"{limits.health_stall_s:g} s while requests wait"}, status_code=503)
         return {"status": "ok"}
 
     return app
@@ -262,9 +302,10 @@ async def _collect(request: Request, choices: _Choices, kind: str, meta: dict, p
             if c.finish_reason and c.finish_reason.startswith("error"):
                 choices.abort()
                 return _error(f"generation failed ({c.finish_reason})", 500, "server_error")
-            if c.finish_reason == "abort":  # the client went away (nobody reads this)
-                return _error("the request was aborted", 499)
-            if c.finished:
+            if c.finish_reason == "abort" and c.output is None:  # aborted before it started
+                return _error("the request was aborted (the client went away or the server is shutting down)",
+                              503, "server_error")
+            if c.finished:  # an aborted one (the shutdown deadline) ends with what it has, finish reason "abort"
                 outputs[index] = c.output
     finally:
         watcher.cancel()
@@ -276,10 +317,15 @@ async def _collect(request: Request, choices: _Choices, kind: str, meta: dict, p
             "usage": _usage(prompts, ordered), "saguaro": extras[0] if len(extras) == 1 else extras}
 
 
-def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None) -> None:
+def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          limits: ServerLimits = ServerLimits()) -> None:
+    """Serve until SIGTERM/SIGINT; then the shutdown deadline (``saguaro.server.lifecycle``) applies, and the
+    engine, with its SSD speculator, is closed."""
     import uvicorn
     engine = AsyncEngine(llm)
     try:
-        uvicorn.run(create_app(engine, model_name, api_key), host=host, port=port, log_level="info")
+        config = uvicorn.Config(create_app(engine, model_name, api_key, limits), host=host, port=port,
+                                log_level="info")
+        GracefulServer(config, limits.shutdown_timeout_s, engine.abort_all).run()
     finally:
         engine.close()

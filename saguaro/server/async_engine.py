@@ -3,8 +3,10 @@
 Only the loop thread touches the engine. A caller submits (prompt ids, params, ``deliver``) and
 gets a request id; the loop calls ``deliver(chunk)`` on its own thread for every chunk, the last
 one with ``finished=True``. ``abort(id)`` (a client that went away) finishes the request at the
-next turn of the loop and frees its KV blocks then, not when it would have ended. A failing
-request gets an error chunk and the loop goes on with the rest.
+next turn of the loop (the next prefill chunk or decode round) and frees its KV blocks then, not
+when it would have ended; ``abort_all`` does so for every request (the shutdown deadline). A
+failing request gets an error chunk and the loop goes on with the rest. ``stalled`` says whether
+the loop has gone without completing a step for too long while work waits (``/health``).
 
 Each chunk's text comes from a ``StreamText`` (only the new tokens are decoded, and what a stop
 string may still cut is held back); the metrics (``ServerMetrics``) are counted here too, after
@@ -16,6 +18,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +32,10 @@ from saguaro.server.metrics import RequestCounts, ServerMetrics
 log = logging.getLogger("saguaro.server")
 
 Deliver = Callable[[StreamChunk], None]
+
+
+class ServerClosing(RuntimeError):
+    """A request submitted after the shutdown deadline."""
 
 
 @dataclass
@@ -59,6 +66,8 @@ class AsyncEngine:
         self._ids = itertools.count()
         self._wake = threading.Event()
         self._stop = False
+        self._abort_all = threading.Event()
+        self.beat = time.monotonic()  # when the loop last completed a step or found nothing to do
         self.metrics = ServerMetrics(llm.engine, queued=self._inbox.qsize)
         self._thread = threading.Thread(target=self._loop, name="saguaro-engine", daemon=True)
         self._thread.start()
@@ -67,6 +76,8 @@ class AsyncEngine:
                prompt: str | None = None) -> int:
         """Queue a request; return its id. Bad requests (too long, bad token ids) raise here, before anything is
         queued."""
+        if self.closing:
+            raise ServerClosing("the server is shutting down")
         self.llm.engine.check_request(prompt_ids, params)
         request_id = next(self._ids)
         self._queued.add(request_id)
@@ -79,27 +90,48 @@ class AsyncEngine:
         self._aborts.put(request_id)
         self._wake.set()
 
+    @property
+    def closing(self) -> bool:
+        """After ``abort_all``: new requests are refused."""
+        return self._abort_all.is_set()
+
+    def abort_all(self) -> None:
+        """Finish every request now, queued or running, with finish reason "abort" (the shutdown deadline)."""
+        self._abort_all.set()
+        self._wake.set()
+
+    def stalled(self, bound_s: float) -> bool:
+        """Whether the loop has completed no step for ``bound_s`` seconds while work waits (or has died)."""
+        if not self._thread.is_alive():
+            return True
+        return time.monotonic() - self.beat > bound_s
+
     # -- the loop thread -----------------------------------------------------------
     def _loop(self) -> None:
         engine = self.llm.engine
         while not self._stop:
             self._drain_inbox()
+            self.beat = time.monotonic()
             if not engine.has_unfinished:
                 self._wake.wait(0.05)
                 self._wake.clear()
                 continue
             try:
                 events = engine.step()
-            except Exception:
+            except Exception as e:
                 log.exception("engine step failed; failing the requests in flight")
                 for live in list(self._live.values()):
-                    self._end(live, "error")
+                    self._end(live, f"error: {type(e).__name__}: {e}")
                 continue
             by_seq = {live.seq.seq_id: live for live in self._live.values()}
             for seq, tokens in events:
                 live = by_seq.get(seq.seq_id)
                 if live is not None and (tokens or seq.finished):
-                    self._send(live, tokens)
+                    try:
+                        self._send(live, tokens)
+                    except Exception as e:  # this request's text or metrics failed: it alone ends
+                        log.exception("request %d failed after its step", live.sub.request_id)
+                        self._end(live, f"error: {type(e).__name__}: {e}")
 
     def _drain_inbox(self) -> None:
         engine = self.llm.engine
@@ -115,7 +147,11 @@ class AsyncEngine:
             except Exception as e:  # refused: tell this caller only
                 _safely(sub.deliver, StreamChunk(-1, [], "", True, f"error: {e}"))
                 continue
-            self._live[sub.request_id] = _Live(sub, seq, StreamText(self.llm.tokenizer, sub.params.stop))
+            text = StreamText(self.llm.tokenizer, sub.params.stop, sub.params.skip_special_tokens)
+            self._live[sub.request_id] = _Live(sub, seq, text)
+        if self._abort_all.is_set():
+            for request_id in list(self._live) + list(self._queued):
+                self._aborts.put(request_id)
         while not self._aborts.empty():
             request_id = self._aborts.get()
             live = self._live.get(request_id)
@@ -141,6 +177,8 @@ class AsyncEngine:
         """Finish a live request now (abort or error): free its blocks and send its last chunk."""
         engine = self.llm.engine
         engine.abort(live.seq, reason)
+        if live.seq.finish_reason != reason:  # it had finished already (its last chunk failed): say why now
+            live.seq.finish_reason = reason
         self._live.pop(live.sub.request_id, None)
         self.metrics.on_finish(live.seq, live.sub.counts)
         _safely(live.sub.deliver, StreamChunk(live.seq.seq_id, [], "", True, reason, engine.output(live.seq)))

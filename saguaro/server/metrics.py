@@ -4,7 +4,7 @@ All values are updated on the engine thread as rounds complete (counters grow pe
 per finished request), except the two queue gauges and the KV usage, which are read when
 scraped. Each app gets its own ``CollectorRegistry``, so several servers can share a process.
 
-  saguaro:num_requests_running / _waiting    requests decoding / queued (not yet admitted)
+  saguaro:num_requests_running / _waiting    requests prefilling or decoding / queued (not yet admitted)
   saguaro:kv_cache_usage_perc                 fraction of the target's KV blocks in use
   saguaro:prompt_tokens_total                 prompt tokens of requests that got their first token
   saguaro:generation_tokens_total             tokens generated
@@ -51,8 +51,8 @@ class ServerMetrics:
     def __init__(self, engine: LLMEngine, queued: Callable[[], int] = lambda: 0):
         self.registry = r = CollectorRegistry()
         blocks = engine.target.blocks
-        Gauge("saguaro:num_requests_running", "Requests being decoded.", registry=r).set_function(
-            lambda: len(engine.scheduler.running))
+        Gauge("saguaro:num_requests_running", "Requests being prefilled or decoded.", registry=r).set_function(
+            lambda: len(engine.scheduler.running) + len(engine.scheduler.prefilling))
         Gauge("saguaro:num_requests_waiting", "Requests waiting to be admitted.", registry=r).set_function(
             lambda: len(engine.scheduler.waiting) + queued())
         Gauge("saguaro:kv_cache_usage_perc", "Fraction of the target's KV cache blocks in use (0 to 1).",

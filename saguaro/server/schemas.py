@@ -9,16 +9,25 @@ honour (``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of
 
 ``n`` choices of one prompt are ``n`` engine requests; with a ``seed``, choice ``i`` uses
 ``seed + i`` (so they differ, and each is reproducible).
+
+Limits, as OpenAI and vLLM set them: ``temperature`` in [0, 2], ``top_p`` in (0, 1], ``n`` in
+1..128, ``top_k`` -1 (off), 0 (off) or a positive int32, ``seed`` and ``seed + n - 1`` within
+int64. NaN and Infinity (which Python's JSON parser reads) and lone UTF-16 surrogates are refused
+anywhere in the body. ``skip_special_tokens`` (default true, as vLLM) leaves special tokens out of
+the text.
 """
 from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+import math
 
-from saguaro.sampling.params import SamplingParams
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-MAX_N = 64
+from saguaro.sampling.params import INT64_MAX, INT64_MIN, TOP_K_MAX, SamplingParams
+
+MAX_N = 128
+MAX_TEMPERATURE = 2.0
 
 
 class UnsupportedField(ValueError):
@@ -29,23 +38,54 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+def _check_values(x: Any) -> None:
+    """Refuse what JSON cannot carry but Python's parser lets through: NaN, Infinity, lone surrogates."""
+    if isinstance(x, float) and not math.isfinite(x):
+        raise ValueError("NaN and Infinity are not valid JSON numbers")
+    if isinstance(x, str):
+        try:
+            x.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError("a string holds a lone UTF-16 surrogate (e.g. \\ud800): send valid Unicode") from None
+    elif isinstance(x, dict):
+        for k, v in x.items():
+            _check_values(k)
+            _check_values(v)
+    elif isinstance(x, list):
+        for v in x:
+            _check_values(v)
+
+
 class BaseRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI-compatible servers do
 
     model: str | None = None
     max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float | None = Field(default=None, ge=0)
+    temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=-1, le=TOP_K_MAX)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
     n: int = Field(default=1, ge=1, le=MAX_N)
+    skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_json_values(cls, data: Any) -> Any:
+        _check_values(data)
+        return data
+
+    @model_validator(mode="after")
+    def _seeds_fit(self) -> "BaseRequest":
+        if self.seed is not None and self.seed + self.n - 1 > INT64_MAX:
+            raise ValueError(f"seed: choice i uses seed + i, so seed + n - 1 must be <= {INT64_MAX}")
+        return self
 
     @property
     def include_usage(self) -> bool:
@@ -65,14 +105,17 @@ class BaseRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
-    def sampling(self, choice: int, default_max_tokens: int) -> SamplingParams:
+    def sampling(self, choice: int, default_max_tokens: int, stop_token_ids: list[int] | None = None
+                 ) -> SamplingParams:
         """Engine parameters for choice ``choice`` (OpenAI's defaults: temperature 1, top_p 1)."""
         stop = [self.stop] if isinstance(self.stop, str) else [s for s in (self.stop or []) if s]
         max_tokens = self.requested_max_tokens()
         return SamplingParams(temperature=1.0 if self.temperature is None else self.temperature,
                               top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k or 0,
                               max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=stop,
-                              seed=None if self.seed is None else self.seed + choice)
+                              seed=None if self.seed is None else self.seed + choice,
+                              stop_token_ids=list(stop_token_ids or []),
+                              skip_special_tokens=self.skip_special_tokens)
 
 
 class CompletionRequest(BaseRequest):

@@ -130,16 +130,22 @@ class Speculator:
         """Fill the draft cache with these sequences' tokens while the target prefills its own; their
         admission in the next round keeps it (so the first speculation drafts without a draft prefill).
         The last token is left out: drafting starts by feeding it (a resumed sequence gains no token in
-        its prefill, so its admission brings nothing newer)."""
+        its prefill, so its admission brings nothing newer). A chunked prefill sends growing prefixes: each
+        feeds only what the last one did not."""
         items = []
         for adm in req.admissions:
-            self._forget(adm.seq_id)
             cached = list(adm.tokens[:-1])
-            self.states[adm.seq_id] = SeqState(prefilled=cached)
-            draft = self.states[adm.seq_id].draft
+            state = self.states.get(adm.seq_id)
+            done = state.prefilled if state is not None else None
+            if done is None or cached[:len(done)] != done:
+                self._forget(adm.seq_id)
+                state = self.states[adm.seq_id] = SeqState(prefilled=[])
+                done = []
+            state.prefilled = cached
+            draft = state.draft
             self.runner.blocks.reserve(draft.block_table, len(cached))
-            if cached:
-                items.append(ForwardItem(cached, 0, draft.block_table, "none"))
+            if len(cached) > len(done):
+                items.append(ForwardItem(cached[len(done):], len(done), draft.block_table, "none"))
             draft.num_cached = len(cached)
         if items:
             self.runner.forward(items)

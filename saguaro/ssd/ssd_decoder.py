@@ -99,13 +99,14 @@ class SSDDecoder(Decoder):
                                      [len(out[s.seq_id]) for s in ready]))
         return [out[s.seq_id] for s in seqs]
 
-    def prefilling(self, seqs: list[Sequence]) -> None:
-        """Let the speculator prefill its draft while the target prefills (no response; the sequences are
-        admitted for real, with their first token and seed, in the next round)."""
+    def prefilling(self, seqs: list[Sequence], ends: list[int]) -> None:
+        """Let the speculator prefill its draft while the target prefills, chunk by chunk (no response; the
+        sequences are admitted for real, with their first token and seed, in the next round)."""
         if self.link is None or not seqs:
             return
-        request = RoundRequest(admissions=[Admission(s.seq_id, s.tokens, s.params, 0) for s in seqs],
-                               command=CMD_PREFILL)
+        admissions = [Admission(s.seq_id, s.tokens if end == s.prefill_end else s.tokens[:end], s.params, 0)
+                      for s, end in zip(seqs, ends)]
+        request = RoundRequest(admissions=admissions, command=CMD_PREFILL)
         try:
             self.link.prefill(request)
         except ChannelClosed as e:
