@@ -124,3 +124,33 @@ def test_tp_size_that_does_not_divide_is_refused():
     with pytest.raises(ValueError, match="3 attention heads"):
         LLM(odd, dtype="float32", tensor_parallel_size=2)
     torch.manual_seed(0)
+
+
+TORCHRUN_SCRIPT = """
+import json, sys
+from saguaro import LLM, SamplingParams
+llm = LLM(sys.argv[1], block_size=4, dtype="float32", tensor_parallel_size=2)  # ranks > 0 serve, then exit here
+outs = llm.generate(json.loads(sys.argv[2]), SamplingParams(max_tokens=int(sys.argv[3])))
+llm.close()
+print("TOKENS", json.dumps([o.token_ids for o in outs]))
+"""
+
+
+def test_torchrun_gives_the_same_tokens(tmp_path, reference, pair):
+    """``torchrun --nproc-per-node 2`` runs the same code: rank 0 is the engine, rank 1 serves and exits."""
+    import json
+    import subprocess
+    import sys
+
+    from saguaro.ssd.channel import free_port
+    directory = tmp_path / "tiny"
+    directory.mkdir()
+    save_tiny(pair[0], directory)
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
+           str(free_port()), str(script), str(directory), json.dumps(PROMPTS), str(MAX_TOKENS)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
+    assert json.loads(line.removeprefix("TOKENS ")) == reference
