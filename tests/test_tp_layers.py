@@ -11,7 +11,7 @@ from saguaro.parallel import ShardError, shard_plan
 from saguaro.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 from saguaro.parallel.shards import build_shard, shard_state
 from tests.tiny import tiny_model
-from tests.tp_ranks import run_ranks
+from tests.tp_ranks import assert_shards_join, run_ranks
 
 
 def _tiny(vocab: int = 64, kv_heads: int = 2, tie: bool = False):
@@ -64,14 +64,7 @@ def test_sharded_model_equals_reference(vocab, kv_heads, tie, world):
 def test_shards_put_together_equal_the_tiny_model():
     cfg, ref = _tiny(vocab=63)
     state = ref.state_dict()
-    parts = [shard_state(state, shard_plan(cfg, 2, r), cfg.vocab_size) for r in range(2)]
-    for name, whole in state.items():
-        s = shard_plan(cfg, 2, 0).slice_for(name, cfg.vocab_size)
-        if s is None:
-            assert all(torch.equal(p[name], whole) for p in parts)
-            continue
-        joined = torch.cat([p[name] for p in parts], dim=s.dim).narrow(s.dim, 0, whole.shape[s.dim])
-        assert torch.equal(joined, whole), name
+    assert_shards_join(state, [shard_state(state, shard_plan(cfg, 2, r), cfg.vocab_size) for r in range(2)], cfg)
 
 
 def test_sizes_that_do_not_divide_are_refused_by_name():

@@ -10,7 +10,9 @@ from typing import Any, Callable
 
 import torch
 
+from saguaro.models.model_config import ModelConfig
 from saguaro.parallel.groups import TPGroups, connect, host_store
+from saguaro.parallel.plan import shard_plan
 from saguaro.ssd.channel import free_port
 
 
@@ -36,3 +38,16 @@ def run_ranks(world: int, fn: Callable[[TPGroups], Any], timeout_s: float = 60.0
     if errors:
         raise errors[0]
     return results
+
+
+def assert_shards_join(whole: dict[str, torch.Tensor], parts: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> None:
+    """Every rank's slices, put together in rank order (padding dropped), equal the original tensors;
+    replicated ones are equal on every rank."""
+    plan = shard_plan(cfg, len(parts), 0)
+    for name, tensor in whole.items():
+        s = plan.slice_for(name, cfg.vocab_size)
+        if s is None:
+            assert all(torch.equal(p[name], tensor) for p in parts), name
+            continue
+        joined = torch.cat([p[name] for p in parts], dim=s.dim).narrow(s.dim, 0, tensor.shape[s.dim])
+        assert torch.equal(joined, tensor), name
