@@ -36,6 +36,7 @@ class TPBackend(Backend):
         super().__init__(inner.net, inner.device)
         self.inner, self.link, self.describe = inner, link, describe
         self.failure: str | None = None
+        self.passes = 0  # passes run (``saguaro bench tp``: collective time per pass)
 
     def prepare(self, items: list[ForwardItem], block_size: int):
         return self.inner.prepare(items, block_size)
@@ -45,6 +46,7 @@ class TPBackend(Backend):
             raise TensorParallelError(self.failure)
         try:
             self.link.send(Step(input_ids, positions, meta, logit_rows))
+            self.passes += 1
             return self.inner.run(input_ids, positions, meta, cache, logit_rows)
         except Exception as e:  # noqa: BLE001 -- any failure mid-pass leaves the ranks out of step
             self.failure = (f"a tensor-parallel pass failed ({self.describe()}): {e}. The target cannot run "
