@@ -26,7 +26,7 @@ def _int_list(text: str) -> list[int]:
 def _engine_options(args: argparse.Namespace) -> dict:
     opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, enforce_eager=args.enforce_eager,
                 draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
-                calibration_workload=args.calibration_workload)
+                calibration_workload=args.calibration_workload, tensor_parallel_size=args.tensor_parallel_size)
     if args.mode != "ar":
         opts["num_speculative_tokens"] = args.k
         opts["proposer"] = args.proposer
@@ -144,6 +144,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--deep-branches", type=int, default=1, help="SSD: branches extended past --branch-steps")
     p.add_argument("--dtype", default="auto", help="float32, bfloat16, float16, or auto (the checkpoint's own)")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="shard the target over N ranks (devices); under torchrun, N = --nproc-per-node x --nnodes")
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the exact eager reference instead of the device's fast path (CUDA graphs on a GPU, "
                         "the bf16 kernels on a CPU)")

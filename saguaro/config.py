@@ -58,6 +58,7 @@ class Config:
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
+    tensor_parallel_size: int = 1  # the target's devices (ranks): >1 shards it with torch.distributed (parallel/)
     # the flat spellings of ``ssd``'s fields (SSDSettings), as LLM(...) and the CLI take them
     fan_out: InitVar[list[int] | str | None] = _UNSET
     miss_strategy: InitVar[str] = _UNSET
@@ -92,6 +93,8 @@ class Config:
         needs_draft = self.mode == "ssd" or (self.mode == "sd" and self.proposer == "draft")
         if needs_draft and not self.draft:
             raise ValueError(f"mode {self.mode!r} with the draft proposer needs a draft model (draft=...)")
+        if not isinstance(self.tensor_parallel_size, int) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
         for name in ("block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):

@@ -41,7 +41,12 @@ class LLM:
         self.config = cfg
         if cfg.device == "cpu":
             pin_process(cfg.target_cores, cfg.threads)
-        self.target = _load(target, cfg)
+        num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
+        self._tp = None
+        if cfg.tensor_parallel_size > 1:  # ranks other than 0 under torchrun serve in here, then exit
+            from saguaro.parallel.launch import RankOptions, TensorParallelTarget
+            self._tp = TensorParallelTarget(target, RankOptions.from_config(cfg, num_blocks))
+        self.target = self._tp.loaded if self._tp else _load(target, cfg)
         self.tokenizer = self.target.tokenizer
         self.draft = (_load(draft, cfg, cfg.draft_device or cfg.device, cfg.draft_torch_dtype)
                       if draft is not None and cfg.mode != "ar" else None)
@@ -52,9 +57,12 @@ class LLM:
         self._draft_source = draft if by_name else self.draft
         self.max_model_len = min(cfg.max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
-        num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
-        runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device, fast=cfg.fast,
-                             max_seq_len=self.max_model_len)
+        if self._tp:
+            runner = self._tp.runner
+            num_blocks = runner.blocks.num_blocks  # the smallest count any rank can hold
+        else:
+            runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device, fast=cfg.fast,
+                                 max_seq_len=self.max_model_len)
         self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
                                 self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
 
@@ -123,6 +131,8 @@ class LLM:
 
     def close(self) -> None:
         self.engine.close()
+        if self._tp:
+            self._tp.close()
 
     def __enter__(self) -> "LLM":
         return self

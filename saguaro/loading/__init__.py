@@ -25,7 +25,8 @@ from saguaro.models.model_config import ModelConfig
 from saguaro.models.transformer import CausalLM
 
 __all__ = [
-    "LoadedModel", "load_model", "load_tokenizer", "resolve", "installed", "asset_path", "MODELS", "ModelSpec",
+    "LoadedModel", "load_model", "locate_weights", "load_tokenizer", "resolve", "installed", "asset_path", "MODELS",
+    "ModelSpec",
     "Tokenizer", "check_shared_vocabulary", "cache_root", "is_converted",
     "ChecksumError", "MissingChunkError", "GGUFFormatError", "UnsupportedModelError", "ModelDirectoryError",
     "ModelNotInstalledError", "UnknownModelError", "VocabularyMismatchError", "WeightMismatchError",
@@ -98,13 +99,21 @@ def load_model(name_or_path: str | Path, dtype: torch.dtype = torch.float32, dev
     GGUF sources go through the converted cache (converted on first use). The model comes
     back in eval mode with frozen parameters, in ``dtype`` on ``device``.
     """
+    name, source, weights_dir, cache_hit, weights_name = locate_weights(name_or_path, dtype, progress)
+    contents = read_directory(weights_dir, weights_name)
+    model = build_model(contents.config, contents.state, dtype, device)
+    return LoadedModel(name, contents.config, model, contents.tokenizer, source, weights_dir, cache_hit)
+
+
+def locate_weights(name_or_path: str | Path, dtype: torch.dtype,
+                   progress: bool = True) -> tuple[str, Path, Path, bool, str]:
+    """(display name, source, directory to read, cache hit, weights file name in ``dtype``) for any accepted
+    input: what ``load_model`` reads whole and a tensor-parallel rank reads by slice."""
     name, source, weights_dir, cache_hit = _locate(name_or_path, progress)
     weights_name = "model.safetensors"
     if converted_cache.is_converted_dir(weights_dir):
         weights_name = converted_cache.weights_file(weights_dir, dtype, progress)
-    contents = read_directory(weights_dir, weights_name)
-    model = build_model(contents.config, contents.state, dtype, device)
-    return LoadedModel(name, contents.config, model, contents.tokenizer, source, weights_dir, cache_hit)
+    return name, source, weights_dir, cache_hit, weights_name
 
 
 def load_tokenizer(name_or_path: str | Path, progress: bool = True) -> Tokenizer:

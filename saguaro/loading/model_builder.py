@@ -8,7 +8,7 @@ not in checkpoints, so the rotary module is rebuilt on the real device afterward
 """
 from __future__ import annotations
 
-from typing import Mapping
+from typing import Callable, Mapping
 
 import torch
 
@@ -25,10 +25,12 @@ class WeightMismatchError(ValueError):
 
 
 def build_model(config: ModelConfig, state: Mapping[str, torch.Tensor], dtype: torch.dtype = torch.float32,
-                device: torch.device | str = "cpu") -> CausalLM:
-    """A CausalLM in eval mode with frozen parameters, holding ``state`` cast to ``dtype`` on ``device``."""
+                device: torch.device | str = "cpu", make: Callable[[ModelConfig], CausalLM] = CausalLM) -> CausalLM:
+    """A CausalLM in eval mode with frozen parameters, holding ``state`` cast to ``dtype`` on ``device``.
+
+    ``make`` builds the empty model (a tensor-parallel shard passes its own, whose shapes ``state`` fits)."""
     with torch.device("meta"):
-        model = CausalLM(config)
+        model = make(config)
     expected = {name: p.shape for name, p in model.state_dict().items()}
     weights: dict[str, torch.Tensor] = {}
     unexpected = []

@@ -71,15 +71,18 @@ class DraftSource:
         from saguaro.loading.model_builder import build_model
         if self.name is not None:
             return load_or_place(self.name, device, dtype)
-        path = self.file.path()
-        if path is not None:  # mapped, not copied: the pages stay shared until one side converts them
-            saved = torch.load(path, mmap=True, weights_only=False)
-        else:
-            with os.fdopen(os.dup(self.file.fd), "rb") as f:
-                f.seek(0)
-                saved = torch.load(f, weights_only=False)
+        saved = self.saved()
         model = build_model(saved["config"], saved["state"], dtype, device)
         return LoadedModel(saved["name"], saved["config"], model, saved["tokenizer"], Path("."), Path("."), True)
+
+    def saved(self) -> dict:
+        """The shared model's name, config, tokenizer and state dict (its file was written by ``of``)."""
+        path = self.file.path()
+        if path is not None:  # mapped, not copied: the pages stay shared until one side converts them
+            return torch.load(path, mmap=True, weights_only=False)
+        with os.fdopen(os.dup(self.file.fd), "rb") as f:
+            f.seek(0)
+            return torch.load(f, weights_only=False)
 
     def close(self) -> None:
         if self.file is not None:
@@ -89,7 +92,10 @@ class DraftSource:
 class WorkerProcess:
     """A running worker interpreter: its liveness, how it ended, and its stderr tail."""
 
-    def __init__(self, target: Callable[..., None], args: tuple, keep: list[SharedFile | None]):
+    def __init__(self, target: Callable[..., None], args: tuple, keep: list[SharedFile | None],
+                 role: str = "SSD speculator", hint: str | None = None):
+        self.role = role  # how errors name it: "SSD speculator", "tensor-parallel rank 1"
+        self.hint = hint  # what to do when it fails (None: the speculator's advice)
         payload = SharedFile()
         with os.fdopen(os.dup(payload.fd), "wb") as f:
             pickle.dump((target, args), f)
@@ -100,7 +106,7 @@ class WorkerProcess:
         payload.close()  # the child holds its own copy of the descriptor
         self.pid = self.proc.pid
         self.tail: collections.deque[str] = collections.deque(maxlen=_TAIL_LINES)
-        self._forwarder = threading.Thread(target=self._forward, name="saguaro-speculator-stderr", daemon=True)
+        self._forwarder = threading.Thread(target=self._forward, name=f"saguaro-{role}-stderr", daemon=True)
         self._forwarder.start()
         weakref.finalize(self, _kill, self.proc)  # at interpreter exit at the latest, the worker goes too
 
@@ -139,6 +145,7 @@ class WorkerProcess:
         code = self.proc.poll()
         if code is not None:
             self._forwarder.join(1.0)  # its stderr ends with it: take its last lines
+        hint = hint or self.hint
         if hint is None:
             if code is not None and code < 0:
                 hint = ("if nothing killed it on purpose, the machine is probably out of memory: use a smaller "
@@ -146,39 +153,47 @@ class WorkerProcess:
             else:
                 hint = ("fix the error above, or run mode='sd', which needs no second process")
         tail = "".join(self.tail).rstrip()
-        shown = f"\n--- speculator stderr (last lines) ---\n{tail}\n---" if tail else ""
-        return WorkerStartError(f"the SSD speculator process failed while {stage}: {self.how_it_ended()}.{shown}\n"
+        shown = f"\n--- {self.role} stderr (last lines) ---\n{tail}\n---" if tail else ""
+        return WorkerStartError(f"the {self.role} process failed while {stage}: {self.how_it_ended()}.{shown}\n"
                                 f"What to do: {hint}.")
 
     def expect(self, stage: str, wait: Callable[[], T], timeout_s: float) -> T:
         """Run ``wait`` (which may block) on a helper thread; raise at once if the child dies or time runs out."""
-        result: list[Any] = []
+        return expect_all([self], stage, wait, timeout_s)
 
-        def run() -> None:
-            try:
-                result.append(("ok", wait()))
-            except BaseException as e:  # noqa: BLE001 -- handed to the caller below
-                result.append(("error", e))
 
-        thread = threading.Thread(target=run, name=f"saguaro-speculator-{stage}", daemon=True)
-        thread.start()
-        deadline = time.monotonic() + timeout_s
-        while thread.is_alive():
-            thread.join(0.05)
-            if not thread.is_alive():
-                break
-            if not self.is_alive():
-                raise self.failure(stage)
-            if time.monotonic() > deadline:
-                self.kill()
-                raise self.failure(stage, f"it did not finish {stage} within {timeout_s:.0f} s; raise "
+def expect_all(procs: list[WorkerProcess], stage: str, wait: Callable[[], T], timeout_s: float) -> T:
+    """``WorkerProcess.expect`` watching several children: the first that dies, or the time running out, raises."""
+    result: list[Any] = []
+
+    def run() -> None:
+        try:
+            result.append(("ok", wait()))
+        except BaseException as e:  # noqa: BLE001 -- handed to the caller below
+            result.append(("error", e))
+
+    thread = threading.Thread(target=run, name=f"saguaro-worker-{stage}", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while thread.is_alive():
+        thread.join(0.05)
+        if not thread.is_alive():
+            break
+        dead = next((p for p in procs if not p.is_alive()), None)
+        if dead is not None:
+            raise dead.failure(stage)
+        if time.monotonic() > deadline:
+            for p in procs:
+                p.kill()
+            raise procs[0].failure(stage, f"it did not finish {stage} within {timeout_s:.0f} s; raise "
                                           "worker_timeout_s if the machine is just slow or busy")
-        kind, value = result[0]
-        if kind == "error":
-            if not self.is_alive():
-                raise self.failure(stage) from value
-            raise value
-        return value
+    kind, value = result[0]
+    if kind == "error":
+        dead = next((p for p in procs if not p.is_alive()), None)
+        if dead is not None:
+            raise dead.failure(stage) from value
+        raise value
+    return value
 
 
 def _kill(proc: subprocess.Popen) -> None:
