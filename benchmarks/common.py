@@ -111,6 +111,7 @@ class Prompt:
     index: int
     text: str  # the raw dataset prompt
     ids: list[int]  # chat-templated token ids, what every configuration receives
+    chat: str = ""  # the same chat-templated prompt as text (for programs that tokenize it themselves)
 
 
 def prepare_prompts(tokenizer: Any, names: Iterable[str], n: int) -> list[Prompt]:
@@ -119,8 +120,9 @@ def prepare_prompts(tokenizer: Any, names: Iterable[str], n: int) -> list[Prompt
     for name in names:
         texts = ds.load(name, n)
         wrapped = [HUMANEVAL_INSTRUCTION + t if name == "humaneval" else t for t in texts]
-        for i, (text, ids) in enumerate(zip(texts, ds.as_chat(tokenizer, wrapped))):
-            prompts.append(Prompt(name, i, text, ids))
+        chats = ds.chat_texts(tokenizer, wrapped)
+        for i, (text, ids, chat) in enumerate(zip(texts, ds.as_chat(tokenizer, wrapped), chats)):
+            prompts.append(Prompt(name, i, text, ids, chat))
     return prompts
 
 
