@@ -99,6 +99,8 @@ def only_keys(text: str) -> list[str]:
 
 
 # -- the machine ------------------------------------------------------------------------------
+ZEN = {(25, 0): "Zen 3", (25, 1): "Zen 4", (25, 2): "Zen 3", (25, 4): "Zen 3",
+       (25, 5): "Zen 3", (25, 6): "Zen 4", (25, 7): "Zen 4", (26, 0): "Zen 5", (26, 1): "Zen 5", (26, 2): "Zen 5"}
 CPU_FLAGS = ("avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "amx_bf16")
 
 
@@ -113,9 +115,14 @@ def cpu_description(cpuinfo: str | None = None) -> dict[str, Any]:
     fields = {k.strip(): v.strip() for k, v in fields.items()}
     flags = set(fields.get("flags", "").split())
     have = [f for f in CPU_FLAGS if f in flags]
-    return {"model": fields.get("model name", "unknown"), "cores": os.cpu_count(), "simd": have,
-            "summary": f"{fields.get('model name', 'unknown CPU')}, {os.cpu_count()} cores, "
-                       f"{' '.join(have) or 'no AVX'}"}
+    name = fields.get("model name", "unknown CPU")
+    family, model = fields.get("cpu family"), fields.get("model")
+    if family and model and model.isdigit():
+        # a VM may hide the marketing name ("AMD EPYC"): family/model still tell the core generation
+        zen = ZEN.get((int(family), int(model) // 16)) if family.isdigit() else None
+        name += f" (family {family} model {model}{': ' + zen if zen else ''})"
+    return {"model": name, "cores": os.cpu_count(), "simd": have,
+            "summary": f"{name}, {os.cpu_count()} cores, {' '.join(have) or 'no AVX'}"}
 
 
 # -- the files ----------------------------------------------------------------------------------
