@@ -249,3 +249,18 @@ def tool_version(build: Build) -> str | None:
         return None
     lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "version" in ln.lower()]
     return lines[0].strip() if lines else None
+
+
+def measured_reference(out_dir: Path) -> dict | None:
+    """The llama.cpp rows of the last ``saguaro bench peers`` (``<out_dir>/bench_peers.json``): {"cpu": summary,
+    "threads": n, "rows": {label: median decode tok/s}}, or None when it has not run."""
+    import json
+    path = out_dir / "bench_peers.json"
+    try:
+        payload = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    rows = {payload["labels"][key]: s["tok_s_median"] for key, s in payload["summary"].items()
+            if key.startswith("llama-") and key in payload.get("labels", {})}
+    return {"cpu": payload.get("cpu", {}).get("summary"), "threads": payload.get("threads"), "rows": rows,
+            "file": str(path)} if rows else None

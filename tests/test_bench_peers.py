@@ -142,3 +142,13 @@ def test_cpu_description_names_the_generation_and_simd_flags():
     d = bp.cpu_description(info)
     assert d["model"] == "AMD EPYC (family 25 model 1: Zen 3)"
     assert d["simd"] == ["avx", "avx2", "fma", "f16c"]
+
+
+def test_bench_sd_reads_the_measured_llama_rows(tmp_path):
+    assert lc.measured_reference(tmp_path) is None  # not run yet
+    (tmp_path / "bench_peers.json").write_text(
+        '{"cpu": {"summary": "AMD EPYC, 2 cores"}, "threads": 1, '
+        '"labels": {"llama-q4-ar": "llama.cpp AR, 1.5B Q4_K_M", "saguaro-ar": "Saguaro AR"}, '
+        '"summary": {"llama-q4-ar": {"tok_s_median": 20.5}, "saguaro-ar": {"tok_s_median": 9.0}}}')
+    ref = lc.measured_reference(tmp_path)
+    assert ref["rows"] == {"llama.cpp AR, 1.5B Q4_K_M": 20.5} and ref["cpu"] == "AMD EPYC, 2 cores"
