@@ -4,8 +4,8 @@ Target Qwen2.5-Coder-1.5B-Instruct, draft Qwen2.5-Coder-0.5B-Instruct, bf16, one
 one thread, batch 1, real HumanEval and MT-Bench prompts (chat template), greedy and seeded
 temperature sampling. Every configuration runs the same prompts in this one run, so ratios
 against our AR are taken from numbers measured together. The best K is the one with the
-highest median tok/s over all prompts at each temperature. llama.cpp numbers are reference
-constants measured by hand, not here.
+highest median tok/s over all prompts at each temperature. llama.cpp numbers are read from
+the last ``saguaro bench peers`` (bench_peers.json in --out), not measured here.
 
 The sweep (every K and the n-gram speculator) runs at the --sweep-at temperatures (default
 greedy); at the other temperatures AR and the K that was best at the first sweep temperature
@@ -21,11 +21,12 @@ import argparse
 import sys
 from typing import Any
 
-from benchmarks.common import (ALL, DRAFT, LLAMA_CPP, TARGET, Record, add_common_args, dataset_labels,
+from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels,
                                draft_options, engine_options, environment, fmt, group_records, int_list, float_list,
                                log,
                                prepare_prompts, ratio, run_engine, same_tokens, settings, table, temp_key,
                                write_results)
+from benchmarks.llama_cpp import measured_reference
 
 AR = "AR"
 
@@ -150,12 +151,14 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
               table(["temperature", "dataset", "best K", "tok/s", "xAR"], rows)]
     ours_ar = ar.get("T=0", {}).get(ALL, {}).get("tok_s_median")
     ours_sd = best.get("T=0", {}).get(ALL, {})
-    lines += ["", "## Reference: llama.cpp (constants measured by hand, not here)", "",
-              table(["engine", "AR tok/s", "best SD tok/s", "SD xAR"], [
-                  ["llama.cpp bf16, 1 thread", fmt(LLAMA_CPP["ar_bf16_tok_s"]), fmt(LLAMA_CPP["sd_bf16_best_tok_s"]),
-                   "1.07-1.33 (own AR, MODELS.md)"],
-                  [f"saguaro bf16, 1 core (this run, greedy, K={ours_sd.get('k', '-')})", fmt(ours_ar),
-                   fmt(ours_sd.get("tok_s_median")), fmt(ours_sd.get("x_ar"))]])]
+    peers = measured_reference(args.out)
+    lines += ["", "## Reference: llama.cpp (the last `saguaro bench peers`, not this run)", ""]
+    if peers:
+        lines += [f"{peers['file']}: {peers['cpu']}, {peers['threads']} thread(s). This run: our AR {fmt(ours_ar)} "
+                  f"tok/s, best SD (K={ours_sd.get('k', '-')}) {fmt(ours_sd.get('tok_s_median'))} tok/s.", "",
+                  table(["llama.cpp", "tok/s"], [[label, fmt(v)] for label, v in peers["rows"].items()])]
+    else:
+        lines.append("No bench_peers.json next to this report: `saguaro bench peers` measures llama.cpp here.")
     payload = {
         "benchmark": "sd",
         "description": __doc__.split("\n\n")[0],
@@ -166,7 +169,7 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
         "metric_notes": {"tok_s": "decode tokens/s per request, median over requests",
                          "ratios": "ratio of medians, same run",
                          "acceptance": "pooled over requests (accepted / drafted)"},
-        "reference_llama_cpp": LLAMA_CPP,
+        "reference_llama_cpp": peers,
         "summary": summaries,
         "ratios": ratios,
         "best_k": best,

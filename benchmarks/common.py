@@ -35,17 +35,6 @@ DRAFT = "qwen2.5-coder-0.5b"
 HUMANEVAL_INSTRUCTION = "Complete this Python function:\n\n"  # as in saguaro/demo.py
 ALL = "all"  # the group of every dataset together
 
-# llama.cpp on this machine kind, measured once by hand. Constants: these scripts do not run llama.cpp.
-LLAMA_CPP = {
-    "source": "measured by hand (llama.cpp commit 0c1e570, 1 thread, greedy, same GGUF files); "
-              "a reference constant, not measured by this script",
-    "ar_bf16_tok_s": 8.6,
-    "sd_bf16_best_tok_s": 11.7,
-    "sd_bf16_tok_s_range": [9.0, 11.7],
-    "sd_bf16_draft_n": "4-8",
-    "sd_bf16_speedup_over_own_ar": [1.07, 1.33],
-}
-
 _T0 = time.perf_counter()
 
 
@@ -111,6 +100,7 @@ class Prompt:
     index: int
     text: str  # the raw dataset prompt
     ids: list[int]  # chat-templated token ids, what every configuration receives
+    chat: str = ""  # the same chat-templated prompt as text (for programs that tokenize it themselves)
 
 
 def prepare_prompts(tokenizer: Any, names: Iterable[str], n: int) -> list[Prompt]:
@@ -119,8 +109,9 @@ def prepare_prompts(tokenizer: Any, names: Iterable[str], n: int) -> list[Prompt
     for name in names:
         texts = ds.load(name, n)
         wrapped = [HUMANEVAL_INSTRUCTION + t if name == "humaneval" else t for t in texts]
-        for i, (text, ids) in enumerate(zip(texts, ds.as_chat(tokenizer, wrapped))):
-            prompts.append(Prompt(name, i, text, ids))
+        chats = ds.chat_texts(tokenizer, wrapped)
+        for i, (text, ids, chat) in enumerate(zip(texts, ds.as_chat(tokenizer, wrapped), chats)):
+            prompts.append(Prompt(name, i, text, ids, chat))
     return prompts
 
 

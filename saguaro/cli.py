@@ -204,7 +204,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
-    b.add_argument("name", help="ar, sd or ssd")
+    b.add_argument("name", help="ar, sd, ssd, gpu or peers")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     c = sub.add_parser("calibrate", help="measure a target/draft pair and store its profile (fan_out/fallback 'auto')")

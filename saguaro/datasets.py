@@ -57,11 +57,15 @@ def load(name: str, n: int | None = None) -> list[str]:
     raise ValueError(f"unknown dataset {name!r}; known: {', '.join(SUBSTITUTES)}")
 
 
-def as_chat(tokenizer, prompts: list[str], system: str | None = None) -> list[list[int]]:
-    """Wrap raw prompts in the model's chat template (the pair are instruct models)."""
+def chat_texts(tokenizer, prompts: list[str], system: str | None = None) -> list[str]:
+    """Raw prompts wrapped in the model's chat template, as text (special tokens spelled out)."""
     out = []
     for p in prompts:
         messages = ([{"role": "system", "content": system}] if system else []) + [{"role": "user", "content": p}]
-        out.append(tokenizer.encode(tokenizer.apply_chat_template(messages, add_generation_prompt=True),
-                                    add_special_tokens=False))
+        out.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True))
     return out
+
+
+def as_chat(tokenizer, prompts: list[str], system: str | None = None) -> list[list[int]]:
+    """Wrap raw prompts in the model's chat template (the pair are instruct models)."""
+    return [tokenizer.encode(t, add_special_tokens=False) for t in chat_texts(tokenizer, prompts, system)]

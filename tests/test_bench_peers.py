@@ -1,0 +1,154 @@
+"""The llama.cpp peer benchmark without llama.cpp: its output parsed from recorded samples, the command lines it
+builds, the source unpacking, and a clear error (no build, no network) when the toolchain is missing.
+"""
+import io
+import tarfile
+
+import pytest
+
+from benchmarks import bench_peers as bp
+from benchmarks import llama_cpp as lc
+
+# The tail of `llama-completion` (greedy, 48 tokens) on this machine: stderr after the generated text.
+COMPLETION_LOG = """\
+def has_close_elements(numbers, threshold):
+
+common_perf_print:    sampling time =      12.31 ms
+common_perf_print:    samplers time =       4.02 ms /   191 tokens
+common_perf_print:        load time =    1534.77 ms
+common_perf_print: prompt eval time =    9012.55 ms /   143 tokens (   63.02 ms per token,    15.87 tokens per second)
+common_perf_print:        eval time =    6580.21 ms /    47 runs   (  140.00 ms per token,     7.14 tokens per second)
+common_perf_print:       total time =   15702.40 ms /   190 tokens
+common_perf_print: unaccounted time =      97.33 ms /   0.6 %      (total - sampling - prompt eval - eval) / (total)
+common_perf_print:    graphs reused =         46
+"""
+
+# The summary of `llama-speculative-simple` (draft 4): the draft's and the target's perf reports follow it.
+SPECULATIVE_LOG = """\
+encoded  143 tokens in    9.871 seconds, speed:   14.487 t/s
+decoded   49 tokens in    4.102 seconds, speed:   11.945 t/s
+
+n_draft   = 4
+n_predict = 49
+n_drafted = 48
+n_accept  = 37
+accept    = 77.083%
+
+draft:
+
+target:
+
+common_perf_print:        load time =    1534.77 ms
+common_perf_print: prompt eval time =    9012.55 ms /   142 tokens (   63.47 ms per token,    15.76 tokens per second)
+common_perf_print:        eval time =    3580.21 ms /    12 runs   (  298.35 ms per token,     3.35 tokens per second)
+"""
+
+
+def test_completion_timing_is_the_eval_line_not_the_prompt_line():
+    t = lc.parse_completion(COMPLETION_LOG)
+    assert t.decode_tokens == 47 and t.decode_s == pytest.approx(6.58021)
+    assert t.tok_s == pytest.approx(47 / 6.58021)
+    assert t.prompt_tokens == 143 and t.acceptance is None
+
+
+def test_speculative_timing_and_acceptance():
+    t = lc.parse_speculative(SPECULATIVE_LOG)
+    assert (t.decode_tokens, t.decode_s, t.tok_s) == (49, pytest.approx(4.102), pytest.approx(11.945))
+    assert (t.drafted, t.accepted, t.prompt_tokens) == (48, 37, 143)
+    assert t.acceptance == pytest.approx(37 / 48)
+
+
+@pytest.mark.parametrize("parse", [lc.parse_completion, lc.parse_speculative])
+def test_output_without_timings_is_an_error(parse):
+    with pytest.raises(lc.PeerRunError, match="line"):
+        parse("error: failed to load model\n")
+
+
+def test_command_lines(tmp_path):
+    b = lc.Build(tmp_path)
+    m, d, f = tmp_path / "t.gguf", tmp_path / "d.gguf", tmp_path / "p.txt"
+    ar = lc.completion_command(b, m, f, 48, 1)
+    assert ar[0] == str(tmp_path / "build" / "bin" / "llama-completion")
+    for flag, value in (("-m", m), ("-f", f), ("-n", 48), ("-t", 1), ("-tb", 1), ("--temp", 0)):
+        assert ar[ar.index(flag) + 1] == str(value)
+    assert "-no-cnv" in ar and "--no-display-prompt" in ar
+    spec = lc.speculative_command(b, m, d, f, 48, 1, 4)
+    assert spec[0].endswith("llama-speculative-simple")
+    for flag, value in (("-md", d), ("--draft-max", 4), ("--draft-p-min", 0), ("-td", 1), ("--temp", 0)):
+        assert spec[spec.index(flag) + 1] == str(value)
+    q = lc.quantize_command(b, m, d)
+    assert q[1] == "--allow-requantize" and q[-1] == "BF16"
+    cfg = lc.configure_command(b)
+    assert {"-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DCMAKE_BUILD_TYPE=Release"} <= set(cfg)
+    assert lc.compile_command(b, 2)[-len(lc.TOOLS):] == list(lc.TOOLS)
+    dl = lc.download_command(tmp_path)
+    assert f"llama-cpp-python=={lc.VERSION}" in dl and ":all:" in dl
+
+
+def test_only_the_vendored_sources_are_unpacked(tmp_path):
+    archive = tmp_path / "pkg.tar.gz"
+    with tarfile.open(archive, "w:gz") as tar:
+        for name, data in (("pkg-1/setup.py", b"x"), ("pkg-1/vendor/llama.cpp/CMakeLists.txt", b"project()"),
+                           ("pkg-1/vendor/llama.cpp/.git", b"gitdir: ../../.git"),
+                           ("pkg-1/vendor/llama.cpp/src/a.cpp", b"int a;")):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+    lc._extract_vendor(archive, tmp_path / "src")
+    got = sorted(str(p.relative_to(tmp_path / "src")) for p in (tmp_path / "src").rglob("*") if p.is_file())
+    assert got == ["CMakeLists.txt", "src/a.cpp"]
+
+
+def test_missing_toolchain_is_a_clear_error_and_exit_code(tmp_path, monkeypatch, capsys):
+    assert lc.missing_toolchain(lambda name: None) == [
+        "cmake", "a C compiler (cc, gcc or clang)", "a C++ compiler (c++, g++ or clang++)"]
+    assert lc.missing_toolchain(lambda name: None if name == "cmake" else f"/usr/bin/{name}") == ["cmake"]
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))  # no cached build
+    monkeypatch.setattr(lc.shutil, "which", lambda name: None)
+    monkeypatch.setattr(lc.subprocess, "run", lambda *a, **k: pytest.fail("nothing may run without a toolchain"))
+    assert bp.main(["--only", "llama-q4-ar", "--out", str(tmp_path)]) == lc.EXIT_NO_TOOLCHAIN
+    err = capsys.readouterr().err
+    assert "cannot build llama.cpp: missing cmake" in err and "apt-get install cmake" in err
+
+
+def test_skip_build_without_a_build_says_so(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    assert bp.main(["--only", "llama.cpp", "--skip-build", "--out", str(tmp_path)]) == 1
+    assert "no llama.cpp build at" in capsys.readouterr().err
+
+
+def test_only_takes_row_keys_and_engine_groups():
+    assert bp.parse_args(["--only", "saguaro"]).only == ["saguaro-ar", "saguaro-sd", "saguaro-ssd"]
+    assert bp.parse_args(["--only", "saguaro-ar,llama-q4-ar"]).only == ["llama-q4-ar", "saguaro-ar"]
+    with pytest.raises(SystemExit):
+        bp.parse_args(["--only", "vllm"])
+    with pytest.raises(SystemExit):
+        bp.parse_args(["--temperatures", "1"])
+
+
+def test_ratios_are_against_the_fastest_llama_row_on_the_target_and_our_ar():
+    rows = [r for r in bp.ROWS if r.key in ("llama-q4-ar", "llama-draft-q4-ar", "llama-bf16-ar", "saguaro-ar")]
+    speeds = {"llama-q4-ar": 20.0, "llama-draft-q4-ar": 50.0, "llama-bf16-ar": 8.0, "saguaro-ar": 10.0}
+    summaries = {k: {"tok_s_median": v, "tok_s_min": v, "tok_s_max": v, "requests": 2} for k, v in speeds.items()}
+    text, out = bp.speed_table(rows, {r.key: r.label for r in rows}, summaries)
+    assert out["llama_fastest"] == "llama-q4-ar"  # the draft alone decodes another model
+    assert out["ratios"]["saguaro-ar"] == {"x_llama_fastest": 0.5, "x_saguaro_ar": 1.0}
+    assert out["ratios"]["llama-bf16-ar"]["x_saguaro_ar"] == pytest.approx(0.8)
+    assert "x llama.cpp fastest" in text
+
+
+def test_cpu_description_names_the_generation_and_simd_flags():
+    info = "model name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 1\nflags\t\t: fpu avx f16c fma avx2 sse4_2\n"
+    d = bp.cpu_description(info)
+    assert d["model"] == "AMD EPYC (family 25 model 1: Zen 3)"
+    assert d["simd"] == ["avx", "avx2", "fma", "f16c"]
+
+
+def test_bench_sd_reads_the_measured_llama_rows(tmp_path):
+    assert lc.measured_reference(tmp_path) is None  # not run yet
+    (tmp_path / "bench_peers.json").write_text(
+        '{"cpu": {"summary": "AMD EPYC, 2 cores"}, "threads": 1, '
+        '"labels": {"llama-q4-ar": "llama.cpp AR, 1.5B Q4_K_M", "saguaro-ar": "Saguaro AR"}, '
+        '"summary": {"llama-q4-ar": {"tok_s_median": 20.5}, "saguaro-ar": {"tok_s_median": 9.0}}}')
+    ref = lc.measured_reference(tmp_path)
+    assert ref["rows"] == {"llama.cpp AR, 1.5B Q4_K_M": 20.5} and ref["cpu"] == "AMD EPYC, 2 cores"
