@@ -96,7 +96,7 @@ def measure_bandwidth(gigabytes: float, reps: int = 5) -> dict[str, float]:
     x = torch.ones(n, dtype=torch.float32)
     out["default_pages_gb_s"] = n * 4 / timed(lambda: x.sum(), reps)[0] / 1e9
     del x
-    if kernels.cpu_supports_bf16():
+    if kernels.available():
         x = kernels.load().alloc_huge(n * 4).view(torch.float32).fill_(1.0)
         out["huge_pages_gb_s"] = n * 4 / timed(lambda: x.sum(), reps)[0] / 1e9
         del x

@@ -1,4 +1,4 @@
-"""Command line: ``saguaro generate | models | demo | bench | calibrate``."""
+"""Command line: ``saguaro generate | models | demo | info | bench | calibrate``."""
 from __future__ import annotations
 
 import argparse
@@ -99,6 +99,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args)
 
 
+def cmd_info(args: argparse.Namespace) -> int:
+    from saguaro.demo import DRAFT, TARGET
+    from saguaro.info import report
+    from saguaro.models.draft_format import DraftFormat
+    print(report(TARGET, DRAFT, DraftFormat(args.draft_weights, args.draft_vocab or None)))
+    return 0
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from saguaro import LLM
     from saguaro.server.app import serve
@@ -192,6 +200,10 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     d.add_argument("--enforce-eager", action="store_true", help="the exact eager reference (slow)")
     d.set_defaults(func=cmd_demo)
+    i = sub.add_parser("info", help="CPU features, the kernel tier of each model of the demo pair, its memory floor")
+    i.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
+    i.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
+    i.set_defaults(func=cmd_info)
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--model")
     s.add_argument("--target")

@@ -4,7 +4,8 @@ The int8 kernels are checked against fp32 references within int8 accuracy, the i
 against an exact reference of their quantization (to fp32 rounding); the draft formats
 are checked where exactness lives: greedy SD/SSD equal AR token for token with an fp32
 target, and SD/SSD at temperature 1 sample the target's exact law (50,000 samples, the
-threshold derived in tests/dist_harness.py).
+threshold derived in tests/dist_harness.py). Kernel and model tests run on every kernel tier this CPU
+executes (``cpu_tier``); the engine tests on the default (best) tier.
 """
 import copy
 
@@ -18,12 +19,16 @@ from saguaro.models.draft_format import DraftFormat
 from tests.dist_harness import measure
 from tests.tiny import PROMPTS, greedy_tokens, perturbed, tiny_model, truncated
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_supports_bf16(), reason="CPU lacks AVX512-BF16/VNNI")
-
-
 @pytest.fixture(scope="module")
-def ops():
-    return kernels.load()
+def ops(cpu_tier):
+    return kernels.load(cpu_tier)
+
+
+@pytest.fixture
+def on_tier(cpu_tier, monkeypatch):
+    """Models built in this test (and processes it starts) take the kernels of ``cpu_tier``."""
+    monkeypatch.setenv(kernels.ENV, cpu_tier)
+    return cpu_tier
 
 
 def pack_i8(ops, *weights, epilogue=0):
@@ -155,7 +160,7 @@ def logits_of(model, ids, **fast):
     return runner.forward([ForwardItem(ids, 0, table, "all")])[0]
 
 
-def test_reduced_head_keeps_exact_logits_and_masks_the_rest():
+def test_reduced_head_keeps_exact_logits_and_masks_the_rest(on_tier):
     model = bf16_model()
     keep = torch.tensor([0, 1, 2, 5, 50, 99])
     a, b = logits_of(model, [3, 4, 5, 6]), logits_of(model, [3, 4, 5, 6], head_ids=keep)
@@ -165,14 +170,14 @@ def test_reduced_head_keeps_exact_logits_and_masks_the_rest():
     assert torch.all(torch.isneginf(b[:, dropped]))
 
 
-def test_int8_model_close_to_bf16():
+def test_int8_model_close_to_bf16(on_tier):
     model = bf16_model()
     ids = [3, 14, 15, 9, 26, 5]
     a, b = logits_of(model, ids), logits_of(model, ids, weights="int8")
     assert torch.nn.functional.cosine_similarity(a, b, dim=-1).min() > 0.98
 
 
-def test_int4_model_runs_its_quantized_weights():
+def test_int4_model_runs_its_quantized_weights(on_tier):
     """Every matrix (qkv, o, SwiGLU gate/up, down, head) goes through int4: the int4 model is the bf16
     model with each matrix replaced by its int4 grid, up to int8 activation rounding."""
     model = bf16_model()

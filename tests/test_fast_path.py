@@ -5,8 +5,9 @@ against eager bf16 on every attention shape the engine produces (prefill, decode
 verification, mixed batches, tree-branch masks), then through the engine. fp32 models
 must never take the fast path, so their greedy outputs stay exactly the eager ones.
 
-The first run builds the C++ extension (about a minute on a 2-core machine, once; later
-runs load it from the torch extensions cache). Skipped on CPUs without AVX512-BF16.
+Kernel and forward tests run on every kernel tier this CPU executes (``cpu_tier``: an AVX-512 machine
+tests avx512, avx2 and portable; an AVX2 one avx2 and portable). The first run builds each tier's C++
+extension (about a minute on a 2-core machine, once; later runs load it from the torch extensions cache).
 """
 import pytest
 import torch
@@ -22,18 +23,15 @@ from saguaro.backends.cpu_kernels.model import FastCausalLM, fast_or_eager, unsu
 from saguaro.models.transformer import CausalLM, paged_attention
 from tests.tiny import tiny_model
 
-pytestmark = pytest.mark.skipif(not kernels.cpu_supports_bf16(), reason="CPU lacks AVX512-BF16")
-
-
 @pytest.fixture(scope="module")
-def ops():
-    return kernels.load()
+def ops(cpu_tier):
+    return kernels.load(cpu_tier)
 
 
 def random_model(arch: str = "qwen2", tie: bool = False, head_dim: int = 32, seed: int = 0) -> CausalLM:
     cfg = ModelConfig(arch=arch, vocab_size=100, hidden_size=4 * head_dim, intermediate_size=96, num_layers=2,
                       num_heads=4, num_kv_heads=2, head_dim=head_dim, max_position_embeddings=512,
-                      attention_bias=arch == "qwen2", tie_word_embeddings=tie)
+                      attention_bias=arch == "qwen2", tie_word_embeddings=tie, qk_norm=arch == "qwen3")
     torch.manual_seed(seed)
     model = CausalLM(cfg)
     with torch.no_grad():
@@ -155,10 +153,13 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("arch,tie,head_dim", [("qwen2", False, 32), ("llama", True, 16), ("qwen2", False, 64)])
-def test_fast_forward_matches_eager(arch, tie, head_dim):
+@pytest.mark.parametrize("arch,tie,head_dim", [("qwen2", False, 32), ("llama", True, 16), ("qwen2", False, 64),
+                                               ("qwen3", True, 32)])
+def test_fast_forward_matches_eager(arch, tie, head_dim, cpu_tier):
     model = random_model(arch, tie, head_dim)
-    run_both(model, FastCausalLM(model), STEPS)
+    fast = FastCausalLM(model, tier=cpu_tier)
+    assert fast.tier == cpu_tier
+    run_both(model, fast, STEPS)
 
 
 def test_fused_layers_equal_stepwise_reference():

@@ -11,7 +11,6 @@ import threading
 import pytest
 
 from saguaro import LLM, SamplingParams
-from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.ssd.speculator import Speculator
 from saguaro.ssd import thread_link
 from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated, weak_pair
@@ -168,7 +167,6 @@ def test_bad_ssd_config(pair, bad, message):
         ssd(pair, **bad)
 
 
-@pytest.mark.skipif(not kernels.cpu_supports_bf16(), reason="CPU lacks AVX512-BF16")
 def test_fast_path_through_the_speculator_thread():
     """The bf16 kernels release the interpreter lock, so the target's and the draft's passes run at the same time in
     one process; each keeps its own results (greedy output equals the same engine's AR, as over the process)."""

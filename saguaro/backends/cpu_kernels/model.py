@@ -1,5 +1,8 @@
 """The bf16 fast path: the same forward as ``CausalLM``, over prepacked weights and C++ kernels.
 
+The kernels come in tiers chosen from the CPU's features (``build.py``: avx512, avx2, portable); every tier
+runs every model and weight format, only speed differs. The figures below are the avx512 tier's.
+
 Why: one decode step reads every weight once, so its cost is weight bytes / memory
 bandwidth. On one core (2-core Zen 4 dev machine, ``torch.set_num_threads(1)``) PyTorch
 eager streams bf16 weights at ~10 GB/s through ``F.linear`` and ~17 GB/s through oneDNN's
@@ -12,14 +15,15 @@ bandwidth in huge pages (a sum over a huge-page tensor reads ~35 GB/s, over 4 KB
 for 1 to 6 rows alike, so verifying K+1 <= 6 tokens or stepping a small batch costs about
 what one token does (more rows are bound by vdpbf16ps throughput). Nothing is traced, so
 row counts, context lengths and masks never recompile; the one-time cost is building the
-extension (about a minute, then cached) and packing at load (2-5 s for the 1.5B, mostly
+extension (about a minute per tier, then cached) and packing at load (2-5 s for the 1.5B, mostly
 faulting in 3 GB of huge pages).
 
 What ``FastCausalLM`` does at construction:
   * fuses q/k/v into one matrix (and bias), and gate/up into one matrix whose tiles pair
     32 gate rows with the matching 32 up rows, so SwiGLU is the GEMM's epilogue;
   * packs every matrix, the output head included, into one arena of 2 MB pages;
-  * keeps the embedding table and the norms as they are (shared with the eager model).
+  * keeps the embedding table and the norms (Qwen3's per-head q/k norms included) as they are (shared with
+    the eager model).
 The eager weights stay untouched; the arena is a second copy (3.1 GB for the 1.5B).
 
 Rounding follows the eager model op by op (bf16 results, fp32 accumulation), so outputs
@@ -57,20 +61,39 @@ def unsupported_reason(model: CausalLM, weights: str = "bf16") -> str | None:
         return f"the fast path is bf16 only (model is {dtype})"
     if model.model.embed_tokens.weight.device.type != "cpu":
         return "the fast path runs on CPU only"
-    if cfg.qk_norm:
-        return "q/k norm (Qwen3) is not implemented in the fast path"
     d = cfg.head_dim
     if d % 16 or d > 256 or (d // 16) & (d // 16 - 1):
         return f"head_dim {d} not supported (16, 32, 64, 128 or 256)"
     if cfg.hidden_size % 2 or cfg.intermediate_size % 32:
         return "hidden size must be even and intermediate size a multiple of 32"
-    if not kernels.cpu_supports_bf16():
-        return "this CPU lacks AVX512-BF16 or AVX512-VNNI"
     return None
 
 
 def _tiles(rows: int) -> int:
     return -(-rows // TILE)
+
+
+I4_BLOCK = 32 * TILE // 2 + 4 * TILE  # int4 bytes per tile and block of 32 inputs (csrc/common.h)
+
+
+def matrix_bytes(n: int, k: int, weights: str) -> int:
+    """Bytes of an [n, k] matrix packed as ``weights`` (bf16 tiles [K/2, 64, 2]; int8 tiles [K/4, 64, 4] bytes
+    and 64 fp32 scales; int4 tiles K/32 blocks of I4_BLOCK bytes: csrc/quant_pack.h)."""
+    per_tile = {"bf16": 2 * TILE * k, "int8": TILE * (k + 16), "int4": k // 32 * I4_BLOCK}[weights]
+    return _tiles(n) * per_tile
+
+
+def matrix_shapes(cfg, head_rows: int) -> list[tuple[int, int]]:
+    """The [n, k] shapes the fast path packs, in arena order: per layer qkv, o, gate/up, down; then the head."""
+    h, q_cols = cfg.hidden_size, cfg.num_heads * cfg.head_dim
+    per_layer = [((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, h), (h, q_cols),
+                 (2 * cfg.intermediate_size, h), (h, cfg.intermediate_size)]
+    return per_layer * cfg.num_layers + [(head_rows, h)]
+
+
+def pass_bytes(cfg, weights: str = "bf16", head_rows: int | None = None) -> int:
+    """Weight bytes one forward pass streams on the fast path (every packed matrix once)."""
+    return sum(matrix_bytes(n, k, weights) for n, k in matrix_shapes(cfg, head_rows or cfg.vocab_size))
 
 
 WEIGHT_FORMATS = kernels.WEIGHT_FORMATS
@@ -80,26 +103,21 @@ class _Arena:
     """One huge-page allocation holding every packed matrix back to back.
 
     bf16 tiles are [K/2, 64, 2] values; int8 tiles are [K/4, 64, 4] bytes followed by the 64
-    outputs' fp32 scales; int4 tiles are K/32 blocks of the kernels' I4_BLOCK bytes (csrc/quant_gemm.h).
+    outputs' fp32 scales; int4 tiles are K/32 blocks of I4_BLOCK bytes (csrc/quant_pack.h).
     """
 
-    def __init__(self, shapes: list[tuple[int, int]], weights: str):
+    def __init__(self, shapes: list[tuple[int, int]], weights: str, ops):
+        assert ops.I4_BLOCK == I4_BLOCK
         self.weights = weights
-        ops = kernels.load()
-        self.i4_block = ops.I4_BLOCK
-        self.buffer = ops.alloc_huge(sum(self._size(n, k) for n, k in shapes))
+        self.buffer = ops.alloc_huge(sum(matrix_bytes(n, k, weights) for n, k in shapes))
         self.offset = 0
 
-    def _size(self, n: int, k: int) -> int:
-        per_tile = {"bf16": 2 * TILE * k, "int8": TILE * (k + 16), "int4": k // 32 * self.i4_block}[self.weights]
-        return _tiles(n) * per_tile
-
     def take(self, n: int, k: int) -> torch.Tensor:
-        size = self._size(n, k)
+        size = matrix_bytes(n, k, self.weights)
         chunk = self.buffer[self.offset:self.offset + size]
         self.offset += size
         if self.weights == "int4":
-            return chunk.view(_tiles(n), k // 32, self.i4_block)
+            return chunk.view(_tiles(n), k // 32, I4_BLOCK)
         if self.weights == "int8":
             return chunk.view(_tiles(n), k // 4 + 4, TILE, 4)
         return chunk.view(torch.bfloat16).view(_tiles(n), k // 2, TILE, 2)
@@ -112,7 +130,7 @@ def _metadata_tensors(meta: AttentionMetadata) -> list[torch.Tensor]:
 
 
 class _Layer:
-    __slots__ = ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down")
+    __slots__ = ("ln1", "qkv", "qkv_bias", "o", "ln2", "gate_up", "down", "q_norm", "k_norm")
 
 
 class FastCausalLM:
@@ -122,14 +140,17 @@ class FastCausalLM:
     of bf16 per step); ``weights="int4"`` per group of 32 inputs (5 bits a weight with the
     group's fp16 scale and offset: under a third of bf16's bytes). ``head_ids`` keeps only those rows of the
     output head; every other token gets logit -inf, so a draft never proposes it (for drafts: the head is a
-    quarter of a 0.5B model's bytes). Neither is exact, so neither belongs on a target.
+    quarter of a 0.5B model's bytes). Neither is exact, so neither belongs on a target. ``tier`` picks the
+    kernel tier (default: ``build.chosen_tier()``).
     """
 
-    def __init__(self, model: CausalLM, weights: str = "bf16", head_ids: torch.Tensor | None = None):
+    def __init__(self, model: CausalLM, weights: str = "bf16", head_ids: torch.Tensor | None = None,
+                 tier: str | None = None):
         reason = unsupported_reason(model, weights)
         if reason:
             raise ValueError(reason)
-        self.ops = kernels.load()
+        self.ops = kernels.load(tier)
+        self.tier = self.ops.TIER
         self.config = cfg = model.config
         self.model = model
         self.weights = weights
@@ -143,14 +164,15 @@ class FastCausalLM:
             if len(self.head_ids) == 0 or self.head_ids[0] < 0 or self.head_ids[-1] >= cfg.vocab_size:
                 raise ValueError(f"head_ids must be non-empty token ids below {cfg.vocab_size}")
             head = head[self.head_ids]
-        per_layer = [(self.qkv_rows, h), (h, self.q_cols), (2 * inter, h), (h, inter)]
-        arena = _Arena(per_layer * cfg.num_layers + [(head.shape[0], h)], weights)
+        arena = _Arena(matrix_shapes(cfg, head.shape[0]), weights, self.ops)
         self.layers: list[_Layer] = []
         pack = {"bf16": self.ops.pack, "int8": self.ops.pack_i8, "int4": self.ops.pack_i4}[weights]
         with torch.no_grad():
             for block in model.model.layers:
                 attn, mlp, layer = block.self_attn, block.mlp, _Layer()
                 layer.ln1, layer.ln2 = block.input_layernorm.weight, block.post_attention_layernorm.weight
+                layer.q_norm, layer.k_norm = ((attn.q_norm.weight, attn.k_norm.weight) if cfg.qk_norm
+                                              else (torch.empty(0, dtype=torch.bfloat16),) * 2)
                 layer.qkv = arena.take(self.qkv_rows, h)
                 pack(layer.qkv, [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight], 0)
                 layer.qkv_bias = (torch.cat((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)).contiguous()
@@ -171,7 +193,7 @@ class FastCausalLM:
         empty = torch.empty(0, dtype=torch.bfloat16)
         self.flat_weights = [w for layer in self.layers for w in (
             layer.ln1, layer.qkv, empty if layer.qkv_bias is None else layer.qkv_bias, layer.o, layer.ln2,
-            layer.gate_up, layer.down)]
+            layer.gate_up, layer.down, layer.q_norm, layer.k_norm)]
         self.scale = d ** -0.5
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
@@ -206,7 +228,7 @@ class FastCausalLM:
             k_cache, v_cache = cache.layer(i)
             qkv = ops.gemm(ops.rms_norm(x, layer.ln1, eps), layer.qkv, self.qkv_rows, layer.qkv_bias, None, 0, False)
             slots, *attn_meta = _metadata_tensors(meta)
-            ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, d)
+            ops.rope_store(qkv, cos, sin, k_cache, v_cache, slots, heads, kv_heads, d, layer.q_norm, layer.k_norm, eps)
             attn = ops.attention(qkv, k_cache, v_cache, *attn_meta, heads, kv_heads, d, self.scale)
             x = ops.gemm(attn, layer.o, cfg.hidden_size, None, x, 0, False)  # + residual in the epilogue
             act = ops.gemm(ops.rms_norm(x, layer.ln2, eps), layer.gate_up, 2 * cfg.intermediate_size, None, None,

@@ -1,0 +1,155 @@
+// avx2 tier, GEMM tiles: AVX2 + FMA + F16C (Zen 1-3, Haswell and later); included by kernels.cpp.
+//
+// bf16: a 32-bit lane of the pair layout holds (even k, odd k) of one output, so a shift by 16 (even) and a
+// mask (odd) widen it to two fp32 vectors of 8 outputs, FMA'd against broadcast x. int8/int4: vpmaddubsw
+// (unsigned x signed bytes, adjacent products summed to int16) then vpmaddwd by ones (int16 pairs to int32).
+// vpmaddubsw saturates at 32767: int4 codes are <= 15 so 15 * 127 * 2 per pair and four such k groups summed
+// in int16 stay below it; int8 weights take the sign trick, |w| times x with w's sign, <= 127 * 127 * 2.
+
+// rows per register tile: a 1-row tile keeps all 64 outputs (8 accumulators) in registers; 2 rows take the
+// tile in two halves of 32 outputs (4 x 2 accumulators + 4 broadcasts), each half a pass over the L2-resident
+// k block.
+constexpr int MAXMB_BF16 = 2;
+constexpr int MAXMB_Q = 3;  // quantized kernels keep their fp32 sums in memory (L1) and only int16 sums in registers
+
+// acc (fp32 [MB, 64], row stride 64), outputs 8 V0 .. 8 (V0 + NV) += x[0:MB, 2*p0 : 2*p1] . tile pairs p0..p1
+template <int MB, int V0, int NV>
+inline void tile_block(const bf16* __restrict x, int64_t ldx, const bf16* __restrict tile, int64_t p0, int64_t p1,
+                       float* __restrict acc_io, bool first) {
+  __m256 acc[NV][MB];
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; v++)
+#pragma GCC unroll 2
+    for (int m = 0; m < MB; m++)
+      acc[v][m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_io + m * TN + (V0 + v) * 8);
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+  const bf16* w = tile + p0 * TN * 2 + V0 * 16;
+#pragma GCC unroll 1
+  for (int64_t p = p0; p < p1; p++, w += TN * 2) {
+    __m256 xe[MB], xo[MB];
+#pragma GCC unroll 2
+    for (int m = 0; m < MB; m++) {
+      xe[m] = _mm256_set1_ps(float(x[m * ldx + 2 * p]));
+      xo[m] = _mm256_set1_ps(float(x[m * ldx + 2 * p + 1]));
+    }
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; v++) {
+      const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + v * 16));
+      const __m256 even = _mm256_castsi256_ps(_mm256_slli_epi32(raw, 16));
+      const __m256 odd = _mm256_castsi256_ps(_mm256_and_si256(raw, high));
+#pragma GCC unroll 2
+      for (int m = 0; m < MB; m++) acc[v][m] = _mm256_fmadd_ps(odd, xo[m], _mm256_fmadd_ps(even, xe[m], acc[v][m]));
+    }
+  }
+#pragma GCC unroll 8
+  for (int v = 0; v < NV; v++)
+#pragma GCC unroll 2
+    for (int m = 0; m < MB; m++) _mm256_storeu_ps(acc_io + m * TN + (V0 + v) * 8, acc[v][m]);
+}
+
+void bf16_rows(int mb, const bf16* x, int64_t ldx, const bf16* tile, int64_t p0, int64_t p1, float* acc, bool first) {
+  if (mb == 1) return tile_block<1, 0, 8>(x, ldx, tile, p0, p1, acc, first);
+  tile_block<2, 0, 4>(x, ldx, tile, p0, p1, acc, first);
+  tile_block<2, 4, 4>(x, ldx, tile, p0, p1, acc, first);
+}
+
+// The activation quads of rows m0..m0+MB in block b, broadcast: xb[m][i] holds k 4i..4i+3 of the block.
+template <int MB>
+inline void broadcast_quads(__m256i (&xb)[MB][QB / 4], const QuantRows& xr, int64_t m0, int64_t K, int64_t b) {
+  for (int m = 0; m < MB; m++)
+    for (int64_t i = 0; i < QB / 4; i++) {
+      int32_t quad;
+      std::memcpy(&quad, xr.q.data() + (m0 + m) * K + b * QB + 4 * i, 4);
+      xb[m][i] = _mm256_set1_epi32(quad);
+    }
+}
+
+template <int MB>
+inline void zero_rows(float* acc_io, bool first) {
+  if (first) std::memset(acc_io, 0, sizeof(float) * MB * TN);
+}
+
+// acc (fp32 [MB, 64]) += dequantized x[0:MB, blocks b0..b1] . int8 tile (the per-output scales come after)
+template <int MB>
+inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
+                          int64_t b1, float* __restrict acc_io, bool first) {
+  const int64_t nb = K / QB;
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  zero_rows<MB>(acc_io, first);
+  for (int64_t b = b0; b < b1; b++) {
+    __m256i xb[MB][QB / 4];
+    broadcast_quads<MB>(xb, xr, m0, K, b);
+    const uint8_t* w = tile + b * QB * TN;
+    for (int64_t h = 0; h < TN / 8; h++) {  // outputs 8h..8h+7
+      __m256i dot[MB];
+#pragma GCC unroll 3
+      for (int m = 0; m < MB; m++) dot[m] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+      for (int64_t p = 0; p < QB / 4; p++) {
+        // code - 128 as a signed byte, its magnitude, and x with its sign
+        const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * TN * 4 + h * 32)), flip);
+        const __m256i aw = _mm256_abs_epi8(ws);
+#pragma GCC unroll 3
+        for (int m = 0; m < MB; m++)
+          dot[m] = _mm256_add_epi32(dot[m], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, _mm256_sign_epi8(xb[m][p], ws)), ones));
+      }
+#pragma GCC unroll 3
+      for (int m = 0; m < MB; m++) {
+        float* o = acc_io + m * TN + h * 8;
+        const __m256 a = _mm256_set1_ps(xr.scale[(m0 + m) * nb + b]);
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), a, _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+// acc += dequantized x[0:MB, blocks b0..b1] . int4 tile: a (s sum(q q_x) + z sum(q_x)) per block
+template <int MB>
+inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
+                          int64_t b1, float* __restrict acc_io, bool first) {
+  const int64_t nb = K / QB;
+  const __m256i nibble = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  zero_rows<MB>(acc_io, first);
+  for (int64_t b = b0; b < b1; b++) {
+    __m256i xb[MB][QB / 4];
+    broadcast_quads<MB>(xb, xr, m0, K, b);
+    const uint8_t* w = tile + b * I4_BLOCK;
+    const uint8_t* sz = w + QB * TN / 2;
+    for (int64_t h = 0; h < TN / 8; h++) {  // outputs 8h..8h+7: half h % 2 of code vector h / 2
+      __m256i dot[MB];
+#pragma GCC unroll 3
+      for (int m = 0; m < MB; m++) dot[m] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int64_t g = 0; g < 4; g++) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + g * 4 * TN + h * 32));
+        const __m256i lo = _mm256_and_si256(raw, nibble), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), nibble);
+#pragma GCC unroll 3
+        for (int m = 0; m < MB; m++)
+          dot[m] = _mm256_add_epi16(dot[m], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xb[m][2 * g]),
+                                                             _mm256_maddubs_epi16(hi, xb[m][2 * g + 1])));
+      }
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + h * 16)));
+      const __m256 z = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(sz + 2 * TN + h * 16)));
+#pragma GCC unroll 3
+      for (int m = 0; m < MB; m++) {
+        float* o = acc_io + m * TN + h * 8;
+        const float a = xr.scale[(m0 + m) * nb + b], qsum = xr.bias[(m0 + m) * nb + b] / -128.f;
+        const __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m], ones)), s);
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_fmadd_ps(z, _mm256_set1_ps(qsum), d), _mm256_set1_ps(a),
+                                            _mm256_loadu_ps(o)));
+      }
+    }
+  }
+}
+
+void i8_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
+             float* acc, bool first) {
+  with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i8<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
+}
+
+void i4_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
+             float* acc, bool first) {
+  with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i4<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
+}
+
+QuantRows quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K) { return quantize_rows_scalar(x, ldx, M, K); }
