@@ -29,7 +29,8 @@ from saguaro.loading import LoadedModel
 
 def _runner(model: LoadedModel, sequences: int, longest: int) -> tuple[ModelRunner, list[list[int]]]:
     device = str(next(model.model.parameters()).device)
-    runner = ModelRunner(model.model, sequences * (longest // 16 + 2), 16, device, fast=True, max_seq_len=longest)
+    runner = ModelRunner(model.model, sequences * (longest // 16 + 2), 16, device, enforce_eager=False,
+                         max_seq_len=longest)
     tables: list[list[int]] = [[] for _ in range(sequences)]
     for block_table in tables:
         runner.blocks.reserve(block_table, longest)

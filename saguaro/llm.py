@@ -53,7 +53,7 @@ class LLM:
         self.max_model_len = min(cfg.max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
         num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
-        runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device, fast=cfg.fast,
+        runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device, enforce_eager=cfg.enforce_eager,
                              max_seq_len=self.max_model_len)
         self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
                                 self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
