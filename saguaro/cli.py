@@ -220,7 +220,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="ar, sd or ssd")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
-    c = sub.add_parser("calibrate", help="measure a target/draft pair and store its profile (fan_out/miss_strategy 'auto')")
+    c = sub.add_parser("calibrate", help="measure a target/draft pair and store its profile (the 'auto' settings)")
     from saguaro.calibration.command import add_arguments
     add_arguments(c)
     c.set_defaults(func=cmd_calibrate)
