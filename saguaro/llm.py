@@ -17,7 +17,7 @@ from saguaro.device import load_or_place, pin_process
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
-from saguaro.engine.outputs import RequestOutput, SpecMetrics, StreamChunk
+from saguaro.engine.outputs import RequestOutput, SpeculationMetrics, StreamChunk
 from saguaro.loading import LoadedModel
 from saguaro.loading.dtype import checkpoint_dtype
 from saguaro.loading.tokenizer import check_shared_vocabulary
@@ -114,7 +114,7 @@ class LLM:
         finally:
             self.engine.abort(seq)
 
-    def spec_metrics(self, outputs: list[RequestOutput]) -> SpecMetrics | None:
+    def spec_metrics(self, outputs: list[RequestOutput]) -> SpeculationMetrics | None:
         """Speculation metrics summed over the given outputs' requests."""
         if not self.engine.decoder.reports_spec:
             return None
