@@ -175,7 +175,7 @@ def draft_step_costs(threads: int, rows: list[int], tree_rows: list[int]) -> lis
     from saguaro.engine.model_runner import ModelRunner
     from saguaro.loading import load_model
     draft = load_model(DRAFT, dtype=torch.bfloat16, progress=False)
-    runner = ModelRunner(draft.model, 64, 16, fast=True)
+    runner = ModelRunner(draft.model, 64, 16, enforce_eager=False)
     costs = step_costs(runner, rows, tree_rows)
     del runner, draft
     gc.collect()

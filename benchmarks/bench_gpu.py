@@ -88,11 +88,12 @@ def copy_bandwidth(device: torch.device) -> float | None:
     return 2 * (1 << 30) / (ms * 1e-3) / 1e9
 
 
-def pass_costs(loaded, device: torch.device, fast: bool, args, rows: list[int], tree_rows: list[int]) -> dict:
+def pass_costs(loaded, device: torch.device, enforce_eager: bool, args, rows: list[int], tree_rows: list[int]) -> dict:
     """ms per pass over a ``--context``-token sequence: causal passes of n rows, and tree steps of n branches
     (each at the same position, seeing the context and itself, as an SSD build's first step)."""
     ctx = args.context
-    runner = ModelRunner(loaded.model, 2 * (ctx + 128) // 16 + 8, 16, str(device), fast=fast, max_seq_len=2 * ctx)
+    runner = ModelRunner(loaded.model, 2 * (ctx + 128) // 16 + 8, 16, str(device), enforce_eager=enforce_eager,
+                         max_seq_len=2 * ctx)
     table_: list[int] = []
     runner.blocks.reserve(table_, ctx + max(rows + tree_rows + [1]))
     runner.forward([ForwardItem(prompts(loaded.config.vocab_size, 1, ctx)[0], 0, table_, "none")])
@@ -110,10 +111,10 @@ def pass_costs(loaded, device: torch.device, fast: bool, args, rows: list[int], 
     return out
 
 
-def engine_run(target, draft, mode: str, k: int, batch: int, args, fast: bool) -> dict:
+def engine_run(target, draft, mode: str, k: int, batch: int, args, enforce_eager: bool) -> dict:
     """Decode tok/s of ``batch`` requests together (all tokens after each request's first, over the longest
     decode), with speculation metrics."""
-    options = dict(device=args.device, dtype="bfloat16", enforce_eager=not fast, max_num_seqs=max(batch, 1),
+    options = dict(device=args.device, dtype="bfloat16", enforce_eager=enforce_eager, max_num_seqs=max(batch, 1),
                    kv_cache_tokens=max(batch, 1) * (args.context + args.max_tokens + 16) + 1024,
                    max_model_len=args.context + args.max_tokens + 16)
     if mode != "ar":
@@ -174,7 +175,7 @@ def hf_generate(loaded, args) -> float | None:
 
 def run_shape(shape: str, args, bandwidth: float | None) -> dict:
     device = torch.device(args.device)
-    fast = not args.enforce_eager
+    eager = args.enforce_eager
     log(f"{shape}: building random weights on {device}")
     target = random_model(shape, str(device), seed=0)
     draft = random_model(PAIRS[shape], str(device), seed=1)
@@ -183,17 +184,17 @@ def run_shape(shape: str, args, bandwidth: float | None) -> dict:
     if bandwidth:
         result["floor_ms"] = weight_bytes(target.model) / (bandwidth * 1e9) * 1e3
     log("pass costs")
-    result["target_passes"] = pass_costs(target, device, fast, args, [1] + args.verify_rows, [])
-    result["draft_passes"] = pass_costs(draft, device, fast, args, [1, 8, 32], args.tree_rows)
+    result["target_passes"] = pass_costs(target, device, eager, args, [1] + args.verify_rows, [])
+    result["draft_passes"] = pass_costs(draft, device, eager, args, [1, 8, 32], args.tree_rows)
     rows = []
     if "ar" in args.mode:
         for b in args.batches:
             log(f"AR batch {b}")
-            rows.append(engine_run(target, None, "ar", 0, b, args, fast))
+            rows.append(engine_run(target, None, "ar", 0, b, args, eager))
     if "sd" in args.mode:
         for k in args.sd_k:
             log(f"SD K={k}")
-            row = engine_run(target, draft, "sd", k, 1, args, fast)
+            row = engine_run(target, draft, "sd", k, 1, args, eager)
             tp, dp = result["target_passes"], result["draft_passes"]
             passes = tp.get(f"rows_{k + 1}", tp["rows_1"]) + k * dp["rows_1"]
             row["passes_ms"] = passes

@@ -143,9 +143,9 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
                                    k, shape))
         free_memory(torch.device(args.device))
     log("pass costs of the pair")
-    device, fast = torch.device(args.device), not args.enforce_eager
-    passes = {"target": pass_costs(target, device, fast, args, sorted({1} | {k + 1 for k in args.sd_k}), []),
-              "draft": pass_costs(draft, device, fast, args, [1, 2], sorted({sum(s.fan_out) for s in args.ssd}))}
+    device, eager = torch.device(args.device), args.enforce_eager
+    passes = {"target": pass_costs(target, device, eager, args, sorted({1} | {k + 1 for k in args.sd_k}), []),
+              "draft": pass_costs(draft, device, eager, args, [1, 2], sorted({sum(s.fan_out) for s in args.ssd}))}
     complete(rows, passes["target"], passes["draft"])
     return rows, passes
 
@@ -180,7 +180,7 @@ def projections(args) -> tuple[list[ProjectionRow], list[str]]:
             rows.append(ProjectionRow(target_shape, draft_shape, target_ms["rows_1"], draft_ms["rows_1"],
                                       **{k: p[k] for k in ProjectionRow.__dataclass_fields__ if k in p}))
     notes.append(f"Profile: {args.profile} ({profile.target} / {profile.draft}, workload {profile.workload}, "
-                 f"{'fast path' if profile.fast else 'eager'}, created {profile.created or '-'}).")
+                 f"{'eager' if profile.enforce_eager else 'fast path'}, created {profile.created or '-'}).")
     return rows, notes
 
 

@@ -343,7 +343,7 @@ def main(argv: list[str] | None = None) -> int:
         from saguaro.calibration.contention import measure
         from saguaro.models.draft_format import DraftFormat
         widths = sorted({1} | {sum(f) for f, _ in fan_outs(args) if isinstance(f, list)})
-        probe = measure(TARGET, DRAFT, args.k + 1, widths, fast=not args.enforce_eager, context=args.probe_context,
+        probe = measure(TARGET, DRAFT, args.k + 1, widths, enforce_eager=args.enforce_eager, context=args.probe_context,
                         reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab), log=log)
         contention = asdict(probe)  # the report reads it as the JSON it writes
         from saguaro.calibration.bus import measure_bus

@@ -152,7 +152,7 @@ class Record:
     finish_reason: str
     token_ids: list[int]
     text: str = ""
-    spec: Any = None  # raw per-request speculation counters (SpecStats); pooled by summarize()
+    spec: Any = None  # raw per-request speculation counters (SpeculationCounts); pooled by summarize()
     rounds: list[dict] = field(default_factory=list)  # per-round timings (see rounds.py)
     extra: dict = field(default_factory=dict)
 

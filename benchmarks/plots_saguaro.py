@@ -260,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     from saguaro.models.draft_format import DraftFormat
-    profile = resolve_profile(args.target, args.draft, args.dtype, args.k, fast=not args.enforce_eager,
+    profile = resolve_profile(args.target, args.draft, args.dtype, args.k, enforce_eager=args.enforce_eager,
                               draft_format=DraftFormat(args.draft_weights, args.draft_vocab).tag,
                               workload=args.workload)
     if profile.default:

@@ -23,13 +23,14 @@ import torch
 from benchmarks.common import float_list, fmt, int_list, log, table
 from benchmarks.synthetic import DEFAULT_RECIPES, SHAPES, layer_skip_draft, prompts, synthetic_pair
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
-from saguaro.engine.outputs import SpecMetrics
+from saguaro.engine.outputs import SpeculationMetrics
 from saguaro.loading import LoadedModel
 
 
 def _runner(model: LoadedModel, sequences: int, longest: int) -> tuple[ModelRunner, list[list[int]]]:
     device = str(next(model.model.parameters()).device)
-    runner = ModelRunner(model.model, sequences * (longest // 16 + 2), 16, device, fast=True, max_seq_len=longest)
+    runner = ModelRunner(model.model, sequences * (longest // 16 + 2), 16, device, enforce_eager=False,
+                         max_seq_len=longest)
     tables: list[list[int]] = [[] for _ in range(sequences)]
     for block_table in tables:
         runner.blocks.reserve(block_table, longest)
@@ -105,7 +106,7 @@ def greedy_agreement(texts: list[list[int]], guesses: list[torch.Tensor], k: int
 
 
 def engine_metrics(target: LoadedModel, draft: LoadedModel, prompt_ids: list[list[int]], max_tokens: int,
-                   **options: Any) -> SpecMetrics:
+                   **options: Any) -> SpeculationMetrics:
     """Speculation metrics of greedy requests through ``LLM`` (mode, K, fan-out... in ``options``), on the
     target's device and dtype."""
     from saguaro import LLM, SamplingParams

@@ -5,10 +5,12 @@ import argparse
 import json
 import os
 import sys
+import warnings
 
 from saguaro.config import WORKLOADS
 from saguaro.models.draft_format import WEIGHT_FORMATS
 from saguaro.sampling.params import SamplingParams
+from saguaro.ssd_settings import MissStrategy
 
 # demo defaults: SD at its best K (5 of 3, 5, 7) and SSD at a fixed fan-out with a tapered tree (every branch
 # 2 steps, the likeliest up to K), both with the int4 draft (results/bench_ssd_tapered_vs_sd.md; the fan-out does
@@ -32,8 +34,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
         opts["proposer"] = args.proposer
     if args.fan_out:
         opts["fan_out"] = "auto" if args.fan_out == "auto" else _int_list(args.fan_out)
-    if args.fallback:
-        opts["fallback"] = args.fallback
+    if args.miss_strategy:
+        opts["miss_strategy"] = args.miss_strategy
     if args.saguaro_c:
         opts["saguaro_c"] = "auto" if args.saguaro_c == "auto" else float(args.saguaro_c)
     if args.branch_steps:
@@ -137,6 +139,15 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def _deprecated(new: str) -> type[argparse.Action]:
+    """An action for a deprecated spelling of ``new``: stores the value where ``new`` does, with a warning."""
+    class Deprecated(argparse.Action):
+        def __call__(self, parser, namespace, values, option_string=None) -> None:
+            warnings.warn(f"{option_string} is deprecated: use {new}", DeprecationWarning, stacklevel=2)
+            setattr(namespace, self.dest, values)
+    return Deprecated
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
     p.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=4,
@@ -144,7 +155,11 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposer", "--speculator", dest="proposer", choices=["draft", "ngram"], default="draft",
                    help="SD proposer: the draft model or the n-gram matcher (--speculator: deprecated spelling)")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
-    p.add_argument("--fallback", choices=["jit", "ngram", "random", "auto"])
+    p.add_argument("--miss-strategy", choices=[m.value for m in MissStrategy],
+                   help="SSD: how a cache miss is drafted: jit (the draft, just in time), ngram, random, or auto "
+                        "(jit below the critical batch size, n-gram from there)")
+    p.add_argument("--fallback", dest="miss_strategy", choices=[m.value for m in MissStrategy],
+                   action=_deprecated("--miss-strategy"), help=argparse.SUPPRESS)
     p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")
     p.add_argument("--branch-steps",
                    help="SSD: build steps that decode every branch (default K); past them only the likeliest "
@@ -219,7 +234,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("name", help="ar, sd, ssd, gpu or peers")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
-    c = sub.add_parser("calibrate", help="measure a target/draft pair and store its profile (fan_out/fallback 'auto')")
+    c = sub.add_parser("calibrate", help="measure a target/draft pair and store its profile (the 'auto' settings)")
     from saguaro.calibration.command import add_arguments
     add_arguments(c)
     c.set_defaults(func=cmd_calibrate)

@@ -136,11 +136,6 @@ class Config:
         self.draft_device, self.speculator_transport = placement.draft_device, placement.transport
 
     @property
-    def fast(self) -> bool:
-        """The device's fast path: CUDA graphs over fused kernels on a GPU, the bf16 kernels on a CPU."""
-        return not self.enforce_eager
-
-    @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":  # LLM resolves it from the checkpoint before anything runs (no I/O here)
             raise ValueError('dtype "auto" is resolved from the checkpoint when the engine loads it; '

@@ -17,7 +17,7 @@ from saguaro.device import load_or_place, pin_process
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner
-from saguaro.engine.outputs import RequestOutput, SpecMetrics, StreamChunk
+from saguaro.engine.outputs import RequestOutput, SpeculationMetrics, StreamChunk
 from saguaro.loading import LoadedModel
 from saguaro.loading.dtype import checkpoint_dtype
 from saguaro.loading.tokenizer import check_shared_vocabulary
@@ -61,8 +61,8 @@ class LLM:
             runner = self._tp.runner
             num_blocks = runner.blocks.num_blocks  # the smallest count any rank can hold
         else:
-            runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device, fast=cfg.fast,
-                                 max_seq_len=self.max_model_len)
+            runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device,
+                                 enforce_eager=cfg.enforce_eager, max_seq_len=self.max_model_len)
         self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
                                 self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
 
@@ -123,7 +123,7 @@ class LLM:
         finally:
             self.engine.abort(seq)
 
-    def spec_metrics(self, outputs: list[RequestOutput]) -> SpecMetrics | None:
+    def spec_metrics(self, outputs: list[RequestOutput]) -> SpeculationMetrics | None:
         """Speculation metrics summed over the given outputs' requests."""
         if not self.engine.decoder.reports_spec:
             return None

@@ -167,11 +167,12 @@ def test_defaults_take_the_fastest_exact_path():
     from saguaro.backends.cpu_kernels.model import unsupported_reason
     bf16 = tiny_model(seed=3).model.to(torch.bfloat16)
     cpu_default = "cpu_kernels" if unsupported_reason(bf16) is None else "eager"
-    assert choose_kind(bf16, torch.device("cpu"), fast=True) == cpu_default
-    assert choose_kind(bf16, torch.device("cuda:0"), fast=True) == "paged"  # a decision only: nothing runs
+    assert choose_kind(bf16, torch.device("cpu"), enforce_eager=False) == cpu_default
+    assert choose_kind(bf16, torch.device("cuda:0"), enforce_eager=False) == "paged"  # a decision only: nothing runs
     for device in ("cpu", "cuda:0"):
-        assert choose_kind(bf16, torch.device(device), fast=False) == "eager"  # enforce_eager: the reference
-    assert choose_kind(tiny_model(seed=3).model, torch.device("cpu"), fast=True) == "eager"  # fp32: no bf16 kernels
+        assert choose_kind(bf16, torch.device(device), enforce_eager=True) == "eager"  # enforce_eager: the reference
+    fp32 = tiny_model(seed=3).model
+    assert choose_kind(fp32, torch.device("cpu"), enforce_eager=False) == "eager"  # fp32: no bf16 kernels
     with LLM(tiny_model(seed=3), dtype="bfloat16", block_size=4) as llm:  # LLM's own default
         assert llm.engine.target.backend.name == cpu_default
     with LLM(tiny_model(seed=3), dtype="bfloat16", block_size=4, enforce_eager=True) as llm:
@@ -187,8 +188,8 @@ def use_paged_backend(monkeypatch):
     import saguaro.engine.model_runner as model_runner
     real = model_runner.make_backend
 
-    def paged(model, cache, device, fast, weights, head_ids, kind, graphs, **kw):
-        return real(model, cache, device, fast, weights, head_ids, "paged", graphs, **kw)
+    def paged(model, cache, device, enforce_eager, weights, head_ids, kind, graphs, **kw):
+        return real(model, cache, device, enforce_eager, weights, head_ids, "paged", graphs, **kw)
     monkeypatch.setattr(model_runner, "make_backend", paged)
 
 

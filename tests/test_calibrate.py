@@ -118,6 +118,19 @@ def test_an_old_or_unknown_profile_asks_to_recalibrate(tmp_path, monkeypatch, ca
     assert load_profile("a", "b", "bfloat16").to_dict() == good
 
 
+def test_a_profile_that_says_fast_reads_as_enforce_eager(tmp_path, monkeypatch):
+    """Profiles written when the switch was ``fast`` (its negation) still load, under the one name."""
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    old = default_profile("a", "b", "bfloat16", 4).to_dict()
+    del old["enforce_eager"]
+    old["fast"] = True  # timed on the fast path
+    old["default"] = False
+    path = profile_path("a", "b", "bfloat16", False)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(old))
+    assert load_profile("a", "b", "bfloat16", False).enforce_eager is False
+
+
 def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
     """An int8 / reduced-head draft has its own profile; the engine falls back to the plain one, with a warning."""
     from saguaro.calibration.store import resolve_profile
@@ -125,17 +138,19 @@ def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     fmt = DraftFormat("int8", 4096)
     assert fmt.tag == "int8-v4096" and DraftFormat().tag == "" and DraftFormat(vocab=8).tag == "v8"
-    assert profile_path("a", "b", "bf16", True, fmt.tag) != profile_path("a", "b", "bf16", True)
+    assert profile_path("a", "b", "bf16", False, fmt.tag) != profile_path("a", "b", "bf16", False)
     plain = default_profile("a", "b", "bfloat16", 4)
     plain.default, plain.settings["marker"] = False, "plain"
     save_profile(plain)
     with caplog.at_level("WARNING", logger="saguaro"):
-        assert resolve_profile("a", "b", "bfloat16", 4, fast=True, draft_format=fmt.tag).settings["marker"] == "plain"
+        fast = resolve_profile("a", "b", "bfloat16", 4, enforce_eager=False, draft_format=fmt.tag)
+        assert fast.settings["marker"] == "plain"
     assert "draft format 'int8-v4096'" in caplog.text
-    own = replace(plain, settings={"marker": "int8"}, draft_format=fmt.tag, fast=True)
-    assert save_profile(own) == profile_path("a", "b", "bfloat16", True, fmt.tag)
-    assert resolve_profile("a", "b", "bfloat16", 4, fast=True, draft_format=fmt.tag).settings["marker"] == "int8"
-    assert resolve_profile("a", "b", "bfloat16", 4, fast=True).settings["marker"] == "plain"
+    own = replace(plain, settings={"marker": "int8"}, draft_format=fmt.tag, enforce_eager=False)
+    assert save_profile(own) == profile_path("a", "b", "bfloat16", False, fmt.tag)
+    fast = resolve_profile("a", "b", "bfloat16", 4, enforce_eager=False, draft_format=fmt.tag)
+    assert fast.settings["marker"] == "int8"
+    assert resolve_profile("a", "b", "bfloat16", 4, enforce_eager=False).settings["marker"] == "plain"
 
 
 def test_profiles_are_keyed_by_workload(tmp_path, monkeypatch, caplog):
@@ -144,8 +159,8 @@ def test_profiles_are_keyed_by_workload(tmp_path, monkeypatch, caplog):
     from saguaro.calibration.store import resolve_profile
     from saguaro.config import Config
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
-    assert profile_path("a", "b", "bf16", True, "int4", "code").name.endswith("__fast~code.json")
-    assert profile_path("a", "b", "bf16", True, "int4", "mixed") == profile_path("a", "b", "bf16", True, "int4")
+    assert profile_path("a", "b", "bf16", False, "int4", "code").name.endswith("__fast~code.json")
+    assert profile_path("a", "b", "bf16", False, "int4", "mixed") == profile_path("a", "b", "bf16", False, "int4")
     with pytest.raises(ValueError, match="workload"):
         profile_path("a", "b", "bf16", workload="poetry")
     with pytest.raises(ValueError, match="calibration_workload"):
@@ -183,5 +198,5 @@ def test_calibrate_an_int8_draft(pair, tmp_path, monkeypatch):
                         max_rows=4, prompt_ids=PROMPTS, log=lambda s: None, draft_format=fmt)
     assert profile.draft_format == "int8-v48" and profile.timing.draft_step_s > 0
     assert profile.temperatures["0.0"].primary.ranked_rounds > 0
-    assert save_profile(profile) == profile_path(pair[0].name, pair[1].name, "float32", False, "int8-v48")
+    assert save_profile(profile) == profile_path(pair[0].name, pair[1].name, "float32", True, "int8-v48")
     assert next(pair[1].model.parameters()).dtype == torch.float32  # the caller's draft is not converted

@@ -185,7 +185,6 @@ def test_engine_auto_settings_with_and_without_a_profile(pair, tmp_path, monkeyp
             assert [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=16))] == want
             plan = llm.engine.decoder.plan
     assert any("no calibration profile" in r.message for r in caplog.records)
-    assert any("SSD plan (defaults)" in r.message for r in caplog.records)
     assert len(plan.primary[0]) == 4 and plan.k == 3
     profile = _empirical(default_profile(pair[0].name, pair[1].name, "float32", 3))
     profile.default = False
@@ -199,8 +198,9 @@ def test_engine_auto_settings_with_and_without_a_profile(pair, tmp_path, monkeyp
     assert [o.token_ids for o in out] == want
     assert not any("no calibration profile" in r.message for r in caplog.records)
     assert isinstance(k, int) and plan.k == k
-    report = [r.message for r in caplog.records if "SSD plan (calibrated)" in r.message]
-    assert report and "thm13-empirical" in report[0].split("T=1.0")[0]  # the greedy row's method
+    settings = SSDSettings(fan_out="auto", miss_strategy="auto", saguaro_c="auto")
+    report = make_plan(profile, k, settings, 4, pair[0].config.vocab_size).report
+    assert not report.default_profile and report.temperatures["0.0"].choice.method == "thm13-empirical"
 
 
 def test_engine_auto_miss_strategy_switches_at_b_star(pair, tmp_path, monkeypatch, caplog):

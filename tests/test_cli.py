@@ -1,4 +1,6 @@
 """The command line parses what the README shows, and passes draft formats to the engine."""
+import pytest
+
 from saguaro.cli import DEMO_DRAFT_WEIGHTS, DEMO_FAN_OUT, DEMO_SD_K, _engine_options, build_parser
 
 
@@ -9,6 +11,17 @@ def test_generate_flags_reach_the_engine_options():
     opts = _engine_options(args)
     assert opts["fan_out"] == [1, 1, 1, 2] and opts["num_speculative_tokens"] == 3 and opts["enforce_eager"]
     assert opts["draft_weights"] == "int8" and opts["draft_vocab"] == 65536
+
+
+def test_deprecated_spellings_still_work_with_a_warning():
+    """--fallback (CLI) and fallback= (Config / LLM) are the miss strategy's old names."""
+    from saguaro.config import Config
+    with pytest.warns(DeprecationWarning, match="--miss-strategy"):
+        args = build_parser().parse_args(["generate", "--target", "a", "--fallback", "ngram", "--prompt", "x"])
+    assert _engine_options(args)["miss_strategy"] == "ngram"
+    with pytest.warns(DeprecationWarning, match="miss_strategy"):
+        cfg = Config("t", draft="d", mode="ssd", fallback="random")
+    assert cfg.ssd.miss_strategy == "random"
 
 
 def test_demo_defaults_are_consistent():

@@ -9,7 +9,7 @@ def test_compile_is_a_deprecated_alias_of_enforce_eager():
         assert Config("t", compile=False).enforce_eager is True
     with pytest.warns(DeprecationWarning):
         cfg = Config("t", compile=True)
-    assert cfg.enforce_eager is False and cfg.fast and cfg.compile is None
+    assert cfg.enforce_eager is False and cfg.compile is None
 
 
 def test_speculator_is_a_deprecated_alias_of_proposer():

@@ -154,7 +154,7 @@ def bf16_model(vocab=100, seed=0):
 
 def logits_of(model, ids, **fast):
     """Logits of every position of ``ids`` through a fast-path runner with ``fast`` (weights, head_ids)."""
-    runner = ModelRunner(model, 8, 16, fast=True, **fast)
+    runner = ModelRunner(model, 8, 16, enforce_eager=False, **fast)
     table = []
     runner.blocks.reserve(table, len(ids))
     return runner.forward([ForwardItem(ids, 0, table, "all")])[0]
@@ -195,7 +195,7 @@ def test_int4_model_runs_its_quantized_weights(on_tier):
 def test_draft_format_without_the_fast_path_is_an_error():
     fp32 = tiny_model(vocab=100, hidden=64).model  # the fast path is bf16 only
     with pytest.raises(ValueError, match="need the fast path"):
-        ModelRunner(fp32, 8, 16, fast=True, weights="int8")
+        ModelRunner(fp32, 8, 16, enforce_eager=False, weights="int8")
 
 
 def test_head_ids_keep_prefix_and_special_tokens():

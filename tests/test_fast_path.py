@@ -195,7 +195,7 @@ def test_fp32_never_takes_the_fast_path():
     loaded = tiny_model(seed=1)
     assert unsupported_reason(loaded.model) is not None
     assert fast_or_eager(loaded.model) is loaded.model
-    runner = ModelRunner(loaded.model, 16, 4, fast=True)
+    runner = ModelRunner(loaded.model, 16, 4, enforce_eager=False)
     assert runner.net is loaded.model
 
 
@@ -223,7 +223,7 @@ def test_bf16_engine_runs_fast_and_agrees_with_eager():
 def test_runner_logits_rows_match_eager():
     model = random_model()
     logits = []
-    for runner in (ModelRunner(model, 16, 4), ModelRunner(model, 16, 4, fast=True)):
+    for runner in (ModelRunner(model, 16, 4), ModelRunner(model, 16, 4, enforce_eager=False)):
         table: list[int] = []
         runner.blocks.reserve(table, 9)
         logits.append(runner.forward([ForwardItem(list(range(1, 10)), 0, table, "all")])[0])

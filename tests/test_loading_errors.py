@@ -12,7 +12,7 @@ import pytest
 from saguaro.loading import (MODELS, ChecksumError, GGUFFormatError, MissingChunkError, ModelNotInstalledError,
                              UnknownModelError, load_model, resolve)
 from saguaro.loading import chunks, registry
-from saguaro.loading.registry import ModelSpec, asset_path
+from saguaro.loading.registry import ModelEntry, asset_path
 
 
 @pytest.fixture(autouse=True)
@@ -50,8 +50,9 @@ def test_resolve_is_case_insensitive():
 
 
 def test_missing_package_gives_pip_command(monkeypatch):
-    spec = ModelSpec(name="fake-model", packages=(("saguaro-absent-part1", "1.2.3"), ("saguaro-absent-part2", "1.2.3")),
-                     file_name="fake.gguf", sha256="0" * 64, size=1, description="test")
+    spec = ModelEntry(name="fake-model",
+                      packages=(("saguaro-absent-part1", "1.2.3"), ("saguaro-absent-part2", "1.2.3")),
+                      file_name="fake.gguf", sha256="0" * 64, size=1, description="test")
     assert not registry.installed(spec)
     monkeypatch.setitem(registry.MODELS, spec.name, spec)
     with pytest.raises(ModelNotInstalledError) as err:
@@ -104,12 +105,12 @@ def test_registry_assembles_and_repairs(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(registry, "_version", lambda dist: "0.1")
     good = hashlib.sha256(b"".join(blobs)).hexdigest()
-    spec = ModelSpec("fake", tuple((n, "0.1") for n in names), "fake.gguf", good, 4196, "test")
+    spec = ModelEntry("fake", tuple((n, "0.1") for n in names), "fake.gguf", good, 4196, "test")
     path = asset_path(spec, progress=False)
     assert path.read_bytes() == b"".join(blobs)
     path.write_bytes(b"x" * 4196)  # damage the assembled copy: it is rebuilt from the parts
     assert asset_path(spec, progress=False).read_bytes() == b"".join(blobs)
-    bad = ModelSpec("bad", spec.packages, "bad.gguf", "0" * 64, 4196, "test")
+    bad = ModelEntry("bad", spec.packages, "bad.gguf", "0" * 64, 4196, "test")
     with pytest.raises(ChecksumError, match="expected 0000"):
         asset_path(bad, progress=False)
     assert not (path.parent / "bad.gguf").exists()

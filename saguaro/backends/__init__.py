@@ -2,7 +2,7 @@
 
 ``make_backend`` picks the fastest exact path the device supports unless told otherwise:
 CUDA -> ``paged`` (fused ops, CUDA graphs); a bf16 model on an AVX512-BF16 CPU -> ``cpu_kernels``;
-anything else, and ``fast=False`` (``enforce_eager``) -> ``eager``, the reference.
+anything else, and ``enforce_eager`` -> ``eager``, the reference.
 """
 from __future__ import annotations
 
@@ -20,12 +20,12 @@ KINDS = ("auto", "eager", "cpu_kernels", "paged")
 __all__ = ["Backend", "ForwardItem", "TreeRows", "KINDS", "choose_kind", "make_backend"]
 
 
-def make_backend(model: CausalLM, cache, device: torch.device, fast: bool, weights: str = "bf16",
+def make_backend(model: CausalLM, cache, device: torch.device, enforce_eager: bool, weights: str = "bf16",
                  head_ids: torch.Tensor | None = None, kind: str = "auto", graphs: bool = True,
                  max_table_blocks: int | None = None) -> Backend:
     """The backend for ``model`` on ``device``.
 
-    ``fast`` False is ``enforce_eager``: the eager reference (CPU draft formats excepted, which exist only
+    ``enforce_eager``: the eager reference (CPU draft formats excepted, which exist only
     as CPU kernels). ``kind`` forces a backend (tests run ``paged`` on the CPU, with torch reference ops and
     CUDA graphs replaced by their eager stand-in). ``max_table_blocks`` is the widest block table a CUDA
     graph must hold."""
@@ -34,7 +34,7 @@ def make_backend(model: CausalLM, cache, device: torch.device, fast: bool, weigh
         raise ValueError(f"backend must be one of {KINDS}, got {kind!r}")
     custom = weights != "bf16" or head_ids is not None
     if kind == "auto":
-        kind = choose_kind(model, device, fast, custom)
+        kind = choose_kind(model, device, enforce_eager, custom)
     if custom and kind != "cpu_kernels":
         raise ValueError("int8 / int4 draft weights and a reduced draft head run on the CPU kernels only")
     if kind == "eager":
@@ -46,12 +46,12 @@ def make_backend(model: CausalLM, cache, device: torch.device, fast: bool, weigh
     return _paged(model, cache, device, graphs, max_table_blocks)
 
 
-def choose_kind(model: CausalLM, device: torch.device, fast: bool, custom: bool = False) -> str:
+def choose_kind(model: CausalLM, device: torch.device, enforce_eager: bool, custom: bool = False) -> str:
     """The default backend: the fastest exact path ``device`` supports, or the eager reference when
-    ``fast`` is off (``enforce_eager``). ``custom`` draft weights exist only as CPU kernels."""
-    if device.type == "cuda" and fast:
+    ``enforce_eager``. ``custom`` draft weights exist only as CPU kernels."""
+    if device.type == "cuda" and not enforce_eager:
         return "paged"
-    if custom or (fast and _cpu_kernels_apply(model)):
+    if custom or (not enforce_eager and _cpu_kernels_apply(model)):
         return "cpu_kernels"
     return "eager"
 

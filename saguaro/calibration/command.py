@@ -56,30 +56,30 @@ def run(args: argparse.Namespace) -> int:
     from saguaro.ssd_settings import MissStrategy, SSDSettings
     pin_process([args.core] if args.core >= 0 else None, args.threads)
     dtype = DTYPES[args.dtype]
-    fast = not args.enforce_eager  # the engine's own default (Config.fast)
+    eager = args.enforce_eager  # the engine's own default: the fast path
     fmt = DraftFormat(args.draft_weights, args.draft_vocab)
     target = load_model(args.target, dtype=dtype)
     draft = load_model(args.draft, dtype=fmt.dtype(dtype))
     check_shared_vocabulary(target.tokenizer, draft.tokenizer)
     if args.timing_only:
-        profile = load_profile(args.target, args.draft, args.dtype, fast, fmt.tag, args.workload)
-        if profile is None and fast:  # reuse the eager profile's ranks with fast-path timings
-            profile = load_profile(args.target, args.draft, args.dtype, False, fmt.tag, args.workload)
+        profile = load_profile(args.target, args.draft, args.dtype, eager, fmt.tag, args.workload)
+        if profile is None and not eager:  # reuse the eager profile's ranks with fast-path timings
+            profile = load_profile(args.target, args.draft, args.dtype, True, fmt.tag, args.workload)
         if profile is None:
-            path = profile_path(args.target, args.draft, args.dtype, False, fmt.tag, args.workload)
+            path = profile_path(args.target, args.draft, args.dtype, True, fmt.tag, args.workload)
             raise FileNotFoundError(f"no profile at {path}; run `saguaro calibrate` without --timing-only first")
         args.k = profile.k
         context = profile.timing.context or 256
-        profile.timing = measure_timing(target, draft, args.k, context, args.max_rows, fast=fast,
+        profile.timing = measure_timing(target, draft, args.k, context, args.max_rows, enforce_eager=eager,
                                         draft_format=fmt, contention=not args.no_contention)
-        profile.fast = fast
+        profile.enforce_eager = eager
         timing = profile.timing
         print(f"timing: verify(K+1) {timing.verify_s * 1e3:.1f} ms, draft step {timing.draft_step_s * 1e3:.1f} ms, "
               f"T_p {timing.T_p:.2f}")
     else:
         profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
                             c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
-                            batch=args.batch, max_rows=args.max_rows, fast=fast, draft_format=fmt,
+                            batch=args.batch, max_rows=args.max_rows, enforce_eager=eager, draft_format=fmt,
                             contention=not args.no_contention, workload=args.workload)
     if not args.no_save:
         print(f"profile saved to {save_profile(profile)}")

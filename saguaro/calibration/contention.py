@@ -35,11 +35,11 @@ from saguaro.models.draft_format import DraftFormat
 
 
 def _busy_draft(ready: Any, stop: Any, passes: Any, nbytes: Any, draft: Any, dtype: torch.dtype, fmt: DraftFormat,
-                fast: bool, cores: list[int], rows: int, context: int) -> None:
+                enforce_eager: bool, cores: list[int], rows: int, context: int) -> None:
     """The busy process: draft forward passes of ``rows`` tokens, back to back, until told to stop."""
     pin_process(cores, 1)
     loaded = load_or_place(draft, "cpu", fmt.dtype(dtype), progress=False)
-    timer = RowTimer(runner_factory(loaded, fast, fmt), context, rows)
+    timer = RowTimer(runner_factory(loaded, enforce_eager, fmt), context, rows)
     timer.once(rows)
     nbytes.value = pass_bytes(timer.runner)
     ready.set()
@@ -49,7 +49,7 @@ def _busy_draft(ready: Any, stop: Any, passes: Any, nbytes: Any, draft: Any, dty
 
 
 def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: torch.dtype = torch.bfloat16,
-            fast: bool = False, draft_format: DraftFormat = DraftFormat(), context: int = 256, reps: int = 8,
+            enforce_eager: bool = True, draft_format: DraftFormat = DraftFormat(), context: int = 256, reps: int = 8,
             target_cores: list[int] | None = None, draft_cores: list[int] | None = None,
             log=lambda s: None) -> ContentionProbe:
     """Target verification time alone and beside a busy draft, for each draft width.
@@ -61,15 +61,16 @@ def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: tor
     threads = torch.get_num_threads()
     pin_process(target_cores, 1)
     try:
-        return _measure(target, draft, rows, widths, dtype, fast, draft_format, context, reps, target_cores,
+        return _measure(target, draft, rows, widths, dtype, enforce_eager, draft_format, context, reps, target_cores,
                         draft_cores, log)
     finally:
         pin_process(sorted(affinity) if affinity else None, threads)
 
 
-def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, reps, target_cores, draft_cores,
+def _measure(target, draft, rows, widths, dtype, enforce_eager, draft_format, context, reps, target_cores, draft_cores,
              log) -> ContentionProbe:
-    verify = RowTimer(runner_factory(load_or_place(target, "cpu", dtype, progress=False), fast), context, rows)
+    verify = RowTimer(runner_factory(load_or_place(target, "cpu", dtype, progress=False), enforce_eager), context,
+                        rows)
 
     def verify_times() -> list[float]:
         return [1e3 * verify.once(rows) for _ in range(reps)]
@@ -82,8 +83,8 @@ def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, re
     ctx = mp.get_context("spawn")
     for width in widths:
         ready, stop, passes, nbytes = ctx.Event(), ctx.Event(), ctx.Value("q", 0), ctx.Value("q", 0)
-        proc = ctx.Process(target=_busy_draft, args=(ready, stop, passes, nbytes, draft, dtype, draft_format, fast,
-                                                     draft_cores, width, context),
+        proc = ctx.Process(target=_busy_draft, args=(ready, stop, passes, nbytes, draft, dtype, draft_format,
+                                                     enforce_eager, draft_cores, width, context),
                            daemon=True, name="saguaro-busy-draft")
         proc.start()
         try:
@@ -113,7 +114,7 @@ def _measure(target, draft, rows, widths, dtype, fast, draft_format, context, re
         b.slowdown = b.verify_ms_median / idle
     return ContentionProbe(
         description="target verification pass (1 thread) alone vs beside a busy draft process on the other core",
-        rows=rows, context=context, reps=reps, fast=bool(fast), draft_format=draft_format.tag,
+        rows=rows, context=context, reps=reps, enforce_eager=bool(enforce_eager), draft_format=draft_format.tag,
         target_cores=target_cores, draft_cores=draft_cores,
         target_pass_bytes=target_bytes, draft_pass_bytes=draft_bytes,
         idle_ms_before=idle_before, idle_ms_after=idle_after, idle_ms_median=idle,

@@ -73,7 +73,7 @@ class ContentionProbe:
     rows: int = 0  # rows of the verification timed (K + 1)
     context: int = 0  # tokens cached before them
     reps: int = 0  # verifications timed per phase
-    fast: bool = False  # both models on the bf16 fast path
+    enforce_eager: bool = True  # False: both models on the bf16 fast path
     draft_format: str = ""  # DraftFormat.tag of the busy draft
     target_cores: list[int] | None = None
     draft_cores: list[int] | None = None
@@ -177,7 +177,7 @@ class Profile:
     default: bool = False  # the documented defaults, not a measurement
     draft_format: str = ""  # DraftFormat.tag the draft ran as ("": bf16, full head)
     workload: str = "mixed"  # the held-out prompts (config.WORKLOADS)
-    fast: bool = False  # timed on the bf16 fast path (Config.fast)
+    enforce_eager: bool = True  # False: timed on the bf16 fast path (Config.enforce_eager)
     created: str = ""
     settings: dict[str, Any] = field(default_factory=dict)  # how calibrate ran: prompts, tokens, batch, ...
 
@@ -200,9 +200,12 @@ class Profile:
 
 
 def _fields(cls: type, data: Any, where: str) -> dict:
-    """``data`` as keyword arguments of ``cls``; ``ProfileError`` naming the keys that do not match."""
+    """``data`` as keyword arguments of ``cls``; ``ProfileError`` naming the keys that do not match. A profile
+    written before the switch was named ``enforce_eager`` has ``fast``, its negation: read as that."""
     if not isinstance(data, dict):
         raise ProfileError(f"{where} is {type(data).__name__}, not an object")
+    if "fast" in data and "enforce_eager" not in data:
+        data = {**{key: v for key, v in data.items() if key != "fast"}, "enforce_eager": not data["fast"]}
     known = {f.name for f in fields(cls)}
     required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     unknown, missing = sorted(set(data) - known), sorted(required - set(data))

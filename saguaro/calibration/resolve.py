@@ -22,10 +22,11 @@ from saguaro.ssd.plan import SpecPlan
 log = logging.getLogger("saguaro.ssd")
 
 
-def _timed_fast(cfg: Config) -> bool:
-    """Whether the engine runs the bf16 kernels the ``__fast`` profiles were timed on: the fast path applies to
-    bf16 models only (an fp32 engine runs the eager reference whatever ``enforce_eager`` says)."""
-    return cfg.fast and cfg.torch_dtype == torch.bfloat16
+def _timed_eager(cfg: Config) -> bool:
+    """Whether the engine runs the eager reference rather than the bf16 kernels the ``__fast`` profiles were
+    timed on: the fast path applies to bf16 models only (an fp32 engine runs eager whatever ``enforce_eager``
+    says)."""
+    return cfg.enforce_eager or cfg.torch_dtype != torch.bfloat16
 
 
 def resolve_k(cfg: Config) -> Config:
@@ -41,7 +42,7 @@ def resolve_k(cfg: Config) -> Config:
 
 def _profile(cfg: Config, k: int) -> Profile:
     """The pair's stored calibration profile for K = ``k`` (or the documented defaults, with a warning)."""
-    return resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, fast=_timed_fast(cfg),
+    return resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
                            draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
 
 

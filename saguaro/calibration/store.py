@@ -3,7 +3,8 @@
 One JSON file per profile (``Profile.to_dict``) at
 ``<cache_root>/profiles/<target>__<draft>[@<format>]__<dtype>[__fast][~<workload>].json``
 (``saguaro.loading.cache_root``; ``SAGUARO_CACHE`` moves it). ``__fast``: timed on the bf16 fast path that
-``Config.fast`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g. ``int8-v65536``, since
+``Config(enforce_eager=False)`` selects; ``@<format>``: the draft ran as ``DraftFormat.tag``, e.g.
+``int8-v65536``, since
 its weights and head change both its step time and its ranks; ``~<workload>``: calibrated on code or chat
 prompts only (``config.WORKLOADS``; "mixed" has no suffix).
 """
@@ -26,18 +27,18 @@ def _slug(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(str(name).rstrip("/")) or str(name))
 
 
-def profile_path(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
+def profile_path(target: str, draft: str, dtype, enforce_eager: bool = True, draft_format: str = "",
                  workload: str = "mixed") -> Path:
-    """Keyed by target, draft (and its format tag) and dtype; ``fast`` (timed on the bf16 fast path,
-    Config.fast) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
+    """Keyed by target, draft (and its format tag) and dtype; timed on the bf16 fast path (``enforce_eager``
+    False) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
     check_workload(workload)
-    suffix = ("__fast" if fast else "") + ("" if workload == "mixed" else f"~{workload}")
+    suffix = ("" if enforce_eager else "__fast") + ("" if workload == "mixed" else f"~{workload}")
     fmt = f"@{_slug(draft_format)}" if draft_format else ""
     return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
 
 
 def save_profile(profile: Profile) -> Path:
-    path = profile_path(profile.target, profile.draft, profile.dtype, profile.fast, profile.draft_format,
+    path = profile_path(profile.target, profile.draft, profile.dtype, profile.enforce_eager, profile.draft_format,
                         profile.workload)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
@@ -46,11 +47,11 @@ def save_profile(profile: Profile) -> Path:
     return path
 
 
-def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_format: str = "",
+def load_profile(target: str, draft: str, dtype, enforce_eager: bool = True, draft_format: str = "",
                  workload: str = "mixed") -> Profile | None:
     """The stored profile, or None if there is none. One that cannot be used -- unreadable, of another
     version or layout -- is None too, and the log says so and to re-run ``saguaro calibrate``."""
-    path = profile_path(target, draft, dtype, fast, draft_format, workload)
+    path = profile_path(target, draft, dtype, enforce_eager, draft_format, workload)
     try:
         return Profile.from_dict(json.loads(path.read_text()))
     except FileNotFoundError:
@@ -66,25 +67,26 @@ def load_profile(target: str, draft: str, dtype, fast: bool = False, draft_forma
     return None
 
 
-def resolve_profile(target: str, draft: str, dtype, k: int, fast: bool = False, draft_format: str = "",
+def resolve_profile(target: str, draft: str, dtype, k: int, enforce_eager: bool = True, draft_format: str = "",
                     workload: str = "mixed") -> Profile:
     """The stored profile, or the documented defaults (logged).
 
-    Preferred: the profile timed as the engine will run -- on the fast path with ``fast`` (Config.fast),
+    Preferred: the profile timed as the engine will run -- on the fast path unless ``enforce_eager`` (as Config),
     with the draft in ``draft_format`` (``DraftFormat.tag``). Failing that, the nearest one that exists
     (same format eager, then the plain draft), with a warning: its acceptance and hit curves still apply
     roughly, its timings do not. A ``workload`` ("code", "chat") without its own profile falls back to the
     "mixed" one, whose acceptance and hit rates are those of both kinds of prompts."""
-    settings = [(fast, draft_format), (False, draft_format), (fast, ""), (False, "")]
+    settings = [(enforce_eager, draft_format), (True, draft_format), (enforce_eager, ""), (True, "")]
     tried = [(f, fmt, w) for w in dict.fromkeys([workload, "mixed"]) for f, fmt in settings]
     for i, (f, fmt, w) in enumerate(dict.fromkeys(tried)):
         profile = load_profile(target, draft, dtype, f, fmt, w)
         if profile is None:
             continue
         if i:
-            log.warning("no calibration profile for %s / %s as configured (fast path %s, draft format %r, workload "
-                        "%s); using the one with fast path %s, draft format %r, workload %s, whose timings or rates "
-                        "differ (run `saguaro calibrate` with the same settings)", target, draft, fast,
+            log.warning("no calibration profile for %s / %s as configured (enforce_eager %s, draft format "
+                        "%r, workload %s); using the one with enforce_eager %s, draft format %r, workload %s, whose "
+                        "timings or rates differ (run `saguaro calibrate` with the same settings)", target, draft,
+                        enforce_eager,
                         draft_format or "bf16", workload, f, fmt or "bf16", w)
         return profile
     log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "

@@ -1,17 +1,17 @@
 """Turn per-request speculation counters into reported metrics."""
 from __future__ import annotations
 
-from saguaro.engine.outputs import SpecMetrics
-from saguaro.engine.sequence import SpecStats
+from saguaro.engine.outputs import SpeculationMetrics
+from saguaro.engine.sequence import SpeculationCounts
 
 
 def _ratio(num: float, den: float) -> float | None:
     return num / den if den else None
 
 
-def summarize(stats: list[SpecStats], with_cache: bool = False) -> SpecMetrics:
+def summarize(stats: list[SpeculationCounts], with_cache: bool = False) -> SpeculationMetrics:
     """Sum counters over requests, then form rates (so long requests weigh more)."""
-    total = SpecStats()
+    total = SpeculationCounts()
     for s in stats:
         total.rounds += s.rounds
         total.drafted += s.drafted
@@ -26,7 +26,7 @@ def summarize(stats: list[SpecStats], with_cache: bool = False) -> SpecMetrics:
         for i in range(depth):
             total.drafted_by_position[i] += s.drafted_by_position[i]
             total.accepted_by_position[i] += s.accepted_by_position[i]
-    metrics = SpecMetrics(
+    metrics = SpeculationMetrics(
         rounds=total.rounds,
         drafted_tokens=total.drafted,
         accepted_tokens=total.accepted,

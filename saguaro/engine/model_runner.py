@@ -33,9 +33,9 @@ __all__ = ["ForwardItem", "ModelRunner", "TreeRows"]
 
 
 class ModelRunner:
-    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str = "cpu", fast: bool = False,
-                 weights: str = "bf16", head_ids: torch.Tensor | None = None, backend: str = "auto",
-                 graphs: bool = True, max_seq_len: int | None = None):
+    def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str = "cpu",
+                 enforce_eager: bool = True, weights: str = "bf16", head_ids: torch.Tensor | None = None,
+                 backend: str = "auto", graphs: bool = True, max_seq_len: int | None = None):
         self.model = model
         self.config = model.config
         self.device = torch.device(device)
@@ -43,7 +43,7 @@ class ModelRunner:
         self.cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
         self.blocks = BlockManager(num_blocks, block_size)
         longest = (max_seq_len or self.config.max_position_embeddings) + 64  # + a round's lookahead
-        self.backend = make_backend(model, self.cache, self.device, fast, weights, head_ids, backend, graphs,
+        self.backend = make_backend(model, self.cache, self.device, enforce_eager, weights, head_ids, backend, graphs,
                                     max_table_blocks=min(num_blocks, -(-longest // block_size)))
 
     @property
@@ -98,8 +98,8 @@ class ModelRunner:
 
 
 def draft_runner(fmt: DraftFormat, draft: LoadedModel, num_blocks: int, block_size: int, device: str,
-                 fast: bool) -> ModelRunner:
+                 enforce_eager: bool) -> ModelRunner:
     """The draft's runner: the fast path with ``fmt`` if custom (an error where it cannot run), else as
     the engine runs."""
-    return ModelRunner(draft.model, num_blocks, block_size, device, fast=fast or fmt.custom,
+    return ModelRunner(draft.model, num_blocks, block_size, device, enforce_eager=enforce_eager and not fmt.custom,
                        weights=fmt.weights, head_ids=fmt.head_ids(draft))

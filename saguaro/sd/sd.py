@@ -96,5 +96,6 @@ def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None
         from saguaro.sd.ngram_proposer import NgramProposer
         return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
     from saguaro.sd.draft_model import DraftModelProposer
-    runner = draft_runner(cfg.draft_format, draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device, cfg.fast)
+    runner = draft_runner(cfg.draft_format, draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device,
+                          cfg.enforce_eager)
     return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)

@@ -147,6 +147,7 @@ def _context_error(longest: int, n_prompt: int, n_out: int) -> str:
 
 def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
                limits: ServerLimits = ServerLimits()) -> FastAPI:
+    """The server's routes. Long because they are closures over one engine and its limits, declared together."""
     app = FastAPI(title="Saguaro", description="OpenAI-compatible server for lossless SSD decoding")
     if api_key:
         app.add_middleware(_APIKey, key=api_key)

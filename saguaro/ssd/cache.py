@@ -18,7 +18,8 @@ from saguaro.sampling.ranked import RankTable
 
 
 @dataclass
-class CachedSpeculation:
+class CachedBranch:
+    """One branch of a build: the speculation prepared for one outcome (k, t*), its tokens in the table."""
     row: int  # row of the build's token table
     length: int  # tokens drafted after the outcome's bonus token (fewer than K if the build was cut short)
     probs: torch.Tensor | None  # [length, V] distributions they were drawn from; None for greedy rows
@@ -33,7 +34,7 @@ class SpeculationCache:
     """One build's speculations: host keys, device token table; cleared every round."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, int, int], CachedSpeculation] = {}
+        self._entries: dict[tuple[int, int, int], CachedBranch] = {}
         self.tokens: torch.Tensor | None = None  # [R, K] long on the draft's device; -1 past a row's length
         self.ranks: RankTable | None = None  # every position of every branch, ranked
 
@@ -55,13 +56,13 @@ class SpeculationCache:
         self._entries.clear()
         self.tokens, self.ranks = table, ranks
 
-    def put(self, seq_id: int, k: int, token: int, spec: CachedSpeculation) -> None:
-        self._entries[(seq_id, k, token)] = spec
+    def put(self, seq_id: int, k: int, token: int, branch: CachedBranch) -> None:
+        self._entries[(seq_id, k, token)] = branch
 
-    def get(self, seq_id: int, k: int, token: int) -> CachedSpeculation | None:
+    def get(self, seq_id: int, k: int, token: int) -> CachedBranch | None:
         return self._entries.get((seq_id, k, token))
 
-    def gather(self, hits: list[CachedSpeculation]) -> list[torch.Tensor]:
+    def gather(self, hits: list[CachedBranch]) -> list[torch.Tensor]:
         """[tokens [H, K], rank ids [N, W], rank probs [N, W]] of ``hits`` on the device, for one read
         (``read_together``); the rank rows are every hit's ``rank_rows`` in order."""
         device = self.tokens.device
@@ -69,9 +70,9 @@ class SpeculationCache:
         ranks = self.ranks.take([r for h in hits for r in h.rank_rows])
         return [self.tokens[rows]] + ranks
 
-    def read_tokens(self, spec: CachedSpeculation) -> list[int]:
+    def read_tokens(self, branch: CachedBranch) -> list[int]:
         """One entry's tokens (a read of its own; the engine reads hits through ``gather``)."""
-        return self.tokens[spec.row, :spec.length].tolist()
+        return self.tokens[branch.row, :branch.length].tolist()
 
     def clear(self) -> None:
         self._entries.clear()
@@ -80,7 +81,7 @@ class SpeculationCache:
     def keys(self) -> list[tuple[int, int, int]]:
         return list(self._entries)
 
-    def items(self) -> list[tuple[tuple[int, int, int], CachedSpeculation]]:
+    def items(self) -> list[tuple[tuple[int, int, int], CachedBranch]]:
         return list(self._entries.items())
 
     def __len__(self) -> int:

@@ -39,14 +39,14 @@ class SpeculatorOptions:
     kv_cache_tokens: int
     block_size: int
     timeout_s: float  # a side silent this long is declared dead
-    fast: bool = False  # run the draft through the device's fast path (Config.fast), like the target
+    enforce_eager: bool = True  # False: the draft runs the device's fast path, like the target (Config)
     draft_format: DraftFormat = field(default_factory=DraftFormat)  # int8 weights / reduced head
 
     @classmethod
     def from_config(cls, cfg: Config, plan: SpecPlan) -> SpeculatorOptions:
         return cls(plan=plan, dtype=cfg.draft_torch_dtype, device=cfg.draft_device or cfg.device,
                    cores=cfg.draft_cores, threads=cfg.threads, kv_cache_tokens=cfg.kv_cache_tokens,
-                   block_size=cfg.block_size, timeout_s=cfg.worker_timeout_s, fast=cfg.fast,
+                   block_size=cfg.block_size, timeout_s=cfg.worker_timeout_s, enforce_eager=cfg.enforce_eager,
                    draft_format=cfg.draft_format)
 
     @property
@@ -63,7 +63,8 @@ def start_speculator(draft: Any, opts: SpeculatorOptions, recorder: RankRecorder
     runner, and the engine's speculator over them -- or with ``recorder``, calibration's, which records
     bonus-token ranks."""
     loaded = load_or_place(draft, opts.device, opts.dtype)
-    runner = draft_runner(opts.draft_format, loaded, opts.draft_blocks(), opts.block_size, opts.device, opts.fast)
+    runner = draft_runner(opts.draft_format, loaded, opts.draft_blocks(), opts.block_size, opts.device,
+                          opts.enforce_eager)
     if recorder is None:
         return Speculator(runner, opts.plan)
     return RecordingSpeculator(runner, opts.plan, recorder)

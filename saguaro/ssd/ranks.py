@@ -55,14 +55,14 @@ class RankRecorder:
         rank = -1
         held = self._pending.pop(seq_id, None)
         if held is not None and len(held[1]) == drafted:
-            logits, spec = held
-            if accepted < drafted and spec[accepted] == bonus:  # the verifier cut the speculation short (max_tokens)
+            logits, sent = held
+            if accepted < drafted and sent[accepted] == bonus:  # the verifier cut the speculation short (max_tokens)
                 self.records.append(RankRecord(drafted_by, drafted, accepted, -1, temperature))
                 return
             row = logits[accepted].float()
             above = row > row[bonus]
             if accepted < drafted:
-                above[spec[accepted]] = False  # the drafted token is never the bonus token; the cache skips it
+                above[sent[accepted]] = False  # the drafted token is never the bonus token; the cache skips it
             rank = int(above.sum())
         self.records.append(RankRecord(drafted_by, drafted, accepted, rank, temperature))
 

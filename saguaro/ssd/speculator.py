@@ -49,7 +49,7 @@ from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.ranked import RankTable, rank_positions, rank_table, ranked_rows
 from saguaro.sampling.sampler import sample
 from saguaro.sd.draft_model import DraftModelProposer
-from saguaro.ssd.cache import CachedSpeculation, SpeculationCache
+from saguaro.ssd.cache import CachedBranch, SpeculationCache
 from saguaro.ssd.miss_drafts import MissDrafts
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
@@ -160,7 +160,7 @@ class Speculator:
         for adm in req.admissions:
             self._admit(adm)
         self._set_batch(len(req.order))
-        hits: dict[int, CachedSpeculation] = {}
+        hits: dict[int, CachedBranch] = {}
         for out in req.outcomes:
             state = self.states[out.seq_id]
             seq, draft = state.seq, state.draft
@@ -210,7 +210,7 @@ class Speculator:
         if seq.generator is not None:
             seq.generator.manual_seed(adm.seed)
 
-    def _adopt_kv(self, state: SeqState, cached: CachedSpeculation) -> None:
+    def _adopt_kv(self, state: SeqState, cached: CachedBranch) -> None:
         """Copy a hit branch's k/v (its bonus token and every drafted token but the last) from the build's
         scratch into the sequence's draft cache, right after the verified prefix, where the glue would
         otherwise recompute it."""
@@ -281,14 +281,14 @@ class Speculator:
         k/v is cached and whose ranked ids came with the speculation are not fed again."""
         items, known = [], []
         for state in states:
-            seq, draft, spec = state.seq, state.draft, state.sent
+            seq, draft, sent = state.seq, state.draft, state.sent
             base = len(seq) - 1
             start = min(draft.num_cached, base)  # else re-feed the last verified token for its logits
             if state.ranked is not None and draft.num_cached >= base:
-                start = min(draft.num_cached, base + len(state.ranked), base + len(spec))
+                start = min(draft.num_cached, base + len(state.ranked), base + len(sent))
             known.append(max(start - base, 0))
             self.runner.blocks.truncate(draft.block_table, start)
-            tokens = (seq.tokens + spec)[start:]
+            tokens = (seq.tokens + sent)[start:]
             self.runner.blocks.reserve(draft.block_table, start + len(tokens))
             items.append(ForwardItem(tokens, start, draft.block_table, "all"))
             draft.num_cached = start + len(tokens)
@@ -345,7 +345,7 @@ class Speculator:
             lay, rows = layouts[i], rows_of[i, q]
             kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(rows))]  # the root, then tokens[:-1]
             self.cache.put(seqs[i].seq_id, lay.fork_depths[q], lay.roots[q],
-                           CachedSpeculation(b, len(rows), probs.get((i, q)), rows, kv_slots))
+                           CachedBranch(b, len(rows), probs.get((i, q)), rows, kv_slots))
         return BuildStats(steps=len(steps), branches=len(branches))
 
     def _draft_step(self, step: int, live: list[int], layouts: list[BranchLayout], seqs: list[Sequence],

@@ -84,7 +84,8 @@ def rejection_sample_tensors(
     greedy: torch.Tensor,
     shared_generator: torch.Generator | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Like :func:`rejection_sample`, but returns ``(num_accepted [B], bonus_tokens [B])`` as int64 tensors."""
+    """Like :func:`rejection_sample`, but returns ``(num_accepted [B], bonus_tokens [B])`` as int64 tensors.
+    Long because it checks every argument's shape before the one vectorized accept / reject pass."""
     if target_probs.dim() != 3:
         raise ValueError(f"target_probs must be [B, K+1, V], got {tuple(target_probs.shape)}")
     batch, k_plus_1, vocab = target_probs.shape

@@ -23,6 +23,7 @@ def split_kernel(
         TILE: tl.constexpr, SPLITS: tl.constexpr, DIRECT: tl.constexpr, DOT_F32: tl.constexpr,
         PRECISION: tl.constexpr):
     """Program (row, kv head, split): online softmax of the kv head's G query heads over one slice of positions.
+    Long because a Triton program is one function: its loads, softmax and stores cannot call helpers cheaply.
 
     grid (N, KVH, SPLITS). With ``DIRECT`` (SPLITS == 1) the normalized result goes straight to ``out``;
     otherwise the unnormalized accumulator and its (max, sum) go to the partial buffers for ``combine_kernel``:
