@@ -79,6 +79,7 @@ class TensorParallelTarget:
             rank, world, local = torchrun_rank()
             if world != opts.world:
                 raise ValueError(f"torchrun started {world} processes but tensor_parallel_size={opts.world}")
+            pin_process(opts.cores_for(local), opts.threads)
             if rank != 0:  # this process only serves rank 0's passes: it ends here
                 run_rank(env_store(START_TIMEOUT_S), rank, local, opts, source)
                 sys.exit(0)
