@@ -319,9 +319,8 @@ def main(argv: list[str] | None = None) -> int:
             summaries[r.key] = summarize_records(records[r.key])
             commands[r.key] = options
         summaries[r.key]["loadavg_1m_after"] = os.getloadavg()[0]  # the machine may be shared: say how busy
-    versions = {"llama_cpp_source": f"{lc.PACKAGE}=={lc.VERSION} (vendor/llama.cpp)",
-                "llama_cpp": f"{lc.PACKAGE} {lc.VERSION} sdist"
-                             + (f", {lc.tool_version(build)}" if build is not None and lc.tool_version(build) else ""),
+    built = lc.tool_version(build) if build is not None else None
+    versions = {"llama_cpp": f"{lc.PACKAGE}=={lc.VERSION} sdist (vendor/llama.cpp)" + (f", {built}" if built else ""),
                 "saguaro_commit": environment()["git_commit"], "torch": torch.__version__}
     payload, markdown = report(args, rows, labels, summaries, llama_runs, commands, files, cpu_description(), versions)
     if "llama-bf16-ar" in llama_runs and "saguaro-ar" in records:
