@@ -249,6 +249,10 @@ def report(args, rows, labels, summaries, llama_runs, commands, files, cpu, vers
               "of the Q4_K_M files (every tensor dequantized). Saguaro loads the Q4_K_M files, dequantizes to bf16, "
               "and re-quantizes its draft to its own int4 format (groups of 32) with a "
               f"{args.draft_vocab or 'full'}-token head."]
+    loads = [s["loadavg_1m_after"] for s in summaries.values() if s.get("loadavg_1m_after") is not None]
+    if loads:
+        lines += ["", f"1-minute load average after each row: {min(loads):.1f}-{max(loads):.1f} on "
+                  f"{cpu['cores']} cores (above 1 per core, other work shared the cores and slowed every row)."]
     mismatch = {k: f"{s['prompt_tokens_equal']}/{s['prompt_tokens_compared']}" for k, s in summaries.items()
                 if s.get("prompt_tokens_compared")}
     if mismatch:
@@ -314,9 +318,9 @@ def main(argv: list[str] | None = None) -> int:
             records[r.key] = run_engine(labels[r.key], options, prompts, args)
             summaries[r.key] = summarize_records(records[r.key])
             commands[r.key] = options
-    versions = {"llama_cpp_source": f"{lc.PACKAGE}=={lc.VERSION} (vendor/llama.cpp)",
-                "llama_cpp": f"{lc.PACKAGE} {lc.VERSION} sdist"
-                             + (f", {lc.tool_version(build)}" if build is not None and lc.tool_version(build) else ""),
+        summaries[r.key]["loadavg_1m_after"] = os.getloadavg()[0]  # the machine may be shared: say how busy
+    built = lc.tool_version(build) if build is not None else None
+    versions = {"llama_cpp": f"{lc.PACKAGE}=={lc.VERSION} sdist (vendor/llama.cpp)" + (f", {built}" if built else ""),
                 "saguaro_commit": environment()["git_commit"], "torch": torch.__version__}
     payload, markdown = report(args, rows, labels, summaries, llama_runs, commands, files, cpu_description(), versions)
     if "llama-bf16-ar" in llama_runs and "saguaro-ar" in records:

@@ -241,14 +241,15 @@ def run_tool(cmd: list[str], timeout_s: float, cores: list[int] | None = None) -
 
 
 def tool_version(build: Build) -> str | None:
-    """llama.cpp's own build line (``--version``), when the program prints one."""
+    """llama.cpp's own version and compiler lines (``--version``), when the program prints them."""
     try:
         done = subprocess.run([str(build.tool("llama-completion")), "--version"], capture_output=True, text=True,
                               timeout=30, stdin=subprocess.DEVNULL)
     except (OSError, subprocess.SubprocessError):
         return None
-    lines = [ln for ln in (done.stdout + done.stderr).splitlines() if "version" in ln.lower()]
-    return lines[0].strip() if lines else None
+    lines = [ln.strip() for ln in (done.stdout + done.stderr).splitlines()
+             if ln.lower().startswith(("version", "built with"))]
+    return "; ".join(lines) or None
 
 
 def measured_reference(out_dir: Path) -> dict | None:
