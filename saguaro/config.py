@@ -16,6 +16,7 @@ from saguaro.placement import check_transport, gpu_index, place_speculator
 
 MODES = ("ar", "sd", "ssd")
 PROPOSERS = ("draft", "ngram")
+DRAFT_KINDS = ("auto", "model", "eagle3")  # "auto": an EAGLE-3 head when the draft directory holds one
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a calibration profile was measured on
@@ -52,6 +53,7 @@ class Config:
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
+    draft_kind: str = "auto"  # the draft: a model, an EAGLE-3 head directory (SD only), or "auto" to tell them apart
 
     def __post_init__(self) -> None:
         if self.compile is not None:
@@ -71,6 +73,10 @@ class Config:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.draft_kind not in DRAFT_KINDS:
+            raise ValueError(f"draft_kind must be one of {DRAFT_KINDS}, got {self.draft_kind!r}")
+        if self.draft_kind == "eagle3" and self.mode != "sd":
+            raise ValueError("an EAGLE-3 draft runs in mode='sd' only")
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
         if self.mode != "ar" and k != "auto" and k < 1:
