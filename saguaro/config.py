@@ -18,6 +18,7 @@ from saguaro.ssd_settings import SETTINGS, SSDSettings
 
 MODES = ("ar", "sd", "ssd")
 PROPOSERS = ("draft", "ngram")
+DRAFT_KINDS = ("auto", "model", "eagle3")  # "auto": an EAGLE-3 head when the draft directory holds one
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 WORKLOADS = ("mixed", "code", "chat")  # which held-out prompts a calibration profile was measured on
@@ -59,6 +60,7 @@ class Config:
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
     tensor_parallel_size: int = 1  # the target's devices (ranks): >1 shards it with torch.distributed (parallel/)
+    draft_kind: str = "auto"  # the draft: a model, an EAGLE-3 head directory (SD only), or "auto" to tell them apart
     # the flat spellings of ``ssd``'s fields (SSDSettings), as LLM(...) and the CLI take them
     fan_out: InitVar[list[int] | str | None] = _UNSET
     miss_strategy: InitVar[str] = _UNSET
@@ -86,6 +88,10 @@ class Config:
             raise ValueError('num_speculative_tokens="auto" needs a draft model and a calibration profile')
         if self.mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
+        if self.draft_kind not in DRAFT_KINDS:
+            raise ValueError(f"draft_kind must be one of {DRAFT_KINDS}, got {self.draft_kind!r}")
+        if self.draft_kind == "eagle3" and self.mode != "sd":
+            raise ValueError("an EAGLE-3 draft runs in mode='sd' only")
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
         if self.mode != "ar" and k != "auto" and k < 1:

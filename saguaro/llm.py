@@ -48,8 +48,9 @@ class LLM:
             self._tp = TensorParallelTarget(target, RankOptions.from_config(cfg, num_blocks))
         self.target = self._tp.loaded if self._tp else _load(target, cfg)
         self.tokenizer = self.target.tokenizer
+        self._eagle = _eagle_head_dir(cfg, draft)  # an EAGLE-3 head drafts from the target's features
         self.draft = (_load(draft, cfg, cfg.draft_device or cfg.device, cfg.draft_torch_dtype)
-                      if draft is not None and cfg.mode != "ar" else None)
+                      if draft is not None and cfg.mode != "ar" and self._eagle is None else None)
         if self.draft is not None:
             check_shared_vocabulary(self.target.tokenizer, self.draft.tokenizer)
         # a speculator process loads a named draft itself (mapping the same cached file) rather than receiving a copy
@@ -62,7 +63,9 @@ class LLM:
             num_blocks = runner.blocks.num_blocks  # the smallest count any rank can hold
         else:
             runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device,
-                                 enforce_eager=cfg.enforce_eager, max_seq_len=self.max_model_len)
+                                 # an EAGLE head reads layers the eager path keeps
+                                 enforce_eager=cfg.enforce_eager or self._eagle is not None,
+                                 max_seq_len=self.max_model_len)
         self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
                                 self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
 
@@ -70,6 +73,9 @@ class LLM:
         cfg = self.config
         if cfg.mode == "ar":
             return ARDecoder(runner)
+        if self._eagle is not None:
+            from saguaro.eagle.proposer import build_eagle_decoder
+            return build_eagle_decoder(cfg, runner, self._eagle, num_blocks, self.max_model_len)
         if cfg.mode == "sd":
             from saguaro.sd.sd import build_sd_decoder
             return build_sd_decoder(cfg, runner, self.draft, num_blocks, self.max_model_len)
@@ -143,6 +149,20 @@ class LLM:
 
 def _name(model: str | LoadedModel) -> str:
     return model if isinstance(model, str) else model.name
+
+
+def _eagle_head_dir(cfg: Config, draft: str | LoadedModel | None) -> str | None:
+    """The EAGLE-3 head directory that drafts, if the draft is one (``draft_kind``)."""
+    if cfg.mode == "ar" or cfg.proposer != "draft" or cfg.draft_kind == "model" or not isinstance(draft, str):
+        if cfg.draft_kind == "eagle3" and not isinstance(draft, str):
+            raise ValueError("draft_kind='eagle3' needs the head's directory as draft=")
+        return None
+    from saguaro.eagle.checkpoint import is_eagle3_dir
+    if cfg.draft_kind == "eagle3" or is_eagle3_dir(draft):
+        if cfg.mode != "sd":
+            raise ValueError(f"{draft} is an EAGLE-3 head: it drafts in mode='sd' only")
+        return draft
+    return None
 
 
 def _load(model: str | LoadedModel, cfg: Config, device: str | None = None, dtype: Any = None) -> LoadedModel:

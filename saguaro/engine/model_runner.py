@@ -15,7 +15,7 @@ fp32 models on the CPU, the exact eager reference runs.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -45,6 +45,16 @@ class ModelRunner:
         longest = (max_seq_len or self.config.max_position_embeddings) + 64  # + a round's lookahead
         self.backend = make_backend(model, self.cache, self.device, enforce_eager, weights, head_ids, backend, graphs,
                                     max_table_blocks=min(num_blocks, -(-longest // block_size)))
+        self._observer: Callable[[list[ForwardItem], torch.Tensor], None] | None = None
+
+    def tap(self, layers: list[int], observer: Callable[[list[ForwardItem], torch.Tensor], None]) -> None:
+        """After every pass, hand ``observer(items, features)`` the input hidden states of ``layers``
+        (features [N, len(layers) * hidden], rows in item order): an EAGLE-3 draft's target features. The
+        eager backend only (the others never leave their kernels between layers)."""
+        if self.backend.name != "eager":
+            raise ValueError(f"target features need the eager backend, not {self.backend.name!r}")
+        self.model.taps = tuple(layers)
+        self._observer = observer
 
     @property
     def net(self):
@@ -82,6 +92,8 @@ class ModelRunner:
         meta = self.backend.prepare(items, self.block_size)
         logits = self.backend.run(self._input_ids(items), torch.tensor(positions, dtype=torch.long), meta,
                                   self.cache, torch.tensor(rows, dtype=torch.long))
+        if self._observer is not None:
+            self._observer(items, self.model.tapped)
         return logits, counts
 
     def _input_ids(self, items: list[ForwardItem]) -> torch.Tensor:

@@ -111,9 +111,12 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
+    taps: tuple[int, ...] = ()  # layers whose input residual stream a pass keeps (an EAGLE-3 draft's features)
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.config = cfg
+        self.tapped: torch.Tensor | None = None  # [N, len(taps) * hidden] from the last pass, when taps are set
         self.model = Backbone(cfg)
         self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         if not cfg.tie_word_embeddings:
@@ -121,11 +124,17 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                 meta: AttentionMetadata) -> torch.Tensor:
-        """Hidden states [N, hidden] for N new tokens; their k/v land in ``cache``."""
+        """Hidden states [N, hidden] for N new tokens; their k/v land in ``cache``. With ``taps``, the input of
+        each tapped layer is kept in ``tapped`` (concatenated in tap order)."""
         x = self.model.embed_tokens(input_ids)
         cos, sin = self.rotary(positions, x.dtype)
+        kept = {}
         for i, layer in enumerate(self.model.layers):
+            if i in self.taps:
+                kept[i] = x
             x = layer(x, cos, sin, cache.layer(i), meta)
+        if self.taps:
+            self.tapped = torch.cat([kept[i] for i in self.taps], -1)
         return self.model.norm(x)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
