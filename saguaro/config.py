@@ -122,6 +122,13 @@ class Config:
         self.draft_device, self.speculator_transport = placement.draft_device, placement.transport
 
     @property
+    def graph_rows(self) -> int:
+        """The most rows of a target (or SD draft) pass that replays a CUDA graph: a decode or a K+1-row
+        verification of every sequence at once. Larger passes (prefills) run eagerly."""
+        k = self.num_speculative_tokens if isinstance(self.num_speculative_tokens, int) else 0
+        return self.max_num_seqs * (1 if self.mode == "ar" else k + 1)
+
+    @property
     def fast(self) -> bool:
         """The device's fast path: CUDA graphs over fused kernels on a GPU, the bf16 kernels on a CPU."""
         return not self.enforce_eager

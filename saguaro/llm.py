@@ -55,6 +55,7 @@ class LLM:
         num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
         runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device, fast=cfg.fast,
                              max_seq_len=self.max_model_len)
+        runner.capture_graphs(cfg.graph_rows)  # before any speculator starts: one capture at a time
         self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
                                 self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
 

@@ -60,10 +60,21 @@ class WorkerOptions:
         return self.plan.k
 
     def make_speculator(self, runner: ModelRunner, recorder: RankRecorder | None = None) -> Speculator:
-        """The engine's speculator, or with ``recorder`` calibration's, which records bonus-token ranks."""
+        """The engine's speculator, or with ``recorder`` calibration's, which records bonus-token ranks.
+
+        The draft's graphs are captured first (a GPU's paged backend; nothing elsewhere): every row bucket a
+        tree step can reach, for every width of its extra slots (tree step j reads j + 1), so that no round
+        captures, and the speculator never captures beside the target."""
+        runner.capture_graphs(self.graph_rows(), tuple(range(self.k + 1)))
         if recorder is None:
             return Speculator(runner, self.k, self.plan)
         return RecordingSpeculator(runner, self.k, self.plan, recorder)
+
+    def graph_rows(self) -> int:
+        """The most rows one draft pass can have under the plan: every sequence of the largest batch it plans for,
+        each with its whole tree (or a K+1-token catch-up)."""
+        tables = self.plan.primary + self.plan.backup
+        return max(b * max(sum(f) + 1, self.k + 1) for table in tables for b, f in enumerate(table, 1))
 
     def draft_blocks(self) -> int:
         """Room for every sequence's context plus the branch scratch of a full batch."""
