@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, default=PROFILE_PATH, help=f"the real pair's profile ({PROFILE_PATH})")
     p.add_argument("--enforce-eager", action="store_true", help="the eager reference instead of CUDA graphs")
     p.add_argument("--warmup-tokens", type=int, default=32,
-                   help="tokens of one warm-up request per engine (CUDA graphs are captured per row count on first "
-                        "use: enough rounds to meet them before the timed requests; default 32)")
+                   help="tokens of one warm-up request per engine (CUDA graphs are captured at start-up; this warms "
+                        "the allocator and caches before the timed requests; default 32)")
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--name", default="bench_gpu_ssd")
     args = p.parse_args(argv)
