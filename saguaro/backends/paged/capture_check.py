@@ -18,6 +18,8 @@ read the host (argument validation) skip themselves there, since a graph cannot 
 from __future__ import annotations
 
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 from torch.overrides import TorchFunctionMode
@@ -95,12 +97,35 @@ class CaptureChecker:
 
     def __enter__(self) -> "CaptureChecker":
         _state.depth = getattr(_state, "depth", 0) + 1
-        self._modes = (_FunctionLayer(), _DispatchLayer())
-        for mode in self._modes:
-            mode.__enter__()
+        self._outer, _state.checker = getattr(_state, "checker", None), self
+        self._push()
         return self
 
     def __exit__(self, *exc) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
+        self._pop()
+        _state.checker = self._outer
         _state.depth -= 1
+
+    def _push(self) -> None:
+        self._modes = (_FunctionLayer(), _DispatchLayer())
+        for mode in self._modes:
+            mode.__enter__()
+
+    def _pop(self) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(None, None, None)
+
+
+@contextmanager
+def unchecked() -> Iterator[None]:
+    """The body runs outside this thread's checker. For what stands in for a launch on the CPU only: Triton's
+    interpreter copies a kernel's arguments to the host to emulate it, where a real launch reads nothing."""
+    checker = getattr(_state, "checker", None)
+    if checker is None:
+        yield
+        return
+    checker._pop()
+    try:
+        yield
+    finally:
+        checker._push()
