@@ -214,6 +214,9 @@ def run_engine(config: str, options: dict[str, Any], prompts: list[Prompt], args
 
     log(f"{config}: loading")
     with LLM(target=target, **options) as llm:
+        graphs = getattr(llm.engine.target.backend, "graphs", None)
+        if graphs is not None and graphs.sealed:
+            log(f"{config}: {len(graphs.graphs)} target CUDA graphs captured at start-up, {graphs.capture_s:.1f} s")
         records = run_requests(llm, config, prompts, temperatures or args.temperatures, args.max_tokens,
                                args.seed, round_log(llm.engine.decoder), args.warmup_tokens)
     gc.collect()
