@@ -70,8 +70,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--profile", type=Path, default=PROFILE_PATH, help=f"the real pair's profile ({PROFILE_PATH})")
     p.add_argument("--enforce-eager", action="store_true", help="the eager reference instead of CUDA graphs")
     p.add_argument("--warmup-tokens", type=int, default=32,
-                   help="tokens of one warm-up request per engine (CUDA graphs are captured per row count on first "
-                        "use: enough rounds to meet them before the timed requests; default 32)")
+                   help="tokens of one warm-up request per engine (CUDA graphs are captured at start-up; this warms "
+                        "the allocator and caches before the timed requests; default 32)")
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--name", default="bench_gpu_ssd")
     args = p.parse_args(argv)
@@ -212,11 +212,14 @@ def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected,
         lines += [f"## {temp_key(t)}{' (greedy)' if t == 0 else ''}", "",
                   table(["config", "tok/s", "xAR", "xSD best", "tok/rnd", "accept", "p_hit", "verify", "alone",
                          "beside/alone", "pass", "build", "wait", "E_hit", "E_miss", "predicted tok/s", "error"],
-                        [[r.name, fmt(r.tok_s, ".1f"), fmt(ratio(r.tok_s, ar.get(t))), fmt(ratio(r.tok_s, sd_best)),
+                        [[r.name + (" FAILED" if r.failure else ""), fmt(r.tok_s, ".1f"),
+                          fmt(ratio(r.tok_s, ar.get(t))), fmt(ratio(r.tok_s, sd_best)),
                           fmt(r.tokens_per_round), fmt(r.acceptance), fmt(r.p_hit), fmt(r.verify_ms, ".3f"),
                           fmt(r.verify_alone_ms, ".3f"), fmt(r.beside_over_alone), fmt(r.verify_pass_ms, ".3f"),
                           fmt(r.build_ms, ".3f"), fmt(r.wait_ms, ".3f"), fmt(r.e_hit), fmt(r.e_miss),
                           fmt(r.predicted_tok_s, ".1f"), fmt(r.prediction_error, "+.1%")] for r in at_t]), ""]
+        lines += [f"**{r.name} FAILED**: SSD fell back to n-gram SD: {r.failure}. Its figures are n-gram SD's." for r
+                  in at_t if r.failure] + ([""] if any(r.failure for r in at_t) else [])
         if t in best:
             b = best[t]
             lines += [f"Best: {b.sd} and {b.ssd}.", "", table(["goal (one GPU)", "measured", "goal", ""],
@@ -255,7 +258,8 @@ def main(argv: list[str] | None = None) -> int:
     del target, draft
     free_memory(device)
     payload = {"benchmark": "gpu_ssd", "environment": environment(), "settings": settings(args), "pair": info,
-               "passes": passes, "rows": [asdict(r) for r in rows], "best": [asdict(b) for b in best_of(rows)]}
+               "passes": passes, "failed": {r.name: r.failure for r in rows if r.failure},
+               "rows": [asdict(r) for r in rows], "best": [asdict(b) for b in best_of(rows)]}
     projected, notes = [], ["Projections: not run yet."]
     write_results(args.out, args.name, payload, report(args, info, rows, passes, projected, notes))  # kept if cut
     projected, notes = projections(args)
@@ -264,7 +268,10 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     json_path, md_path = write_results(args.out, args.name, payload, text)
     log(f"wrote {json_path} and {md_path}")
-    return 0
+    failed = {r.name: r.failure for r in rows if r.failure}
+    for name, reason in failed.items():
+        log(f"FAILED {name}: SSD fell back to n-gram SD: {reason}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

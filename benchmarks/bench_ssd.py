@@ -31,9 +31,9 @@ from dataclasses import asdict
 from typing import Any
 
 from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, draft_options,
-                               engine_options, environment, fmt, group_records, int_list, log, mean, parse_fan_out,
-                               prepare_prompts, ratio, run_engine, same_tokens, settings, table, temp_key,
-                               write_results)
+                               engine_options, environment, failed_configs, fmt, group_records, int_list, log, mean,
+                               parse_fan_out, prepare_prompts, ratio, run_engine, same_tokens, settings, table,
+                               temp_key, write_results)
 
 
 TRANSPORT_LABELS = {"process": "2 cores", "thread": "thread, 2 cores"}  # SSD name suffix per speculator transport
@@ -355,7 +355,10 @@ def main(argv: list[str] | None = None) -> int:
     print(markdown)
     json_path, md_path = write_results(args.out, "bench_ssd", payload, markdown)
     log(f"wrote {json_path} and {md_path}")
-    return 0
+    failed = failed_configs(records)
+    for name, reason in failed.items():
+        log(f"FAILED {name}: SSD fell back to n-gram SD: {reason}")
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

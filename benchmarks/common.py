@@ -176,6 +176,7 @@ def run_requests(llm: Any, config: str, prompts: list[Prompt], temperatures: lis
     if warmup_tokens > 0:
         llm.generate([prompts[0].ids], SamplingParams(max_tokens=warmup_tokens))
     reports_cache = bool(getattr(llm.engine.decoder, "reports_cache", False))
+    decoder = llm.engine.decoder
     records = []
     for temperature in temperatures:
         for p in prompts:
@@ -186,7 +187,9 @@ def run_requests(llm: Any, config: str, prompts: list[Prompt], temperatures: lis
                 config, p.dataset, p.index, temperature, t.decode_tokens_per_s, t.ttft_s, t.total_s,
                 len(out.token_ids), out.finish_reason, list(out.token_ids), out.text,
                 out.spec_counts if out.spec is not None else None,
-                rounds.slice(i0, len(rounds)) if rounds is not None else [], {"reports_cache": reports_cache}))
+                rounds.slice(i0, len(rounds)) if rounds is not None else [],
+                # SSD whose speculator failed finished with n-gram SD: the record says so, never passes as SSD
+                {"reports_cache": reports_cache, "speculator_failure": getattr(decoder, "failure", None)}))
             log(f"  {config} | {p.dataset}[{p.index}] T={temperature:g}: {len(out.token_ids)} tokens, "
                 f"{t.decode_tokens_per_s:.2f} tok/s" + (f", acceptance {out.spec.acceptance_rate:.2f}"
                                                         if out.spec is not None else ""))
@@ -202,10 +205,25 @@ def run_engine(config: str, options: dict[str, Any], prompts: list[Prompt], args
 
     log(f"{config}: loading")
     with LLM(target=target, **options) as llm:
+        graphs = getattr(llm.engine.target.backend, "graphs", None)
+        if graphs is not None and graphs.sealed:
+            log(f"{config}: {len(graphs.graphs)} target CUDA graphs captured at start-up, {graphs.capture_s:.1f} s")
         records = run_requests(llm, config, prompts, temperatures or args.temperatures, args.max_tokens,
                                args.seed, round_log(llm.engine.decoder), args.warmup_tokens)
     gc.collect()
+    if speculator_failure(records):
+        log(f"{config}: FAILED: SSD fell back to n-gram SD: {speculator_failure(records)}")
     return records
+
+
+def speculator_failure(records: Iterable[Record]) -> str | None:
+    """Why the SSD speculator of these records failed (they then ran n-gram SD, not SSD), or None."""
+    return next((r.extra["speculator_failure"] for r in records if r.extra.get("speculator_failure")), None)
+
+
+def failed_configs(records: dict[str, list[Record]]) -> dict[str, str]:
+    """Configuration -> why its speculator failed, for those that failed: a benchmark with any exits non-zero."""
+    return {name: reason for name, recs in records.items() if (reason := speculator_failure(recs))}
 
 
 # -- summaries -------------------------------------------------------------------------
@@ -250,6 +268,7 @@ def summarize_records(records: list[Record]) -> dict[str, Any]:
         # decode window still counts here)
         "e2e_tok_s_median": median(r.new_tokens / r.total_s for r in records if r.total_s > 0),
         "new_tokens": sum(r.new_tokens for r in records),
+        "speculator_failure": speculator_failure(records),
     }
     specs = [r.spec for r in records if r.spec is not None]
     if specs:

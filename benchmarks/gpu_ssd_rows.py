@@ -64,6 +64,7 @@ class ConfigRow:
     e_miss: float | None = None
     predicted_tok_s: float | None = None
     prediction_error: float | None = None  # predicted / measured - 1
+    failure: str | None = None  # SSD: why its speculator failed; the row then measured n-gram SD and is failed
 
 
 @dataclass
@@ -126,6 +127,7 @@ def config_row(name: str, mode: str, temperature: float, summary: dict[str, Any]
     """A row from ``common.summarize_records``' summary (all prompts) and the configuration's rounds."""
     row = ConfigRow(name, mode, temperature, k, shape, summary.get("tok_s_median"), summary.get("tokens_per_round"),
                     summary.get("acceptance_rate"), summary.get("p_hit"), summary.get("verify_ms_median"))
+    row.failure = summary.get("speculator_failure")
     if mode == "ssd":
         row.build_ms, row.wait_ms = summary.get("build_ms_median"), summary.get("wait_ms_median")
         row.e_hit, row.e_miss = hit_miss_tokens(rounds)
@@ -155,7 +157,7 @@ def best_of(rows: list[ConfigRow]) -> list[Best]:
     """Per temperature: AR, the fastest SD (over K) and the fastest SSD (over K, fan-out and taper)."""
     out = []
     for t in dict.fromkeys(r.temperature for r in rows):
-        at_t = [r for r in rows if r.temperature == t]
+        at_t = [r for r in rows if r.temperature == t and r.failure is None]
         ar, sd, ssd = (max((r for r in at_t if r.mode == m), key=lambda r: r.tok_s or 0.0, default=None)
                        for m in ("ar", "sd", "ssd"))
         if ar is None or sd is None or ssd is None:

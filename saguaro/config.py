@@ -142,6 +142,13 @@ class Config:
         self.draft_device, self.speculator_transport = placement.draft_device, placement.transport
 
     @property
+    def graph_rows(self) -> int:
+        """The most rows of a target (or SD draft) pass that replays a CUDA graph: a decode or a K+1-row
+        verification of every sequence at once. Larger passes (prefills) run eagerly."""
+        k = self.num_speculative_tokens if isinstance(self.num_speculative_tokens, int) else 0
+        return self.max_num_seqs * (1 if self.mode == "ar" else k + 1)
+
+    @property
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":  # LLM resolves it from the checkpoint before anything runs (no I/O here)
             raise ValueError('dtype "auto" is resolved from the checkpoint when the engine loads it; '

@@ -66,6 +66,7 @@ class LLM:
                                  # an EAGLE head reads layers the eager path keeps
                                  enforce_eager=cfg.enforce_eager or self._eagle is not None,
                                  max_seq_len=self.max_model_len)
+            runner.capture_graphs(cfg.graph_rows)  # before any speculator starts: one capture at a time
         self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
                                 self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
 

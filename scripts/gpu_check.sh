@@ -1,16 +1,65 @@
 #!/usr/bin/env bash
 # The whole GPU check in one command, for a GPU machine with no network (torch and triton preinstalled):
 # install what is missing from wheels carried in .whl/ (scripts/gpu_wheels.sh fetches them), run every
-# GPU test, then the GPU benchmarks, and write logs and tables to $OUT (results/ when $OUT is unset).
-# Each step has its own time limit so the whole check ends within 8 minutes (set-up ~20 s, GPU tests
-# 140 s, bench_gpu 160 s, bench_gpu_ssd 150 s); a failing step does not stop the ones after it, and the exit
-# status says whether any failed. bench_gpu_ssd writes its measured table before its projections, so a step
-# cut short by its limit still leaves that table.
+# GPU test, the GPU benchmarks and the overlap probe, and write logs and tables to $OUT (results/ when $OUT
+# is unset). Each step has its own time limit, sized for a cold machine (Triton compiles every kernel
+# specialization on first use; the cache in .triton_cache/ serves later runs on the same machine), so the
+# whole check ends within 8 minutes: set-up ~20 s, GPU tests 170 s, bench_gpu 110 s, bench_gpu_ssd 130 s,
+# overlap probe 40 s. A failing step does not stop the ones after it, and the exit status says whether any
+# failed (an SSD row whose speculator failed fails its step). bench_gpu_ssd writes its measured table
+# before its projections, so a step cut short by its limit still leaves that table.
+#
+#   scripts/gpu_check.sh --dry-run   everything that needs no CUDA, on any machine: imports every benchmark
+#                                    module and collects the GPU tests with only the GPU machine's packages
+#                                    importable (scripts/gpu_env), failing if fewer tests are collected than
+#                                    are marked gpu (tests/test_gpu_check.py runs it in CI)
 set -uo pipefail
 cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+
+collect_gpu_tests() {  # collect_gpu_tests PATH...: the number of gpu-marked tests pytest collects there
+    local listing
+    listing=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider "$@" 2>&1)
+    local rc=$?
+    if [ "$rc" -ne 0 ]; then
+        echo "$listing" | tail -40 >&2
+        echo "collection failed (exit $rc)" >&2
+        return 1
+    fi
+    echo "$listing" | grep -c "::"
+}
+
+dry_run() {
+    local marked expected got
+    # every module the check or its benchmarks import, as the GPU machine would import it
+    echo "== imports (GPU machine's packages only)"
+    PYTHONPATH=$PWD/scripts/gpu_env:$PWD python3 -c "
+import importlib, pathlib
+for p in sorted(pathlib.Path('benchmarks').glob('*.py')):
+    importlib.import_module('benchmarks.' + p.stem)
+from benchmarks.gpu_overlap import parse_args
+parse_args([])
+print('imported', len(list(pathlib.Path('benchmarks').glob('*.py'))), 'benchmark modules')" || return 1
+    marked=$(grep -l "mark\.gpu" tests/*.py)
+    expected=$(PYTHONPATH=$PWD collect_gpu_tests $marked) || return 1
+    echo "== collection: $expected tests marked gpu (with every package installed)"
+    got=$(PYTHONPATH=$PWD/scripts/gpu_env:$PWD PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 collect_gpu_tests tests) || return 1
+    echo "== collection: $got gpu tests collected with the GPU machine's packages only"
+    if [ "$got" -lt "$expected" ]; then
+        echo "FAILED: $got of $expected gpu tests collected on the GPU machine's packages" >&2
+        return 1
+    fi
+    echo "dry run passed"
+}
+
+if [ "${1:-}" = "--dry-run" ]; then
+    dry_run
+    exit $?
+fi
+
 OUT=${OUT:-results}
 mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1
+export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton_cache}  # git-ignored; kept on a machine between runs
 if compgen -G ".whl/*.whl" >/dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site
@@ -20,18 +69,20 @@ status=0
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember a failure
     local name=$1 limit=$2; shift 2
     echo "== $name (limit ${limit}s)"
-    timeout "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
+    timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}
     echo "== $name: exit $rc"
     [ "$rc" -eq 0 ] || status=1
 }
 { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
     > "$OUT/machine.txt" 2>&1
-step gpu_tests 140 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests
-step bench_gpu 160 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b,llama-3.1-8b --max-tokens 64 \
+step gpu_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests
+step bench_gpu 110 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b --max-tokens 64 --sd-k 3,4 \
     --out "$OUT"
 # SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), Thm 2 against the
 # measurement, and projections from the real pair's profile (results/profile_qwen2.5-coder_code.json, tracked)
-step bench_gpu_ssd 150 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 2 --max-tokens 96 \
-    --sd-k 2,3,4,5 --ssd "3:last3;4:last3;4:last3@2" --reps 10 --out "$OUT"
+step bench_gpu_ssd 130 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 2 --max-tokens 96 \
+    --sd-k 3,4 --ssd "4:last3;4:last3@2" --reps 10 --project qwen2.5-1.5b:qwen2.5-0.5b --out "$OUT"
+# a verification graph beside draft graphs on two streams of one process, under its own watchdog
+step overlap_probe 40 python3 -m benchmarks.gpu_overlap --watchdog-s 30 --out "$OUT"
 exit $status

@@ -9,12 +9,14 @@ import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import uvicorn
+import pytest
 
-from saguaro.server.app import create_app
-from saguaro.server.async_engine import AsyncEngine
-from saguaro.ssd.channel import free_port
-from tests.tiny import tiny_model
+uvicorn = pytest.importorskip("uvicorn")  # the server's packages: absent on the GPU machine
+
+from saguaro.server.app import create_app  # noqa: E402
+from saguaro.server.async_engine import AsyncEngine  # noqa: E402
+from saguaro.ssd.channel import free_port  # noqa: E402
+from tests.tiny import tiny_model  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
                  "{% if add_generation_prompt %}t9{% endif %}")

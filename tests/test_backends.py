@@ -115,7 +115,8 @@ class ToyNet:
 def graph_runner():
     cfg = tiny_model().config
     cache = KVCache(cfg, 64, BS, torch.float32)
-    return GraphRunner(ToyNet(cache), cache, torch.device("cpu"), EagerCapture(), max_table_blocks=8), cache
+    # ToyNet reads its metadata on the host on purpose (readable sums), so the capture checker stays off here
+    return GraphRunner(ToyNet(cache), cache, torch.device("cpu"), EagerCapture(check=False), max_table_blocks=8), cache
 
 
 def replay_and_reference(runner, cache, items):

@@ -48,3 +48,29 @@ def test_ssd_configurations_parse_and_refuse_what_they_cannot_predict():
 def test_projections_without_the_real_pairs_profile_say_so(tmp_path):
     rows, notes = projections(parse_args(["--device", "cpu", "--profile", str(tmp_path / "absent.json")]))
     assert rows == [] and "Projections skipped: no profile" in notes[0]
+
+
+@pytest.mark.worker_failure
+def test_a_speculator_killed_mid_benchmark_fails_its_row_and_the_command(tmp_path, monkeypatch):
+    """The speculator thread dies at its third response: the SSD row records why, is marked failed, is not
+    the best SSD, and the command exits non-zero (its figures are n-gram SD's, not SSD's)."""
+    from saguaro.ssd.speculator import Speculator
+    real, calls = Speculator.respond, []
+
+    def respond(self, request):
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("speculator killed by the test")
+        return real(self, request)
+    monkeypatch.setattr(Speculator, "respond", respond)
+    assert bench_gpu.main(["--mode", "ssd", "--device", "cpu", "--shape", "tiny", "--prompts", "1", "--prompt-len",
+                           "16", "--max-tokens", "8", "--sd-k", "2", "--ssd", "2:uniform", "--reps", "1",
+                           "--verify-rows", "2,3", "--tree-rows", "4", "--project", "none", "--warmup-tokens", "0",
+                           "--out", str(tmp_path), "--name", "killed"]) == 1
+    result = json.loads((tmp_path / "killed.json").read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    failure = rows["SSD K=2 F=[1,1,1]"]["failure"]
+    assert "speculator killed by the test" in failure and result["failed"] == {"SSD K=2 F=[1,1,1]": failure}
+    assert rows["AR"]["failure"] is None and rows["SD K=2"]["failure"] is None
+    assert result["best"] == []  # no SSD row stands: nothing is compared as SSD
+    assert "SSD K=2 F=[1,1,1] FAILED" in (tmp_path / "killed.md").read_text()

@@ -1,17 +1,18 @@
 """dtype="auto" (the default) is the checkpoint's own dtype; an explicit dtype wins."""
 import json
 
-import gguf
 import pytest
-import torch
-from safetensors.torch import save_file
 
-from saguaro import LLM
-from saguaro.config import Config
-from saguaro.device import place
-from saguaro.loading import MODELS, installed
-from saguaro.loading.dtype import checkpoint_dtype
-from tests.tiny import tiny_model
+gguf = pytest.importorskip("gguf")  # absent on the GPU machine unless its wheel is carried
+import torch  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+from saguaro import LLM  # noqa: E402
+from saguaro.config import Config  # noqa: E402
+from saguaro.device import place  # noqa: E402
+from saguaro.loading import MODELS, installed  # noqa: E402
+from saguaro.loading.dtype import checkpoint_dtype  # noqa: E402
+from tests.tiny import tiny_model  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b", "smollm2-135m"])

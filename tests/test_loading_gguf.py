@@ -7,18 +7,19 @@ from __future__ import annotations
 
 import json
 
-import gguf
 import numpy as np
 import pytest
 import torch
 import transformers
-from gguf import GGMLQuantizationType as Q
 
-from saguaro.kv.kv_cache import KVCache
-from saguaro.kv.metadata import build_metadata
-from saguaro.loading import GGUFFormatError, UnsupportedModelError, load_model
-from saguaro.loading import converted_cache, gguf_loader
-from saguaro.loading.chunks import file_sha256
+gguf = pytest.importorskip("gguf")  # absent on the GPU machine unless its wheel is carried
+Q = gguf.GGMLQuantizationType
+
+from saguaro.kv.kv_cache import KVCache  # noqa: E402
+from saguaro.kv.metadata import build_metadata  # noqa: E402
+from saguaro.loading import GGUFFormatError, UnsupportedModelError, load_model  # noqa: E402
+from saguaro.loading import converted_cache, gguf_loader  # noqa: E402
+from saguaro.loading.chunks import file_sha256  # noqa: E402
 
 HIDDEN, LAYERS, HEADS, KV_HEADS = 64, 2, 4, 2
 

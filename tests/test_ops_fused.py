@@ -99,7 +99,7 @@ def test_reference_refuses_half_qk_norm():
 # TRITON_INTERPRET, so setting the variable inside this process would do nothing once any test has
 # imported the module compiled, and would turn every later import into interpreted kernels. Each
 # interpreted check therefore runs in a fresh process (tests/ops_interpreted.py) with the variable set.
-@pytest.mark.parametrize("check", ["rms_norm", "silu_mul", "rope_and_store", "forward"])
+@pytest.mark.parametrize("check", ["rms_norm", "silu_mul", "rope_and_store", "forward", "capture"])
 def test_triton_matches_reference_in_interpreter(check):
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))}

@@ -4,12 +4,13 @@ their KV blocks at once)."""
 import json
 import threading
 
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from saguaro import LLM, SamplingParams
-from tests.serving import chat_model, http, running_server
+openai = pytest.importorskip("openai")  # the server's packages: absent on the GPU machine
+text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
+
+from saguaro import LLM, SamplingParams  # noqa: E402
+from tests.serving import chat_model, http, running_server  # noqa: E402
 
 CONTEXT = 512  # the tiny model's context
 

@@ -9,13 +9,14 @@ keeps answering. The speculation metrics add up.
 import random
 import threading
 
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from saguaro import LLM, SamplingParams
-from tests.serving import http, running_server
-from tests.tiny import weak_pair
+openai = pytest.importorskip("openai")  # the server's packages: absent on the GPU machine
+text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
+
+from saguaro import LLM, SamplingParams  # noqa: E402
+from tests.serving import http, running_server  # noqa: E402
+from tests.tiny import weak_pair  # noqa: E402
 
 CLIENTS = 32
 K = 3

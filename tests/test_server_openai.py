@@ -1,11 +1,12 @@
 """The server against the official ``openai`` client: completions and chat, streaming or not, stop, seed,
 max_tokens, temperature, top_p, include_usage, n, refused logprobs, the model name, the API key, /metrics."""
-import openai
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from saguaro import LLM, SamplingParams
-from tests.serving import chat_model, http, running_server
+openai = pytest.importorskip("openai")  # the server's packages: absent on the GPU machine
+text_string_to_metric_families = pytest.importorskip("prometheus_client.parser").text_string_to_metric_families
+
+from saguaro import LLM, SamplingParams  # noqa: E402
+from tests.serving import chat_model, http, running_server  # noqa: E402
 
 PROMPT = "t1 t2 t3"
 MESSAGES = [{"role": "system", "content": "t7"}, {"role": "user", "content": "t4 t5"}]

@@ -63,7 +63,7 @@ def _paged(model: CausalLM, cache, device: torch.device, graphs: bool, max_table
     net = PagedCausalLM(model, ops_for(device))
     runner = None
     if graphs:
-        capture = CudaCapture() if device.type == "cuda" else EagerCapture()
+        capture = CudaCapture(device) if device.type == "cuda" else EagerCapture()
         widest = max_table_blocks or cache.num_blocks
         runner = GraphRunner(net, cache, device, capture, widest)
     return PagedBackend(net, device, runner)

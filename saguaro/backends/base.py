@@ -44,5 +44,9 @@ class Backend(ABC):
         ``input_ids`` [N] may already be on the device (a draft step feeding the tokens it just sampled);
         ``positions`` [N] and ``logit_rows`` [R] (indices into the N rows) are host tensors."""
 
+    def capture(self, max_rows: int | None = None, extras: tuple[int, ...] = (0,)) -> None:
+        """Start-up, before any round: capture what the backend replays (CUDA graphs of every row bucket up to
+        ``max_rows``, for each width of per-row extra slots in ``extras``). Nothing for backends without graphs."""
+
     def close(self) -> None:
         """Release what the backend holds beyond the model (captured graphs)."""

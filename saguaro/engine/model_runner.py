@@ -105,6 +105,10 @@ class ModelRunner:
                                     else torch.tensor(item.token_ids, dtype=torch.long), self.device)
                           for item in items])
 
+    def capture_graphs(self, max_rows: int | None = None, extras: tuple[int, ...] = (0,)) -> None:
+        """Capture the backend's graphs now, at start-up (``Backend.capture``), so no round ever captures."""
+        self.backend.capture(max_rows, extras)
+
     def close(self) -> None:
         self.backend.close()
 

@@ -98,4 +98,5 @@ def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None
     from saguaro.sd.draft_model import DraftModelProposer
     runner = draft_runner(cfg.draft_format, draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device,
                           cfg.enforce_eager)
+    runner.capture_graphs(cfg.graph_rows)
     return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)

@@ -53,6 +53,12 @@ class SpeculatorOptions:
     def k(self) -> int:
         return self.plan.k
 
+    def graph_rows(self) -> int:
+        """The most rows one draft pass can have under the plan: every sequence of the largest batch it plans for,
+        each with its whole tree (or a K+1-token catch-up)."""
+        tables = self.plan.primary + self.plan.backup
+        return max(b * max(sum(f) + 1, self.k + 1) for table in tables for b, f in enumerate(table, 1))
+
     def draft_blocks(self) -> int:
         """Room for every sequence's context plus the branch scratch of a full batch."""
         return math.ceil(self.kv_cache_tokens / self.block_size) * 2
@@ -61,10 +67,15 @@ class SpeculatorOptions:
 def start_speculator(draft: Any, opts: SpeculatorOptions, recorder: RankRecorder | None = None) -> Speculator:
     """The draft (a registry name or path, loaded; a ``LoadedModel``, placed) on the speculator's device, its
     runner, and the engine's speculator over them -- or with ``recorder``, calibration's, which records
-    bonus-token ranks."""
+    bonus-token ranks.
+
+    The draft's graphs are captured before the speculator serves (a GPU's paged backend; nothing elsewhere):
+    every row bucket a tree step can reach, for every width of its extra slots (tree step j reads j + 1), so
+    that no round captures, and the speculator never captures beside the target."""
     loaded = load_or_place(draft, opts.device, opts.dtype)
     runner = draft_runner(opts.draft_format, loaded, opts.draft_blocks(), opts.block_size, opts.device,
                           opts.enforce_eager)
+    runner.capture_graphs(opts.graph_rows(), tuple(range(opts.k + 1)))
     if recorder is None:
         return Speculator(runner, opts.plan)
     return RecordingSpeculator(runner, opts.plan, recorder)

@@ -14,7 +14,8 @@ Where the thread runs (its "lane"):
     verification take turns; the torch kernels themselves release the lock and overlap.
   * GPU: the thread launches on a CUDA stream of its own, optionally inside a green context
     holding ``sms`` of the GPU's SMs (``torch.cuda.green_contexts``, where the installed torch
-    has it). Each response carries a CUDA event recorded on that stream after ``respond``;
+    has it with ``GreenContext.Stream``; elsewhere it warns and shares all SMs). Attention sizes
+    its split count to the lane's SMs. Each response carries a CUDA event recorded on that stream after ``respond``;
     the target's stream waits on it before reading the response's device tensors. No NCCL.
 
 Failure never hangs the target: an exception in the thread travels to the next ``exchange``,
@@ -36,6 +37,7 @@ from typing import Any
 
 import torch
 
+from saguaro.backends.paged.attention_triton import lane_sm_count
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.host import SpeculatorOptions, serve, start_speculator
 from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse
@@ -147,33 +149,38 @@ def _lane(opts: SpeculatorOptions, sms: int | None) -> Iterator[Any]:
         torch.set_num_threads(opts.threads)
         yield None
         return
-    # ---- GPU lane. Written for torch >= 2.9 with CUDA; not run on the development machines (no GPU there). ----
+    # ---- GPU lane. Written for torch >= 2.9 with CUDA; checked on the CPU only (tests/test_ssd_lane.py). ----
     device = torch.device(opts.device)
     torch.cuda.set_device(device)  # the current device is per thread
     green = _green_context(device, sms)
     try:
-        if green is not None:  # its own stream where torch offers one, else the one set_context made current
-            stream = green.Stream() if hasattr(green, "Stream") else torch.cuda.current_stream(device)
-        else:
-            stream = torch.cuda.Stream(device)
+        # a stream of the thread's own, never the one set_context made current: the caching allocator keys
+        # its pools by stream, and would take that one for the target's
+        stream = green.Stream() if green is not None else torch.cuda.Stream(device)
+        lane_sm_count(sms if green is not None else None)  # attention splits sized to the lane's SMs
         with torch.cuda.stream(stream):  # the current stream is per thread too: the target's is untouched
             yield stream
     finally:
+        lane_sm_count(None)
         if green is not None:
             green.pop_context()
 
 
 def _green_context(device: torch.device, sms: int | None) -> Any:
-    """GPU: a green context holding ``sms`` SMs, made current for this thread; None if not asked for or unavailable."""
+    """GPU: a green context holding ``sms`` SMs, made current for this thread; None if not asked for, unavailable,
+    or without ``GreenContext.Stream`` (some torch releases): the lane then shares all SMs, on its own stream."""
     if not sms:
         return None
     try:
         from torch.cuda.green_contexts import GreenContext
+        if not hasattr(GreenContext, "Stream"):
+            raise AttributeError(f"torch {torch.__version__} has no GreenContext.Stream")
         green = GreenContext.create(num_sms=sms, device_id=device.index or 0)
         green.set_context()
         return green
     except (ImportError, RuntimeError, TypeError, AttributeError) as e:
-        log.warning("no green context of %d SMs on %s (%s); the speculator shares all SMs", sms, device, e)
+        log.warning("no green context of %d SMs on %s (%s); the speculator shares all SMs on a stream of its own",
+                    sms, device, e)
         return None
 
 

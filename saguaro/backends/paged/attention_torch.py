@@ -4,8 +4,9 @@ Each query row gathers the cache slots it may read (its prefix through the block
 extra slots) into a ``[rows, W, KVH, D]`` copy, masks what lies past its lengths, and runs softmax
 in float32. That is the dense copy the Triton kernel avoids, so this is not a fast path: it is
 the same contract (``attention_rows.py``) in a few batched ops, for CI and for the CUDA-graph runner's
-CPU stand-in. Reading ``prefix_len.max()`` syncs with the device, so this function is not
-graph-capturable; ``attention_triton.py`` is.
+CPU stand-in. Its shapes come from shapes only (every row gathers the block table's whole capacity,
+masked past its own length), never from values, so it is capturable too (``capture_check.py``); the
+length checks that read values run only outside a capture.
 
 Rows are processed in chunks so that a long prefill (N rows, each up to N positions) does not
 materialize an N x N x KVH x D copy at once; the chunk loop runs a handful of times, never once per row.
@@ -15,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from saguaro.backends.paged.attention_rows import check_paged_args
+from saguaro.backends.paged.capture_check import capturing
 
 CHUNK_ELEMENTS = 1 << 24  # gathered k (or v) elements per chunk of rows: 64 MB in float32
 
@@ -31,15 +33,10 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
     n, heads, dim = q.shape
     if n == 0:
         return out
-    max_prefix = int(prefix_len.max())
+    max_prefix = block_tables.shape[1] * block_size  # the table's capacity: a shape, not a value
     max_extra = extra_slots.shape[1]
-    if max_prefix == 0 and max_extra == 0:  # every row a ghost (a CUDA graph's warm-up): nothing to see
-        return out.zero_()
-    if int(prefix_len.min()) < 0 or int(extra_len.min()) < 0 or int(extra_len.max()) > max_extra:
-        raise ValueError(f"lengths out of range: prefix_len >= 0 and 0 <= extra_len <= E={max_extra} required")
-    if max_prefix > block_tables.shape[1] * block_size:
-        raise ValueError(f"prefix_len {max_prefix} exceeds the block table ({block_tables.shape[1]} blocks "
-                         f"of {block_size})")
+    if not capturing():
+        _check_lengths(prefix_len, extra_len, max_prefix, max_extra, block_tables.shape[1], block_size)
     width = max(1, (max_prefix + max_extra) * k_cache.shape[1] * dim)
     chunk = max(1, CHUNK_ELEMENTS // width)
     for start in range(0, n, chunk):
@@ -47,6 +44,16 @@ def paged_attention_torch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch
         out[rows] = _attend(q[rows], k_cache, v_cache, block_tables, row_group[rows], prefix_len[rows],
                             extra_slots[rows], extra_len[rows], block_size, scale, max_prefix)
     return out
+
+
+def _check_lengths(prefix_len: torch.Tensor, extra_len: torch.Tensor, max_prefix: int, max_extra: int,
+                   blocks: int, block_size: int) -> None:
+    """Value checks (they read the lengths on the host, so a capture skips them)."""
+    if int(prefix_len.min()) < 0 or int(extra_len.min()) < 0 or int(extra_len.max()) > max_extra:
+        raise ValueError(f"lengths out of range: prefix_len >= 0 and 0 <= extra_len <= E={max_extra} required")
+    if int(prefix_len.max()) > max_prefix:
+        raise ValueError(f"prefix_len {int(prefix_len.max())} exceeds the block table ({blocks} blocks "
+                         f"of {block_size})")
 
 
 def _attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -27,11 +27,13 @@ To run the kernel on CPU tensors, set ``TRITON_INTERPRET=1`` before triton is fi
 from __future__ import annotations
 
 import functools
+import threading
 
 import torch
 
 from saguaro.backends.paged.attention_rows import check_paged_args
 
+_lane = threading.local()  # sm_count: the SMs this thread's kernels run on (``lane_sm_count``)
 LOG2_E = 1.4426950408889634
 MAX_SPLITS = 64
 MIN_SPLIT_POSITIONS = 64  # fewer positions per program than this and the combine costs more than it saves
@@ -118,9 +120,17 @@ def choose_splits(rows: int, kv_heads: int, capacity: int, sm_count: int) -> int
 
 def default_splits(q: torch.Tensor, k_cache: torch.Tensor, block_tables: torch.Tensor, extra_slots: torch.Tensor,
                    block_size: int) -> int:
-    """The splits ``paged_attention_triton`` launches with for these shapes on q's device."""
+    """The splits ``paged_attention_triton`` launches with for these shapes on q's device (on the SMs of this
+    thread's lane, where ``lane_sm_count`` confined it to a share of them)."""
     capacity = block_tables.shape[1] * block_size + extra_slots.shape[1]
-    return choose_splits(q.shape[0], k_cache.shape[1], capacity, _sm_count(q.device))
+    sms = getattr(_lane, "sm_count", None) or _sm_count(q.device)
+    return choose_splits(q.shape[0], k_cache.shape[1], capacity, sms)
+
+
+def lane_sm_count(sms: int | None) -> None:
+    """The SMs this thread's kernels run on (a green context's share), or None for the whole device. Per thread:
+    the speculator's lane sets it before it captures its graphs, so their split counts fit its share."""
+    _lane.sm_count = sms
 
 
 def triton_next_pow2(x: int) -> int:

@@ -1,7 +1,8 @@
 """The paged backend: ``PagedCausalLM`` over ``PagedMetadata``, replayed from CUDA graphs where it fits.
 
 A pass whose row count has a bucket replays that bucket's graph (``backends/paged/graphs.py``); a larger
-one (a long prefill) runs the same model eagerly. With ``graphs=None`` every pass runs eagerly.
+one (a long prefill), or one whose graph was not captured at start-up, runs the same model eagerly. With
+``graphs=None`` every pass runs eagerly.
 """
 from __future__ import annotations
 
@@ -32,13 +33,18 @@ class PagedBackend(Backend):
             logit_rows: torch.Tensor) -> torch.Tensor | None:
         dev = self.device
         if self.graphs is not None and self.graphs.fits(meta):
-            self.replays += 1
             logits = self.graphs.replay(input_ids, positions, meta)
-            # a gather copies the rows out of the graph's output, which the next replay overwrites
-            return logits[to_device(logit_rows, dev)] if logit_rows.numel() else None
+            if logits is not None:
+                self.replays += 1
+                # a gather copies the rows out of the graph's output, which the next replay overwrites
+                return logits[to_device(logit_rows, dev)] if logit_rows.numel() else None
         self.eager_passes += 1
         hidden = self.net(to_device(input_ids, dev), to_device(positions, dev), cache, _to(meta, dev))
         return self.net.logits(hidden[to_device(logit_rows, dev)]) if logit_rows.numel() else None
+
+    def capture(self, max_rows: int | None = None, extras: tuple[int, ...] = (0,)) -> None:
+        if self.graphs is not None:
+            self.graphs.capture_all(max_rows, extras)
 
     def close(self) -> None:
         if self.graphs is not None:

@@ -14,10 +14,19 @@ Terms
   width of the per-row extra slots (0 for causal passes, j+1 at SSD tree step j).
 * **ghost row**: padding in rows N..B-1: slot -1 (writes nothing), nothing visible (output 0),
   token 0 at position 0. Its logits are computed and ignored.
-* **capture**: how a graph is made. ``CudaCapture`` records a CUDA graph (warm-up on a side stream,
-  one memory pool shared by every bucket, the largest captured first). ``EagerCapture`` is the CPU
-  stand-in: "replay" reruns the same function on the same static buffers and writes the same output
-  tensor, so the bookkeeping (buckets, padding, buffer reuse) is tested without a GPU.
+* **capture**: how a graph is made. ``CudaCapture`` records a CUDA graph (warm-up and capture on the
+  runner's own stream, one memory pool shared by the runner's buckets, the largest captured first).
+  ``EagerCapture`` is the CPU stand-in: it runs the step once under ``CaptureChecker`` (which raises
+  on any host sync or data-dependent shape, as a capture would fail), and "replay" reruns the same
+  function on the same static buffers into the same output tensor, so the bookkeeping (buckets,
+  padding, buffer reuse, staging) is tested without a GPU.
+* **start-up**: ``capture_all`` captures every bucket a runner can reach before it serves (the target
+  before the speculator starts; the speculator thread before its ready reply), then seals the runner.
+  ``torch.cuda.graph`` captures on one stream per process and synchronizes the device on entry, so a
+  capture beside another thread's capture or sync breaks: captures take ``CAPTURE_LOCK``, one at a
+  time, and none happens while rounds run. A pass with no graph after sealing runs eagerly, counted
+  in ``uncaptured`` and logged.
+* **staging**: a replay's per-row fields move in one host-to-device copy (``staging.py``).
 
 Lifetimes: a graph reads its buffers, the model's weights and the KV cache by address. Each entry
 keeps its buffers and the runner keeps the model and cache for as long as the graphs live; a freed
@@ -26,17 +35,21 @@ input would be reused by the allocator and the replay would read garbage.
 from __future__ import annotations
 
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from saguaro.device import copy_into
-from saguaro.kv.kv_cache import KVCache
+from saguaro.backends.paged.capture_check import CaptureChecker
 from saguaro.backends.paged.metadata import PagedMetadata
+from saguaro.backends.paged.staging import StagingLayout
+from saguaro.kv.kv_cache import KVCache
 
 log = logging.getLogger("saguaro.graphs")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+CAPTURE_LOCK = threading.Lock()  # one capture at a time in the process, whichever thread or runner
 
 
 def bucket_for(rows: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int | None:
@@ -45,13 +58,17 @@ def bucket_for(rows: int, buckets: tuple[int, ...] = ROW_BUCKETS) -> int | None:
 
 
 class CudaCapture:
-    """Records ``fn`` as a CUDA graph; all graphs of a runner share one memory pool."""
+    """Records ``fn`` as a CUDA graph on this capture's own stream; all graphs of a runner share one memory pool.
 
-    def __init__(self) -> None:
+    Its own stream: cuBLAS keys its workspace by (handle, stream), so graphs of two runners captured on one
+    stream would share a workspace, and replaying them at once on two streams could race."""
+
+    def __init__(self, device: torch.device) -> None:
         self.pool = torch.cuda.graph_pool_handle()
+        self.stream = torch.cuda.Stream(device)
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        stream = torch.cuda.Stream()
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):  # warm-up: lazy initialisation and kernel compilation stay out of the graph
             for _ in range(2):
@@ -59,26 +76,36 @@ class CudaCapture:
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a colocated speculator thread may launch its own work while this thread captures
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             out = fn()
         return graph.replay, out
 
 
 class EagerCapture:
-    """The CPU stand-in: replay recomputes ``fn`` over the same buffers into the same output tensor."""
+    """The CPU stand-in: the step runs once under ``CaptureChecker`` (``check``), and replay recomputes it over
+    the same buffers into the same output tensor."""
+
+    def __init__(self, check: bool = True) -> None:
+        self.check = check
 
     def __call__(self, fn: Callable[[], torch.Tensor]) -> tuple[Callable[[], None], torch.Tensor]:
-        out = fn()
+        if self.check:
+            with CaptureChecker():
+                out = fn()
+        else:
+            out = fn()
         return (lambda: out.copy_(fn())), out
 
 
 @dataclass
 class _Graph:
-    rows: int  # B
-    extras: int  # E
+    layout: StagingLayout  # B rows, E extra slots, tables MB wide
     ids: torch.Tensor  # [B] int64
     positions: torch.Tensor  # [B] int64
     meta: PagedMetadata  # static buffers: slot_mapping [B], block_tables [B, MB], per-row fields [B], extras [B, E]
+    staged: torch.Tensor  # [layout.size] int64 on the device: what the graph unpacks into the buffers above
+    host: torch.Tensor  # [layout.size] int64 on the host (pinned on a GPU): where a replay packs its pass
+    copied: object  # GPU: an event after the last copy out of ``host`` (the next pack waits for it)
     logits: torch.Tensor  # [B, V] float32, written by each replay
     replay: Callable[[], None]
 
@@ -95,21 +122,39 @@ class GraphRunner:
         self.max_table_blocks = max_table_blocks  # MB: the widest block table a graph can hold
         self.buckets = buckets
         self.graphs: dict[tuple[int, int], _Graph] = {}
+        self.sealed = False  # set by capture_all: no capture after start-up
+        self.uncaptured = 0  # passes that found no graph after start-up and ran eagerly
+        self.capture_s = 0.0
 
     def fits(self, meta: PagedMetadata) -> bool:
         return (bucket_for(meta.num_rows, self.buckets) is not None
                 and meta.block_tables.shape[1] <= self.max_table_blocks)
 
-    def capture_all(self, extras: tuple[int, ...] = (0,)) -> None:
-        """Capture every bucket up front, the largest first (smaller graphs then reuse its pool memory)."""
+    def capture_all(self, max_rows: int | None = None, extras: tuple[int, ...] = (0,)) -> None:
+        """Capture every bucket up to the one holding ``max_rows`` (all when None) for each extra-slot width,
+        the largest first (smaller graphs then reuse its pool memory), then seal: later passes replay or run
+        eagerly, never capture. Passes of more rows than the largest captured bucket run eagerly."""
+        top = bucket_for(max_rows, self.buckets) if max_rows else None
+        self.buckets = tuple(b for b in self.buckets if top is None or b <= top)
+        t0 = time.perf_counter()
         for e in extras:
             for b in sorted(self.buckets, reverse=True):
                 self._graph(b, e)
+        self.capture_s = time.perf_counter() - t0
+        self.sealed = True
+        log.info("captured %d graphs (rows %s, extra slots %s) in %.2f s", len(self.graphs),
+                 ",".join(map(str, self.buckets)), ",".join(map(str, extras)), self.capture_s)
 
-    def _graph(self, rows: int, extras: int) -> _Graph:
+    def _graph(self, rows: int, extras: int) -> _Graph | None:
         key = (rows, extras)
         if key not in self.graphs:
-            self.graphs[key] = self._make(rows, extras)
+            if self.sealed:
+                self.uncaptured += 1
+                log.warning("no graph for %d rows with %d extra slots after start-up: the pass runs eagerly",
+                            rows, extras)
+                return None
+            with CAPTURE_LOCK:
+                self.graphs[key] = self._make(rows, extras)
         return self.graphs[key]
 
     def _make(self, rows: int, extras: int) -> _Graph:
@@ -124,41 +169,42 @@ class GraphRunner:
             block_size=self.cache.block_size)
         ids = torch.zeros(rows, dtype=long, device=dev)
         positions = torch.zeros(rows, dtype=long, device=dev)
+        layout = StagingLayout(rows, extras, self.max_table_blocks)
+        host = torch.zeros(layout.size, dtype=long, pin_memory=dev.type == "cuda")
+        staged = host.to(dev, copy=True)  # starts all ghosts: the capture writes no cache slot
 
         def step() -> torch.Tensor:
+            layout.unpack(staged, positions, meta)
             return self.net.logits(self.net(ids, positions, self.cache, meta))
 
         with torch.inference_mode():
-            replay, logits = self.capture(step)  # every row a ghost: the capture writes no cache slot
+            replay, logits = self.capture(step)
         log.debug("captured a forward graph for %d rows, %d extra slots", rows, extras)
-        return _Graph(rows, extras, ids, positions, meta, logits, replay)
+        return _Graph(layout, ids, positions, meta, staged, host, None, logits, replay)
 
     @torch.inference_mode()
-    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata) -> torch.Tensor:
-        """Logits [N, V] of the pass (a view of the graph's output: read it before the next replay)."""
+    def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata) -> torch.Tensor | None:
+        """Logits [N, V] of the pass (a view of the graph's output: read it before the next replay), or None
+        where no graph holds it after start-up (the caller runs it eagerly)."""
         n = meta.num_rows
         g = self._graph(bucket_for(n, self.buckets), meta.max_extras)
-        # per-row fields are padded to the bucket on the host, so one copy also resets the ghost rows
-        copy_into(g.ids[:n], input_ids)
-        if g.rows > n:
+        if g is None:
+            return None
+        if g.copied is not None:
+            g.copied.synchronize()  # the previous replay's copy out of the pinned buffer has run
+        host_ids = input_ids.device.type == "cpu"
+        used = g.layout.pack(g.host, input_ids if host_ids else None, positions, meta)
+        g.staged[:used].copy_(g.host[:used], non_blocking=True)  # the one host-to-device copy of the pass
+        if g.staged.is_cuda:
+            g.copied = torch.cuda.Event()
+            g.copied.record()
+        if host_ids:
+            g.ids.copy_(g.layout.row_field(g.staged, "ids"))
+        else:  # ids sampled on the device by the previous step: never through the host
+            g.ids[:n].copy_(input_ids)
             g.ids[n:].zero_()
-        copy_into(g.positions, _pad(positions, g.rows, 0))
-        copy_into(g.meta.slot_mapping, _pad(meta.slot_mapping, g.rows, -1))
-        copy_into(g.meta.row_group, _pad(meta.row_group, g.rows, 0))
-        copy_into(g.meta.prefix_len, _pad(meta.prefix_len, g.rows, 0))
-        copy_into(g.meta.extra_len, _pad(meta.extra_len, g.rows, 0))
-        if g.extras:
-            copy_into(g.meta.extra_slots[:n], meta.extra_slots)
-        groups, width = meta.block_tables.shape
-        copy_into(g.meta.block_tables[:groups, :width], meta.block_tables)
         g.replay()
         return g.logits[:n]
 
     def close(self) -> None:
         self.graphs.clear()
-
-
-def _pad(t: torch.Tensor, rows: int, value: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_full((rows - t.shape[0],), value)])

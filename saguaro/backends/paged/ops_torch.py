@@ -59,13 +59,22 @@ def store_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.T
              k: torch.Tensor, v: torch.Tensor) -> None:
     """Write k, v: [N, KVH, D] to the caches at ``slot_mapping`` [N]; ghost rows (slot < 0) write nothing.
 
-    The eager ``Attention.forward`` write (``index_copy_``), restricted to the real rows. The boolean
-    selection syncs with the host, so this reference is not CUDA-graph capturable; the Triton kernel is.
+    The eager ``Attention.forward`` write (``index_copy_``) with fixed shapes, so that it is capturable
+    (``capture_check.py``): selecting the real rows would size the write by values. Instead a ghost row
+    repeats the first real row's write (the same slot, the same value, so the duplicate is harmless); in
+    a pass of ghosts only, every row writes slot 0's own value back.
     """
+    if slot_mapping.shape[0] == 0:
+        return
     real = slot_mapping >= 0
-    slots = slot_mapping[real]
-    k_cache.index_copy_(0, slots, k[real].to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, v[real].to(v_cache.dtype))
+    rows = torch.arange(slot_mapping.shape[0], device=slot_mapping.device)
+    first_real = real.to(torch.int8).argmax()  # 0 when no row is real
+    source = torch.where(real, rows, first_real)
+    any_real = real.any()
+    slots = torch.where(any_real, slot_mapping[source], 0)
+    for cache, new in ((k_cache, k), (v_cache, v)):
+        values = torch.where(any_real, new[source].to(cache.dtype), cache[0])
+        cache.index_copy_(0, slots, values)
 
 
 def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor,

@@ -1,0 +1,46 @@
+"""The GPU check, proven without a GPU: ``scripts/gpu_check.sh --dry-run`` collects every gpu-marked test with only
+the GPU machine's packages importable and imports every benchmark module; the overlap probe reports instead of
+hanging (its watchdog kills a child that overruns) and skips cleanly without CUDA."""
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from benchmarks.gpu_overlap import main as overlap_main, watched
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_the_dry_run_collects_every_gpu_test_on_the_gpu_machines_packages():
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "dry run passed" in done.stdout
+    counts = [int(line.split()[2]) for line in done.stdout.splitlines() if line.startswith("== collection:")]
+    assert len(counts) == 2 and counts[0] == counts[1] > 0
+
+
+def test_the_gpu_machines_packages_hide_the_others():
+    probe = "import importlib.util as u; print([u.find_spec(m) is None for m in ('openai', 'gguf', 'torch')])"
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, timeout=120,
+                          env={"PYTHONPATH": f"{ROOT / 'scripts' / 'gpu_env'}:{ROOT}", "PATH": "/usr/bin:/bin"})
+    assert done.stdout.strip() == "[True, True, False]", done.stderr[-2000:]
+
+
+def test_the_watchdog_kills_a_child_that_overruns():
+    t0 = time.perf_counter()
+    result = watched(["--reps", "1"], watchdog_s=0.2)  # the child cannot even import torch in that time
+    assert result["status"] == "hung" and "killed" in result["detail"]
+    assert time.perf_counter() - t0 < 10
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the skip path; the GPU check runs the real probe")
+def test_the_overlap_probe_skips_without_cuda(tmp_path):
+    assert overlap_main(["--watchdog-s", "300", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "gpu_overlap.json").read_text())
+    assert result["status"] == "skipped" and "no CUDA" in result["detail"]
+    assert "Status: **skipped**" in (tmp_path / "gpu_overlap.md").read_text()
