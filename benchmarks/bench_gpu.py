@@ -122,7 +122,7 @@ def engine_run(target, draft, mode: str, k: int, batch: int, args, enforce_eager
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     ids = prompts(target.config.vocab_size, batch, args.context, seed=batch)
     with LLM(target=target, **options) as llm:
-        llm.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up: graph captures, kernel builds
+        llm.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up (graphs: captured at start-up)
         outs = llm.generate(ids, params)
         spec = llm.spec_metrics(outs)
     decode_s = max(o.timings.total_s - o.timings.ttft_s for o in outs)

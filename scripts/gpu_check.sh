@@ -29,8 +29,8 @@ collect_gpu_tests() {  # collect_gpu_tests PATH...: the number of gpu-marked tes
     echo "$listing" | grep -c "::"
 }
 
-dry_run() {
-    local marked expected got
+dry_run() {  # SAGUARO_GPU_TESTS: the test folder (tests/; the negative control plants one elsewhere)
+    local marked expected got tests_dir=${SAGUARO_GPU_TESTS:-tests}
     # every module the check or its benchmarks import, as the GPU machine would import it
     echo "== imports (GPU machine's packages only)"
     PYTHONPATH=$PWD/scripts/gpu_env:$PWD python3 -c "
@@ -40,10 +40,10 @@ for p in sorted(pathlib.Path('benchmarks').glob('*.py')):
 from benchmarks.gpu_overlap import parse_args
 parse_args([])
 print('imported', len(list(pathlib.Path('benchmarks').glob('*.py'))), 'benchmark modules')" || return 1
-    marked=$(grep -l "mark\.gpu" tests/*.py)
+    marked=$(grep -l "mark\.gpu" "$tests_dir"/*.py)
     expected=$(PYTHONPATH=$PWD collect_gpu_tests $marked) || return 1
     echo "== collection: $expected tests marked gpu (with every package installed)"
-    got=$(PYTHONPATH=$PWD/scripts/gpu_env:$PWD PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 collect_gpu_tests tests) || return 1
+    got=$(PYTHONPATH=$PWD/scripts/gpu_env:$PWD PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 collect_gpu_tests "$tests_dir") || return 1
     echo "== collection: $got gpu tests collected with the GPU machine's packages only"
     if [ "$got" -lt "$expected" ]; then
         echo "FAILED: $got of $expected gpu tests collected on the GPU machine's packages" >&2

@@ -35,7 +35,9 @@ def test_ar_on_cuda_matches_cpu():
     expected = _cpu_reference()
     with LLM(_target(), device="cuda:0", block_size=4) as llm:
         assert _outputs(llm, PROMPTS[:3]) == expected
-        assert llm.engine.target.backend.name == "paged" and llm.engine.target.backend.replays > 0
+        backend = llm.engine.target.backend
+        assert backend.name == "paged" and backend.replays > 0
+        assert backend.graphs.sealed and backend.graphs.uncaptured == 0  # captured at start-up, none later
 
 
 def test_sd_on_cuda_matches_cpu():

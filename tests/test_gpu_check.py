@@ -2,6 +2,7 @@
 the GPU machine's packages importable and imports every benchmark module; the overlap probe reports instead of
 hanging (its watchdog kills a child that overruns) and skips cleanly without CUDA."""
 import json
+import os
 import subprocess
 import sys
 import time
@@ -22,6 +23,17 @@ def test_the_dry_run_collects_every_gpu_test_on_the_gpu_machines_packages():
     assert "dry run passed" in done.stdout
     counts = [int(line.split()[2]) for line in done.stdout.splitlines() if line.startswith("== collection:")]
     assert len(counts) == 2 and counts[0] == counts[1] > 0
+
+
+def test_the_dry_run_fails_on_a_gpu_test_module_that_needs_a_missing_package(tmp_path):
+    """Negative control: a gpu test whose module imports openai at top collects here but not on the GPU machine."""
+    pytest.importorskip("openai")
+    (tmp_path / "test_planted.py").write_text("import openai\nimport pytest\n\n\n@pytest.mark.gpu\n"
+                                              "def test_needs_the_server_packages():\n    assert openai\n")
+    done = subprocess.run(["bash", "scripts/gpu_check.sh", "--dry-run"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "SAGUARO_GPU_TESTS": str(tmp_path)})
+    assert done.returncode != 0 and "dry run passed" not in done.stdout
+    assert "1 tests marked gpu" in done.stdout and "No module named 'openai'" in done.stderr
 
 
 def test_the_gpu_machines_packages_hide_the_others():

@@ -99,7 +99,8 @@ def test_a_planted_host_read_in_the_forward_fails_the_capture(monkeypatch):
 @pytest.mark.parametrize("mode", ["ar", "sd", "ssd"])
 def test_captures_happen_at_start_up_one_at_a_time(mode, monkeypatch):
     """Every graph of the target (and of the SD draft, or the SSD speculator thread's draft) is captured, under
-    the checker, while the LLM starts: the target's first, each under the capture lock, none once rounds run."""
+    the checker, while the LLM starts: the target's first, each under the capture lock, none once rounds run,
+    and every pass that fits a bucket finds its graph (the reachable buckets were all captured)."""
     use_paged_backend(monkeypatch)
     events = []
     real_capture_all, real_make, real_replay = GraphRunner.capture_all, GraphRunner._make, GraphRunner.replay
@@ -113,8 +114,9 @@ def test_captures_happen_at_start_up_one_at_a_time(mode, monkeypatch):
         return real_make(self, rows, extras)
 
     def replay(self, *a):
-        events.append(("replay", threading.current_thread().name))
-        return real_replay(self, *a)
+        out = real_replay(self, *a)
+        events.append(("replay" if out is not None else "uncaptured", threading.current_thread().name))
+        return out
     monkeypatch.setattr(GraphRunner, "capture_all", capture_all)
     monkeypatch.setattr(GraphRunner, "_make", make)
     monkeypatch.setattr(GraphRunner, "replay", replay)
@@ -133,7 +135,8 @@ def test_captures_happen_at_start_up_one_at_a_time(mode, monkeypatch):
     assert captures[0][1] == threading.main_thread().name  # the target first
     if mode == "ssd":
         assert captures[-1][1] == "saguaro-speculator"  # then the speculator, before its ready reply
-    assert all(kind == "replay" for kind, _ in events[started:])  # no capture once rounds run
+    # no capture once rounds run, and every pass of every runner (the speculator's too) found its graph
+    assert all(kind == "replay" for kind, _ in events[started:])
 
 
 def test_a_pass_without_a_graph_after_start_up_runs_eagerly_and_is_counted():

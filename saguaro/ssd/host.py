@@ -41,23 +41,24 @@ class SpeculatorOptions:
     timeout_s: float  # a side silent this long is declared dead
     enforce_eager: bool = True  # False: the draft runs the device's fast path, like the target (Config)
     draft_format: DraftFormat = field(default_factory=DraftFormat)  # int8 weights / reduced head
+    max_num_seqs: int = 1  # the largest batch a round can carry (sizes the draft's CUDA graphs)
 
     @classmethod
     def from_config(cls, cfg: Config, plan: SpecPlan) -> SpeculatorOptions:
         return cls(plan=plan, dtype=cfg.draft_torch_dtype, device=cfg.draft_device or cfg.device,
                    cores=cfg.draft_cores, threads=cfg.threads, kv_cache_tokens=cfg.kv_cache_tokens,
                    block_size=cfg.block_size, timeout_s=cfg.worker_timeout_s, enforce_eager=cfg.enforce_eager,
-                   draft_format=cfg.draft_format)
+                   draft_format=cfg.draft_format, max_num_seqs=cfg.max_num_seqs)
 
     @property
     def k(self) -> int:
         return self.plan.k
 
     def graph_rows(self) -> int:
-        """The most rows one draft pass can have under the plan: every sequence of the largest batch it plans for,
-        each with its whole tree (or a K+1-token catch-up)."""
-        tables = self.plan.primary + self.plan.backup
-        return max(b * max(sum(f) + 1, self.k + 1) for table in tables for b, f in enumerate(table, 1))
+        """The most rows one draft pass can have: every sequence of the largest batch, each with the widest tree
+        the plan gives it (or a K+1-token catch-up)."""
+        widest = max(sum(f) for table in self.plan.primary + self.plan.backup for f in table)
+        return self.max_num_seqs * max(widest + 1, self.k + 1)
 
     def draft_blocks(self) -> int:
         """Room for every sequence's context plus the branch scratch of a full batch."""
