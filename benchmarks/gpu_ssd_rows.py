@@ -20,7 +20,7 @@ from typing import Any
 from benchmarks.bench_gpu import goal_row
 from benchmarks.common import mean, ratio
 from benchmarks.gpu_projection import gpu_timing
-from saguaro.calibration.policy import jit_draft_s
+from saguaro.calibration.timeline import jit_draft_s
 from saguaro.calibration.timeline import build_time
 from saguaro.theory import ssd_speedup
 

@@ -9,8 +9,9 @@ import pytest
 from saguaro import LLM, SamplingParams
 from saguaro.calibration import default_profile, save_profile
 from saguaro.calibration.profile import BusyDraft, ContentionProbe, Profile, Source, StepOverhead
-from saguaro.calibration.hits import deep_share, depth_weights_for, expected_round_tokens, hit_rate, verified_mix
-from saguaro.calibration.policy import (best_choice, critical_batch, evaluate, fan_out_for_budget, make_plan,
+from saguaro.calibration.hits import (deep_share, depth_weights_for, expected_round_tokens, fan_out_for_budget,
+                                      hit_rate, verified_mix)
+from saguaro.calibration.policy import (best_choice, critical_batch, evaluate, make_plan,
                                         recommended_k, tree_shapes)
 from saguaro.calibration.timeline import build_time, rows_time
 from saguaro.engine.model_runner import ModelRunner

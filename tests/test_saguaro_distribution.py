@@ -1,4 +1,4 @@
-"""Saguaro sampling (Def. 14) and the fast backups keep SSD exact at temperature > 0.
+"""Saguaro sampling (Def. 14) and the point-mass backups keep SSD exact at temperature > 0.
 
 Same set-up as tests/test_distribution_ssd.py (K = 1, vocabulary 8, 50,000 seeded requests, joint law of
 output tokens 3 and 4 against the exact AR law by total variation, threshold from tests/dist_harness.py).
@@ -13,10 +13,10 @@ from tests.dist_harness import measure
 from tests.test_distribution_ssd import POSITIONS, pair  # noqa: F401  (fixture)
 
 
-@pytest.mark.parametrize("fallback, c", [("jit", 0.3), ("ngram", 0.3), ("random", 0.3)])
-def test_saguaro_sampling_and_fallbacks_are_exact(pair, fallback, c):  # noqa: F811
+@pytest.mark.parametrize("strategy, c", [("jit", 0.3), ("ngram", 0.3), ("random", 0.3)])
+def test_saguaro_sampling_and_miss_strategies_are_exact(pair, strategy, c):  # noqa: F811
     llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[1, 2],
-              miss_strategy=fallback, saguaro_c=c, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
+              miss_strategy=strategy, saguaro_c=c, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
     try:
         tv, threshold = measure(llm, pair[0], SamplingParams(temperature=1.0), POSITIONS)
         hits = [h for t in llm.engine.decoder.trace for h in t.hits]

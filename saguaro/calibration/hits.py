@@ -7,10 +7,12 @@ the all-accepted outcome of any length is stored at index K, as the engine's fan
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
-from saguaro.calibration.profile import Source
-from saguaro.theory import accepted_length_pmf
+from saguaro.calibration.profile import F_MAX, Source
+from saguaro.theory import accepted_length_pmf, integer_geometric_fanout, optimal_fanout
 
 
 def depth_curves(source: Source, k: int) -> list[np.ndarray]:
@@ -101,3 +103,57 @@ def verified_mix(source: Source, fan_out: list[int], steps: int, deep_steps: int
     p_hit = float(sum(pi[index[n]] * h[n] for n in lengths))
     deep_hits = float(sum(pi[index[n]] * h[n] * s[n] for n in lengths))
     return p_hit, deep_hits / p_hit if p_hit > 0 else 0.0
+
+
+def fan_out_for_budget(source: Source, length: int, k: int, budget: int, vocab: int,
+                       weights: np.ndarray | None = None) -> tuple[list[int], str]:
+    """F_0..F_K for speculations of ``length`` tokens: Thm 12 if the power law fits, else Thm 13."""
+    a = float(source.acceptance)
+    curves = depth_curves(source, k)
+    caps = [min(vocab - 1, F_MAX)] * length + [min(vocab, F_MAX)]
+    depths = list(range(length)) + [k]
+    if weights is None:
+        weights = depth_weights_for(source, length)
+    else:  # weights over depths 0..K: keep the depths a length-L speculation can land on
+        weights = np.r_[weights[:length], weights[length:].sum()]
+    sub = [curves[d][:caps[i] + 1] for i, d in enumerate(depths)]
+    budget = int(min(budget, sum(caps)))
+    r = source.r
+    if source.power_law and 0.0 < a < 1.0 and r and r > 0:
+        f = integer_geometric_fanout(a, r, length, budget, max_fanout=caps)
+        method = "thm12-geometric"
+    else:
+        f = optimal_fanout(sub, budget, weights=weights)
+        method = "thm13-empirical"
+    f = [int(x) for x in f]
+    return f[:length] + [0] * (k - length) + [f[length]], method
+
+
+def fan_out_candidates(primary: Source, steps: int, deep_steps: int, k: int, budget: int,
+                       vocab: int) -> list[tuple[list[int], str]]:
+    """The fan-outs worth predicting for ``budget`` branches, with how each was chosen. A fan-out spreads the
+    budget over one speculation length's outcomes; the verified speculations mix the cached length
+    (``steps``), a tapered tree's deep length and a miss's K (``verified_mix``): one candidate for each."""
+    lengths = sorted({n for n in (steps, deep_steps, k) if n >= 1})
+    found = dict.fromkeys((tuple(f), m) for f, m in (fan_out_for_budget(primary, n, k, budget, vocab)
+                                                     for n in lengths))
+    return [(list(f), m) for f, m in found]
+
+
+@dataclass
+class HitSide:
+    """What the hits of one pair of fan-outs deliver (Thm 2's hit side)."""
+    p_hit_p: float  # after a primary speculation
+    p_hit_b: float  # after a backup speculation
+    deep_share: float  # share of hits that land on a tapered tree's deep branches
+    e_hit: float  # tokens of a hit round
+    e_all: float  # tokens of a round verifying a K-token primary speculation (a just-in-time miss's)
+
+
+def hit_side(primary: Source, backup: Source, f_p: list[int], f_b: list[int], steps: int, deep_steps: int, k: int,
+             deep: int) -> HitSide:
+    p_p, share = verified_mix(primary, f_p, steps, deep_steps, k, deep)
+    p_b = hit_rate(backup, f_b, k, backup_weights(backup, k))
+    e_hit = (1 - share) * expected_round_tokens(primary, steps) + share * expected_round_tokens(primary, deep_steps)
+    # weighted sums of per-depth rates that are all 1 can land an ulp above it
+    return HitSide(min(float(p_p), 1.0), min(float(p_b), 1.0), share, e_hit, expected_round_tokens(primary, k))

@@ -8,7 +8,7 @@ What is measured (schema in ``saguaro.calibration.profile``):
    verification (Thm 2's symbols).
 2. **Acceptance and hit curves** per temperature, from SSD runs through the real engine with the
    speculator in this process (``InProcessLink``) and a ``RankRecorder``: one run where every speculation is
-   drafted by the primary (jit fallback, empty cache) and one where every speculation comes from the n-gram
+   drafted by the primary (jit miss strategy, empty cache) and one where every speculation comes from the n-gram
    backup. For each verified round with outcome (k, t*), the rank of t* among the draft's logits at depth
    k (the drafted token excluded when k < n) gives p_hit^k(F) = P(rank < F) for every F at once (Thm 13's
    curves), after a primary and after a backup speculation separately; the uniform-fan-out miss rate is

@@ -63,7 +63,7 @@ def miss_tokens(source: Source, fan_out: list[int], strategy: MissStrategy) -> f
     """Mean tokens of the round after a miss with ``fan_out`` (None: no annotated rounds, or too few misses).
     ``strategy``: jit or ngram."""
     rows = source.follow_ups
-    column = COLUMNS.index(MissStrategy.parse(strategy).value)
+    column = COLUMNS.index(strategy)  # MissStrategy values are the column names
     k = len(fan_out) - 1
     missed = [row[column] for row in rows if row[1] >= fan_out[min(row[0], k)]]
     return sum(missed) / len(missed) if len(missed) >= MIN_MISS_ROUNDS else None

@@ -33,7 +33,7 @@ P(d) (p_hit^d(r + 1) - p_hit^d(r)) over the cached (depth, rank) outcomes (``dee
 the two lengths. S = None (no taper) and every S < K are compared, like the budgets.
 
 B is the budget with the best predicted speedup. The paper's B ("what the draft can finish during one
-verification", ``paper_budget``) assumes K steps fit in a verification; on one CPU core they often do not
+verification", after the glue) assumes K steps fit in a verification; on one CPU core they often do not
 (the Qwen pair fits none), so the trade-off between more branches and shorter cached speculations is
 optimized instead, with the same measured step costs. C (Def. 14) is the calibrated value with the best
 predicted speedup (greedy: 1); K ("auto") the one with the best predicted speedup at b = 1; and b* comes
@@ -44,43 +44,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 
-import numpy as np
-
-from saguaro.calibration.hits import (backup_weights, depth_curves, depth_weights_for, expected_round_tokens,
-                                      hit_rate, verified_mix)
+from saguaro.calibration.hits import (backup_weights, expected_round_tokens, fan_out_candidates, fan_out_for_budget,
+                                      hit_side)
 from saguaro.calibration.miss_rounds import miss_tokens
-from saguaro.calibration.profile import F_MAX, Profile, Source, TemperatureEntry, Timing
-from saguaro.calibration.timeline import BuildTime, build_time, rows_time
+from saguaro.calibration.profile import Profile, TemperatureEntry
+from saguaro.calibration.timeline import build_time, miss_draft_s, rows_time
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd_settings import MissStrategy, SSDSettings
-from saguaro.theory import (choose_fallback, critical_batch_size, expected_tokens,
-                            integer_geometric_fanout, optimal_fanout, ssd_speedup_batch, unconditional_hit_rate)
+from saguaro.theory import (choose_fallback, critical_batch_size, expected_tokens, ssd_speedup_batch,
+                            unconditional_hit_rate)
 
 BUDGETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64)
-
-
-def fan_out_for_budget(source: Source, length: int, k: int, budget: int, vocab: int,
-                       weights: np.ndarray | None = None) -> tuple[list[int], str]:
-    """F_0..F_K for speculations of ``length`` tokens: Thm 12 if the power law fits, else Thm 13."""
-    a = float(source.acceptance)
-    curves = depth_curves(source, k)
-    caps = [min(vocab - 1, F_MAX)] * length + [min(vocab, F_MAX)]
-    depths = list(range(length)) + [k]
-    if weights is None:
-        weights = depth_weights_for(source, length)
-    else:  # weights over depths 0..K: keep the depths a length-L speculation can land on
-        weights = np.r_[weights[:length], weights[length:].sum()]
-    sub = [curves[d][:caps[i] + 1] for i, d in enumerate(depths)]
-    budget = int(min(budget, sum(caps)))
-    r = source.r
-    if source.power_law and 0.0 < a < 1.0 and r and r > 0:
-        f = integer_geometric_fanout(a, r, length, budget, max_fanout=caps)
-        method = "thm12-geometric"
-    else:
-        f = optimal_fanout(sub, budget, weights=weights)
-        method = "thm13-empirical"
-    f = [int(x) for x in f]
-    return f[:length] + [0] * (k - length) + [f[length]], method
 
 
 @dataclass
@@ -109,65 +83,56 @@ class Choice:
     deep_share: float = 0.0  # share of hits that land on a deep branch
 
 
-def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, build: BuildTime,
-            f_p: list[int], f_b: list[int], strategy: MissStrategy, method: str = "given",
-            branch_steps: int | None = None, deep: int = 1) -> Choice:
-    """Thm 2 / Cor. 17 prediction for given fan-outs (see module doc); ``strategy`` is jit or ngram."""
-    timing = profile.timing
-    primary, backup = entry.primary, entry.backup
-    steps, t_hit, t_v = build.steps, build.t_hit, build.t_v
-    p_p, share = verified_mix(primary, f_p, steps, build.deep_steps, k, deep)
-    p_b = hit_rate(backup, f_b, k, backup_weights(backup, k))
-    # weighted sums of per-depth rates that are all 1 can land an ulp above it
-    p_p, p_b = min(float(p_p), 1.0), min(float(p_b), 1.0)
-    e_hit = (1 - share) * expected_round_tokens(primary, steps) + share * expected_round_tokens(primary,
-                                                                                                build.deep_steps)
-    if strategy == MissStrategy.JIT:
-        e_miss = miss_tokens(primary, f_p, strategy) or expected_round_tokens(primary, k)
-        t_miss = jit_draft_s(timing, k, batch) / t_v
-        p_hit = p_p
+def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, strategy: MissStrategy,
+            vocab: int = 0, f_p: list[int] | None = None, f_b: list[int] | None = None,
+            build_budget: int | None = None, branch_steps: int | None = None, deep: int = 1) -> Choice:
+    """Thm 2 / Cor. 17 prediction (see module doc) with the jit or ngram miss strategy: for the fan-outs given,
+    else the best over ``hits.fan_out_candidates`` for ``budget`` branches. The build is timed for
+    ``build_budget`` branches (default ``budget``).
+
+    The profile is read in three steps, each from its own module -- what the rounds cost (timeline.py), the
+    fan-outs and what their hits deliver (hits.py), what a miss delivers (miss_rounds.py) -- and the rest is
+    arithmetic here."""
+    timing, primary, backup = profile.timing, entry.primary, entry.backup
+    build = build_time(timing, k, batch, build_budget or budget, branch_steps, deep, sampled=entry.temperature > 0)
+    t_miss = miss_draft_s(timing, strategy, k, batch) / build.t_v
+    ar_step = rows_time(timing.target_rows, batch)
+    if f_p is None:
+        candidates = fan_out_candidates(primary, build.steps, build.deep_steps, k, budget, vocab)
+        f_b = fan_out_for_budget(backup, k, k, budget, vocab, backup_weights(backup, k))[0]
     else:
-        e_miss = miss_tokens(primary, f_p, strategy) or float(backup.tokens_per_round
-                                                               or expected_tokens(float(backup.acceptance), k))
-        t_miss = batch * float(timing.ngram_s) / t_v
-        p_hit = float(unconditional_hit_rate(p_p, p_b)) if abs(p_p - p_b) < 1 else p_p
-    speedup = float(ssd_speedup_batch(p_hit, e_hit, e_miss, t_hit, t_miss, batch))
-    tok_s = speedup / t_v
-    return Choice(batch=batch, miss_strategy=strategy, budget=budget, steps=steps, primary=list(f_p),
-                  backup=list(f_b), method=method, p_hit_p=p_p, p_hit_b=p_b, p_hit=p_hit, e_hit=e_hit, e_miss=e_miss,
-                  t_hit=t_hit, t_miss=t_miss, verify_s=t_v, speedup=speedup, tok_s=tok_s,
-                  speedup_vs_ar=tok_s * rows_time(timing.target_rows, batch), branch_steps=branch_steps,
-                  deep_steps=build.deep_steps, deep_share=share)
-
-
-def jit_draft_s(timing: Timing, k: int, batch: int) -> float:
-    """Seconds a miss's just-in-time drafting keeps the target waiting: a first draft pass over two rows per
-    sequence (it catches up on the verified tokens), then K - 1 one-row steps."""
-    return rows_time(timing.draft_rows, 2 * batch) + (k - 1) * rows_time(timing.draft_rows, batch)
+        candidates = [(list(f_p), "given")]
+    sides = [hit_side(primary, backup, f, f_b, build.steps, build.deep_steps, k, deep) for f, _ in candidates]
+    measured = [miss_tokens(primary, f, strategy) for f, _ in candidates]
+    jit = strategy == MissStrategy.JIT
+    choices = []
+    for (f, method), side, e_measured in zip(candidates, sides, measured):
+        e_miss = e_measured or (side.e_all if jit
+                                else float(backup.tokens_per_round or expected_tokens(float(backup.acceptance), k)))
+        p_p, p_b = side.p_hit_p, side.p_hit_b
+        p_hit = p_p if jit or abs(p_p - p_b) >= 1 else float(unconditional_hit_rate(p_p, p_b))
+        speedup = float(ssd_speedup_batch(p_hit, side.e_hit, e_miss, build.t_hit, t_miss, batch))
+        tok_s = speedup / build.t_v
+        choices.append(Choice(batch=batch, miss_strategy=strategy, budget=budget, steps=build.steps, primary=list(f),
+                              backup=list(f_b), method=method, p_hit_p=p_p, p_hit_b=p_b, p_hit=p_hit,
+                              e_hit=side.e_hit, e_miss=e_miss, t_hit=build.t_hit, t_miss=t_miss, verify_s=build.t_v,
+                              speedup=speedup, tok_s=tok_s, speedup_vs_ar=tok_s * ar_step, branch_steps=branch_steps,
+                              deep_steps=build.deep_steps, deep_share=side.deep_share))
+    return max(choices, key=lambda c: c.tok_s)
 
 
 def evaluate(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budget: int, strategy: MissStrategy,
              vocab: int, branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Predicted outcome of budget ``budget`` at ``batch`` with the jit or ngram miss strategy (see module doc)."""
-    build = build_time(profile.timing, k, batch, budget, branch_steps, deep, sampled=entry.temperature > 0)
-    f_b, _ = fan_out_for_budget(entry.backup, k, k, budget, vocab, backup_weights(entry.backup, k))
-    # the fan-out spreads the budget over one speculation length's outcomes; the verified speculations mix
-    # the cached length, a tapered tree's deep length and a miss's K (hits.verified_mix): try each
-    lengths = sorted({n for n in (build.steps, build.deep_steps, k) if n >= 1})
-    candidates = {(tuple(f), m) for f, m in (fan_out_for_budget(entry.primary, n, k, budget, vocab)
-                                             for n in lengths)}
-    return max((predict(profile, entry, k, batch, budget, build, list(f_p), f_b, strategy, method, branch_steps,
-                        deep) for f_p, method in candidates), key=lambda c: c.tok_s)
+    return predict(profile, entry, k, batch, budget, strategy, vocab, branch_steps=branch_steps, deep=deep)
 
 
 def predict_fixed(profile: Profile, temperature: float, k: int, batch: int, f_p: list[int], f_b: list[int],
                   strategy: MissStrategy, c: float = 1.0, branch_steps: int | None = None, deep: int = 1) -> Choice:
     """Prediction for explicit fan-out lists at the nearest calibrated temperature (for measured-vs-theory)."""
     entry = entry_at(profile, temperature, c)
-    budget = max(sum(f_p), sum(f_b))
-    build = build_time(profile.timing, k, batch, sum(f_p), branch_steps, deep, sampled=temperature > 0)
-    return predict(profile, entry, k, batch, budget, build, f_p, f_b, MissStrategy.parse(strategy), "given",
-                   branch_steps, deep)
+    return predict(profile, entry, k, batch, max(sum(f_p), sum(f_b)), MissStrategy.parse(strategy), f_p=f_p, f_b=f_b,
+                   build_budget=sum(f_p), branch_steps=branch_steps, deep=deep)
 
 
 def entry_at(profile: Profile, temperature: float, c: float = 1.0) -> TemperatureEntry:
@@ -247,15 +212,6 @@ def recommended_k(profile: Profile, strategy: MissStrategy = MissStrategy.JIT, v
                                      for e in entries))
 
 
-def paper_budget(timing: Timing, k: int, batch: int = 1) -> int:
-    """The paper's B: the most branches per sequence whose K steps (after the glue) fit in one verification;
-    0 when not even one branch does (then cached speculations are shorter than K, see ``timeline.build_time``)."""
-    t_v = rows_time(timing.target_rows, batch * (k + 1))
-    t_glue = rows_time(timing.draft_rows, batch)  # one row per sequence, as in timeline.build_time
-    fits = [b for b in range(1, F_MAX + 1) if t_glue + k * rows_time(timing.draft_rows, batch * b) <= t_v]
-    return max(fits, default=0)
-
-
 @dataclass
 class TemperatureReport:
     c: float  # the Saguaro C chosen
@@ -268,7 +224,6 @@ class PlanReport:
     default_profile: bool  # the documented defaults, not a measured profile
     b_star: float  # Thm 18's critical batch size (miss strategy "auto")
     thm18_inputs: dict[str, float]
-    paper_budget: int  # the paper's B, beside the chosen one
     temperatures: dict[str, TemperatureReport] = field(default_factory=dict)
 
     def describe(self, strategy: MissStrategy) -> str:
@@ -288,6 +243,7 @@ class PlanReport:
 class CalibratedPlan:
     plan: SpecPlan
     report: PlanReport
+    summary: str  # the report in one line, for the log
 
 
 def _at_batch_one(strategy: MissStrategy) -> MissStrategy:
@@ -305,7 +261,7 @@ def make_plan(profile: Profile, k: int, settings: SSDSettings, max_batch: int, v
           else float(settings.saguaro_c) for t in temps]  # greedy rows ignore C
     auto = strategy == MissStrategy.AUTO
     b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0]) if auto else (math.inf, {})
-    report = PlanReport(profile.default, b_star, thm18, paper_budget(profile.timing, k))
+    report = PlanReport(profile.default, b_star, thm18)
     primary, backup, tapers = [], [], []
     for t, c in zip(temps, cs):
         entry = _entry_with_c(profile.temperatures[t], c)
@@ -325,5 +281,6 @@ def make_plan(profile: Profile, k: int, settings: SSDSettings, max_batch: int, v
         primary, backup = ([[settings.fan_out_for(k)] for _ in temps] for _ in range(2))
     if settings.branch_steps != "auto":
         tapers = [settings.branch_steps] * len(temps)
+    summary = report.describe(strategy)
     plan = SpecPlan(k, [float(t) for t in temps], primary, backup, cs, strategy, b_star, tapers, deep)
-    return CalibratedPlan(plan, report)
+    return CalibratedPlan(plan, report, summary)

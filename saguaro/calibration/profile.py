@@ -8,7 +8,7 @@ to re-run ``saguaro calibrate`` (``ProfileError``, logged by ``store.load_profil
 
 Glossary:
   * *source*: what follows one kind of speculation, measured over a calibration run's rounds: after the
-    *primary* (the draft model; jit fallback, empty cache) or the *backup* (the n-gram matcher). Its
+    *primary* (the draft model; jit miss strategy, empty cache) or the *backup* (the n-gram matcher). Its
     acceptance a_p / a_b, its outcome law and its per-depth hit curves (``Source``).
   * *depth* d of an outcome: d drafted tokens accepted (d < K: the bonus token replaced d_{d+1}); the
     all-accepted outcome of any length is stored at index K, as the engine's fan-out lists do.

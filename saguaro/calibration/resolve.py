@@ -14,7 +14,6 @@ import logging
 import torch
 
 from saguaro.calibration.policy import make_plan, recommended_k
-from saguaro.calibration.profile import Profile
 from saguaro.calibration.store import resolve_profile
 from saguaro.config import Config
 from saguaro.ssd.plan import SpecPlan
@@ -35,15 +34,11 @@ def resolve_k(cfg: Config) -> Config:
     if cfg.num_speculative_tokens != "auto":
         return cfg
     ssd = cfg.ssd
-    k = recommended_k(_profile(cfg, 4), ssd.miss_strategy, mode=cfg.mode, taper=ssd.branch_steps == "auto",
+    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, 4, enforce_eager=_timed_eager(cfg),
+                              draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
+    k = recommended_k(profile, ssd.miss_strategy, mode=cfg.mode, taper=ssd.branch_steps == "auto",
                       deep=ssd.deep_branches)
     return dataclasses.replace(cfg, num_speculative_tokens=k)
-
-
-def _profile(cfg: Config, k: int) -> Profile:
-    """The pair's stored calibration profile for K = ``k`` (or the documented defaults, with a warning)."""
-    return resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
-                           draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
 
 
 def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
@@ -57,10 +52,12 @@ def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
     """
     settings, k = cfg.ssd, cfg.num_speculative_tokens
     settings.check_vocab(vocab)
-    if not settings.any_auto:
-        return SpecPlan.fixed(settings.fan_out_for(k), float(settings.saguaro_c), settings.miss_strategy,
-                              branch_steps=settings.branch_steps, deep_branches=settings.deep_branches)
-    chosen = make_plan(_profile(cfg, k), k, settings, cfg.max_num_seqs, vocab)
-    log.info("SSD plan (%s): %s", "defaults" if chosen.report.default_profile else "calibrated",
-             chosen.report.describe(settings.miss_strategy))
-    return chosen.plan
+    if settings.any_auto:
+        eager = _timed_eager(cfg)
+        profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, enforce_eager=eager,
+                                  draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
+        chosen = make_plan(profile, k, settings, cfg.max_num_seqs, vocab)
+        log.info("SSD plan (%s): %s", "defaults" if profile.default else "calibrated", chosen.summary)
+        return chosen.plan
+    return SpecPlan.fixed(settings.fan_out_for(k), float(settings.saguaro_c), settings.miss_strategy,
+                          branch_steps=settings.branch_steps, deep_branches=settings.deep_branches)

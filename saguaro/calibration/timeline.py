@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from saguaro.calibration.profile import RowTimes, Timing
+from saguaro.ssd_settings import MissStrategy
 
 
 def rows_time(table: RowTimes, n: float) -> float:
@@ -96,3 +97,17 @@ def build_time(timing: Timing, k: int, batch: int, rows: int, branch_steps: int 
         t_v = clock + (t_alone - work)
     done = passes - 1
     return BuildTime(min(done, full), done, clock / t_v, t_v)
+
+
+def jit_draft_s(timing: Timing, k: int, batch: int) -> float:
+    """Seconds a miss's just-in-time drafting keeps the target waiting: a first draft pass over two rows per
+    sequence (it catches up on the verified tokens), then K - 1 one-row steps."""
+    return rows_time(timing.draft_rows, 2 * batch) + (k - 1) * rows_time(timing.draft_rows, batch)
+
+
+def miss_draft_s(timing: Timing, strategy: MissStrategy, k: int, batch: int) -> float:
+    """Seconds a miss's drafting keeps the target waiting: just in time (``jit_draft_s``), or the n-gram
+    backup's host time per sequence."""
+    if strategy == MissStrategy.JIT:
+        return jit_draft_s(timing, k, batch)
+    return batch * float(timing.ngram_s)

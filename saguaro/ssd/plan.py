@@ -44,7 +44,7 @@ class SpecPlan:
     deep_branches: int = 1  # branches that go on past branch_steps, up to K tokens
 
     def __post_init__(self) -> None:
-        self.miss_strategy = MissStrategy.parse(self.miss_strategy)
+        self.miss_strategy = MissStrategy(self.miss_strategy)  # a plan's name is typed already (SSDSettings)
         n = len(self.temperatures)
         if not n or len(self.primary) != n or len(self.backup) != n or len(self.c) != n:
             raise ValueError("a plan needs one fan-out table and one C per temperature")
@@ -65,7 +65,7 @@ class SpecPlan:
               b_star: float = math.inf, branch_steps: int | None = None, deep_branches: int = 1) -> "SpecPlan":
         """One fan-out list for every temperature, drafter and batch size (the explicit ``fan_out=[...]``)."""
         return cls(len(fan_out) - 1, [0.0], [[list(fan_out)]], [[list(fan_out)]], [float(c)],
-                   MissStrategy.parse(miss_strategy), b_star, branch_steps=[branch_steps], deep_branches=deep_branches)
+                   MissStrategy(miss_strategy), b_star, branch_steps=[branch_steps], deep_branches=deep_branches)
 
     def branch_widths(self, n: int, temperature: float = 0.0) -> list[int]:
         """Branches decoded at each of the K build steps, for a sequence with ``n`` (likeliest first)."""
