@@ -13,6 +13,7 @@ import uvicorn
 
 from saguaro.server.app import create_app
 from saguaro.server.async_engine import AsyncEngine
+from saguaro.server.lifecycle import GracefulServer, ServerLimits
 from saguaro.ssd.channel import free_port
 from tests.tiny import tiny_model
 
@@ -31,6 +32,7 @@ def chat_model(seed: int = 1, **kwargs):
 class Served:
     url: str  # http://127.0.0.1:PORT
     engine: AsyncEngine
+    server: GracefulServer  # ``server.should_exit = True`` is what SIGTERM does
 
     @property
     def base_url(self) -> str:
@@ -52,11 +54,11 @@ class Served:
 
 
 @contextmanager
-def running_server(llm, name: str = "tiny", api_key: str | None = None):
+def running_server(llm, name: str = "tiny", api_key: str | None = None, limits: ServerLimits = ServerLimits()):
     engine = AsyncEngine(llm)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = GracefulServer(uvicorn.Config(create_app(engine, name, api_key, limits), host="127.0.0.1", port=port,
+                                           log_level="warning"), limits.shutdown_timeout_s, engine.abort_all)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -66,10 +68,10 @@ def running_server(llm, name: str = "tiny", api_key: str | None = None):
         engine.close()
         raise RuntimeError("the test server did not start")
     try:
-        yield Served(f"http://127.0.0.1:{port}", engine)
+        yield Served(f"http://127.0.0.1:{port}", engine, server)
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=limits.shutdown_timeout_s + 2 * GracefulServer.GRACE_S)
         engine.close()
 
 
