@@ -117,8 +117,15 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if not target:
         print("error: give --model (or --target)", file=sys.stderr)
         return 2
-    llm = LLM(target=target, draft=draft, **_engine_options(args))
-    serve(llm, args.served_model_name or target, args.host, args.port, args.api_key)
+    from saguaro.server.lifecycle import ServerLimits
+    try:
+        limits = ServerLimits(args.max_choices, args.request_body_timeout, args.shutdown_timeout,
+                              args.health_stall_timeout)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    llm = LLM(target=target, draft=draft, max_prefill_tokens=args.max_prefill_tokens, **_engine_options(args))
+    serve(llm, args.served_model_name or target, args.host, args.port, args.api_key, limits)
     return 0
 
 
@@ -228,6 +235,17 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", help="the model name clients use and /v1/models lists (default: --model)")
     s.add_argument("--api-key", default=os.environ.get("SAGUARO_API_KEY"),
                    help="refuse /v1 requests without 'Authorization: Bearer KEY' (default: $SAGUARO_API_KEY)")
+    s.add_argument("--max-prefill-tokens", type=int, default=4096,
+                   help="prompt tokens prefilled per engine step; a longer prompt is prefilled in chunks, between "
+                        "the decode rounds of the running requests")
+    s.add_argument("--max-choices", type=int, default=128, help="at most this many prompts x n per request")
+    s.add_argument("--request-body-timeout", type=float, default=30.0,
+                   help="seconds a client has to send its request body (then 408)")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0,
+                   help="on SIGTERM, seconds the running requests may still take; then they end with "
+                        "finish_reason 'abort'")
+    s.add_argument("--health-stall-timeout", type=float, default=60.0,
+                   help="/health answers 503 once the engine has completed no step this long while requests wait")
     _add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
     b = sub.add_parser("bench", help="run a benchmark script from benchmarks/")

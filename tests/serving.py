@@ -15,6 +15,7 @@ uvicorn = pytest.importorskip("uvicorn")  # the server's packages: absent on the
 
 from saguaro.server.app import create_app  # noqa: E402
 from saguaro.server.async_engine import AsyncEngine  # noqa: E402
+from saguaro.server.lifecycle import GracefulServer, ServerLimits  # noqa: E402
 from saguaro.ssd.channel import free_port  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
@@ -33,6 +34,7 @@ def chat_model(seed: int = 1, **kwargs):
 class Served:
     url: str  # http://127.0.0.1:PORT
     engine: AsyncEngine
+    server: GracefulServer  # ``server.should_exit = True`` is what SIGTERM does
 
     @property
     def base_url(self) -> str:
@@ -54,11 +56,11 @@ class Served:
 
 
 @contextmanager
-def running_server(llm, name: str = "tiny", api_key: str | None = None):
+def running_server(llm, name: str = "tiny", api_key: str | None = None, limits: ServerLimits = ServerLimits()):
     engine = AsyncEngine(llm)
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(create_app(engine, name, api_key), host="127.0.0.1", port=port,
-                                           log_level="warning"))
+    server = GracefulServer(uvicorn.Config(create_app(engine, name, api_key, limits), host="127.0.0.1", port=port,
+                                           log_level="warning"), limits.shutdown_timeout_s, engine.abort_all)
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -68,10 +70,10 @@ def running_server(llm, name: str = "tiny", api_key: str | None = None):
         engine.close()
         raise RuntimeError("the test server did not start")
     try:
-        yield Served(f"http://127.0.0.1:{port}", engine)
+        yield Served(f"http://127.0.0.1:{port}", engine, server)
     finally:
         server.should_exit = True
-        thread.join(timeout=10)
+        thread.join(timeout=limits.shutdown_timeout_s + 2 * GracefulServer.GRACE_S)
         engine.close()
 
 

@@ -48,11 +48,16 @@ class SamplingParams:
             raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not all(isinstance(s, str) for s in self.stop):
+        if not isinstance(self.stop, (list, tuple)) or not all(isinstance(s, str) for s in self.stop):
             raise ValueError(f"stop must be a string or a list of strings, got {self.stop!r}")
-        self.stop_token_ids = list(self.stop_token_ids)
-        if not all(_is_int(t) and 0 <= t <= INT64_MAX for t in self.stop_token_ids):
-            raise ValueError(f"stop_token_ids must be non-negative token ids, got {self.stop_token_ids!r}")
+        self.stop = list(self.stop)
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
+            raise ValueError(f"stop_token_ids must be a list of non-negative token ids, got {ids!r}")
+        self.stop_token_ids = list(ids)
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
 
     @property
     def greedy(self) -> bool:

@@ -1,0 +1,129 @@
+"""Inter-token latency of running streams while one long prompt arrives: chunked prefill against none.
+
+A few streams decode; then one long prompt (random token ids) arrives. Without chunking its whole
+prefill is one engine step, and every running stream waits for it; with chunks of
+``max_prefill_tokens``, prefill chunks alternate with decode rounds, so a running stream waits at
+most one chunk per token. The engine loop is driven directly (as the server's loop thread drives it)
+so the figures hold no HTTP noise. Inter-token latency (ITL) is the time between two tokens of one
+running stream, over every stream, from the long prompt's arrival to its first token; the long
+prompt's time to first token is reported beside it.
+
+    python -m benchmarks.bench_serving_itl                           # SmolLM2-135M, fp32, 1024-token prompt, 2 streams
+    python -m benchmarks.bench_serving_itl --prompt-tokens 8000 --chunks 0,512
+    python -m benchmarks.bench_serving_itl --prompt-tokens 256 --streams 2 --chunks 0,64 --out /tmp/x   # smoke
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+from saguaro import LLM, SamplingParams
+
+
+def _percentile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, round(q * (len(xs) - 1)))]
+
+
+def _start_streams(engine, streams: int, vocab: int, rng: random.Random) -> list:
+    """``streams`` requests of 16 random tokens that decode until aborted, each past its first token."""
+    seqs = [engine.add_request([rng.randrange(vocab) for _ in range(16)],
+                               SamplingParams(max_tokens=100_000, ignore_eos=True)) for _ in range(streams)]
+    while any(not s.output_ids for s in seqs):
+        engine.step()
+    return seqs
+
+
+def run_one(llm: LLM, streams: int, prompt_tokens: int, vocab: int) -> dict:
+    """One measurement on a warm engine: ``streams`` decoding, then the long prompt; times in seconds."""
+    engine = llm.engine
+    rng = random.Random(0)
+    running = _start_streams(engine, streams, vocab, rng)
+    for _ in range(3):
+        engine.step()
+    last = {s.seq_id: time.perf_counter() for s in running}
+    long = engine.add_request([rng.randrange(vocab) for _ in range(prompt_tokens)],
+                              SamplingParams(max_tokens=1, ignore_eos=True))
+    arrival, gaps, ttft = time.perf_counter(), [], None
+    after = set()  # streams with a token since the long prompt's first: the window closes when all have one
+    while len(after) < streams:
+        for seq, tokens in engine.step():
+            now = time.perf_counter()
+            if seq is long:
+                ttft = now - arrival
+            elif tokens:
+                gaps.append(now - last[seq.seq_id])
+                last[seq.seq_id] = now
+                if ttft is not None:
+                    after.add(seq.seq_id)
+    for s in running:
+        engine.abort(s)
+    return {"itl_p50_ms": 1e3 * _percentile(gaps, 0.5), "itl_p99_ms": 1e3 * _percentile(gaps, 0.99),
+            "itl_max_ms": 1e3 * max(gaps), "long_ttft_s": ttft, "gaps": len(gaps)}
+
+
+def steady_itl(llm: LLM, streams: int, vocab: int, steps: int = 20) -> float:
+    """Median ITL of the streams with nothing arriving (ms)."""
+    engine = llm.engine
+    seqs = _start_streams(engine, streams, vocab, random.Random(1))
+    times = []
+    for _ in range(steps):
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    for s in seqs:
+        engine.abort(s)
+    return 1e3 * statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--streams", type=int, default=2)
+    p.add_argument("--chunks", default="0,128", help="max_prefill_tokens to compare; 0: the whole prompt (none)")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--cpu", default="AMD EPYC Zen 3, 2 cores, AVX2", help="the CPU named beside the figures")
+    p.add_argument("--out", default="results/serving_itl")
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = []
+    for chunk in [int(c) for c in args.chunks.split(",")]:
+        budget = chunk or args.prompt_tokens
+        with LLM(args.model, dtype=args.dtype, threads=args.threads, max_prefill_tokens=budget,
+                 max_model_len=args.prompt_tokens + 256, kv_cache_tokens=args.prompt_tokens + 4096) as llm:
+            vocab = llm.engine.target.config.vocab_size
+            run_one(llm, args.streams, min(256, args.prompt_tokens), vocab)  # warm-up
+            row = run_one(llm, args.streams, args.prompt_tokens, vocab)
+            row["steady_itl_ms"] = steady_itl(llm, args.streams, vocab)
+        row["chunk"] = "none (whole prompt)" if chunk == 0 else chunk
+        rows.append(row)
+        print(row, flush=True)
+    setup = (f"{args.model} ({args.dtype}, {args.threads} thread), {args.streams} running streams, one prompt of "
+             f"{args.prompt_tokens} random tokens arriving; CPU: {args.cpu} ({platform.machine()})")
+    lines = [f"# Inter-token latency while a long prompt arrives\n\n{setup}\n",
+             "| max_prefill_tokens | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) | steady ITL (ms) "
+             "| long prompt TTFT (s) |",
+             "|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(f"| {r['chunk']} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['itl_max_ms']:.1f} | "
+                     f"{r['steady_itl_ms']:.1f} | {r['long_ttft_s']:.2f} |")
+    table = "\n".join(lines) + "\n"
+    print(table)
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".md").write_text(table)
+    out.with_suffix(".json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
