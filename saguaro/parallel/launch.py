@@ -22,8 +22,10 @@ import torch
 
 from saguaro.config import Config
 from saguaro.device import pin_process
+from saguaro.loading import LoadedModel
 from saguaro.parallel.groups import (TensorParallelError, connect, env_store, host_store, torchrun_rank,
                                      under_torchrun)
+from saguaro.parallel.plan import shard_plan
 from saguaro.parallel.runner import TPModelRunner, serve_passes
 from saguaro.parallel.shards import load_shard
 from saguaro.parallel.steps import StepLink
@@ -75,6 +77,16 @@ class TensorParallelTarget:
         self.opts = opts
         self.workers: list[WorkerProcess] = []
         self.runner: TPModelRunner | None = None
+        try:
+            self._start(source, opts)
+        except BaseException:
+            self.close()  # a size that does not divide, a rank that died: no rank is left waiting
+            raise
+
+    def _start(self, source: Any, opts: RankOptions) -> None:
+        if isinstance(source, LoadedModel):  # sizes that do not divide are refused before any rank starts
+            shard_plan(source.config, opts.world, 0)
+        shared: DraftSource | None = None
         if under_torchrun():
             rank, world, local = torchrun_rank()
             if world != opts.world:
@@ -96,6 +108,8 @@ class TensorParallelTarget:
         groups = self._watch("connecting", lambda: connect(store, 0, opts.world, device, opts.timeout_s))
         self.loaded = load_shard(source, groups, opts.dtype, device)
         num_blocks = self._watch("loading its shard", lambda: groups.agree_min(opts.num_blocks))
+        if shared is not None:
+            shared.close()  # every rank has its shard: the shared copy of an in-memory model can go
         self.runner = TPModelRunner(self.loaded.model, num_blocks, opts.block_size, device, StepLink(groups),
                                     self.describe)
 
@@ -113,10 +127,12 @@ class TensorParallelTarget:
 
     def close(self) -> None:
         """Stop the other ranks (they leave their loop), and end any that does not within a few seconds."""
-        if self.runner is not None:
+        told = self.runner is not None  # a failed start told them nothing: they go at once
+        if told:
             self.runner.backend.close()
         for w in self.workers:
-            w.join(5.0)
+            if told:
+                w.join(5.0)
             w.kill()
         self.workers = []
 
