@@ -1,0 +1,51 @@
+"""SD with an EAGLE-3 draft at temperature > 0 samples exactly the target's distribution.
+
+The first two output tokens' joint law is compared with the exact AR law by total variation, with the
+threshold that ``tests/stats.py`` derives for this n (false-failure probability 1e-6). The head is random and
+covers 12 of the 16 ids, so drafts are accepted about half the time and some target ids are never drafted.
+Negative control: a proposer that reports its distribution on ids shifted by one (as a wrong d2t map would)
+must fail.
+"""
+import pytest
+import saguaro.eagle.proposer as proposer_module
+from saguaro import LLM, SamplingParams
+from tests.dist_harness import measure
+from tests.eagle_heads import random_head_state, write_head
+from tests.tiny import tiny_model
+
+N = 8_000  # the threshold is derived for this n (about 0.12 over the 256 two-token outcomes)
+N_CONTROL = 2_000  # the shifted ids move the law far (TV near 1): a smaller n (threshold about 0.24) sees it
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    target = tiny_model(seed=5, vocab=16, layers=4, sharpness=2.0)
+    cfg, state = random_head_state(target, draft_vocab=12, seed=7, scale=0.5)
+    return target, str(write_head(tmp_path_factory.mktemp("eagle"), cfg, state, "speculators"))
+
+
+def eagle_llm(setup, k):
+    return LLM(target=setup[0], draft=setup[1], mode="sd", num_speculative_tokens=k, block_size=4,
+               max_num_seqs=1024, kv_cache_tokens=1024 * 16)
+
+
+@pytest.mark.parametrize("k, params", [(3, SamplingParams(temperature=1.0)),
+                                       (2, SamplingParams(temperature=0.6, top_p=0.9))],
+                         ids=["k3-t1.0", "k2-t0.6-p0.9"])
+def test_eagle_sd_distribution(setup, k, params):
+    tv, threshold = measure(eagle_llm(setup, k), setup[0], params, positions=[0, 1], n=N)
+    assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
+
+
+def test_negative_control_shifted_draft_ids_fail(setup, monkeypatch):
+    original_sample = proposer_module.sample
+
+    def sample_then_shift(probs, generators, greedy):
+        drawn = original_sample(probs, generators, greedy)
+        probs.copy_(probs.roll(1, -1))  # the proposal records q on the wrong ids
+        return drawn
+
+    monkeypatch.setattr(proposer_module, "sample", sample_then_shift)
+    tv, threshold = measure(eagle_llm(setup, 3), setup[0], SamplingParams(temperature=1.0), positions=[0, 1],
+                            n=N_CONTROL)
+    assert tv > threshold, f"the check did not catch q on shifted ids (TV {tv:.4f} < {threshold:.4f})"
