@@ -78,9 +78,11 @@ def test_taps_keep_the_tapped_layers_inputs(target):
     assert torch.equal(seen[0], torch.cat([captured[3], captured[1]], -1))
 
 
-@pytest.mark.parametrize("k", [1, 3])
-def test_greedy_eagle_sd_equals_ar(target, head_dir, ar_outputs, k):
-    with LLM(target=target, draft=str(head_dir), mode="sd", num_speculative_tokens=k, block_size=4) as llm:
+@pytest.mark.parametrize("k, chunk", [(1, 4096), (3, 4096), (3, 3)])
+def test_greedy_eagle_sd_equals_ar(target, head_dir, ar_outputs, k, chunk):
+    """chunk 3: every prompt is prefilled in chunks of 3 tokens, the head taking the features chunk by chunk."""
+    with LLM(target=target, draft=str(head_dir), mode="sd", num_speculative_tokens=k, block_size=4,
+             max_prefill_tokens=chunk) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
         assert [o.token_ids for o in outs] == ar_outputs
         spec = llm.spec_metrics(outs)

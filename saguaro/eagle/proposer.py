@@ -58,8 +58,9 @@ class EagleProposer(Proposer):
         target.tap(head.aux_layers, self._observe)
 
     # -- the target's features ------------------------------------------------------
-    def prefill(self, seqs: list[Sequence]) -> None:
-        """The target prefills ``seqs`` next: its features become the head's pending prompt positions."""
+    def prefill(self, seqs: list[Sequence], ends: list[int] | None = None) -> None:
+        """The target prefills ``seqs`` next (a chunk of each, up to ``ends``): its features become the head's
+        pending prompt positions, chunk after chunk."""
         self._next_pass = ("prefill", seqs)
 
     def _observe(self, items: list[ForwardItem], features: torch.Tensor) -> None:
