@@ -80,3 +80,10 @@ def test_sizes_that_do_not_divide_are_refused_by_name():
         shard_plan(qwen15, 8, 0)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         Config(target="x", tensor_parallel_size=0)
+
+
+def test_tensor_parallel_flag_reaches_generate_and_serve():
+    from saguaro.cli import _engine_options, build_parser
+    for command in (["generate", "--model", "m", "--prompt", "x"], ["serve", "--model", "m"]):
+        args = build_parser().parse_args(command + ["--tensor-parallel-size", "2"])
+        assert _engine_options(args)["tensor_parallel_size"] == 2
