@@ -57,7 +57,7 @@ def run_one(llm: LLM, streams: int, prompt_tokens: int, vocab: int) -> dict:
         for seq, tokens in engine.step():
             now = time.perf_counter()
             if seq is long:
-                ttft = now - arrival
+                ttft = now - arrival if tokens else None  # a chunk that completes no prompt gives no token
             elif tokens:
                 gaps.append(now - last[seq.seq_id])
                 last[seq.seq_id] = now

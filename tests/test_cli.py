@@ -1,7 +1,7 @@
 """The command line parses what the README shows, and passes draft formats to the engine."""
 import pytest
 
-from saguaro.cli import DEMO_DRAFT_WEIGHTS, DEMO_FAN_OUT, DEMO_SD_K, _engine_options, build_parser
+from saguaro.cli import DEMO_DRAFT_WEIGHTS, DEMO_FAN_OUT, DEMO_SD_K, _engine_options, build_parser, main
 
 
 def test_generate_flags_reach_the_engine_options():
@@ -36,3 +36,13 @@ def test_serve_flags_and_dtype_default(monkeypatch):
     assert args.served_model_name == "coder" and args.api_key == "k" and _engine_options(args)["dtype"] == "auto"
     monkeypatch.setenv("SAGUARO_API_KEY", "from-env")
     assert build_parser().parse_args(["serve", "--model", "a"]).api_key == "from-env"
+
+
+def test_serve_limit_and_deadline_flags(capsys):
+    args = build_parser().parse_args(["serve", "--model", "a", "--max-choices", "4", "--request-body-timeout", "3",
+                                      "--shutdown-timeout", "2", "--health-stall-timeout", "5",
+                                      "--max-prefill-tokens", "256"])
+    assert (args.max_choices, args.request_body_timeout, args.shutdown_timeout, args.health_stall_timeout,
+            args.max_prefill_tokens) == (4, 3.0, 2.0, 5.0, 256)
+    assert main(["serve", "--model", "a", "--shutdown-timeout", "0"]) == 2  # refused before any model loads
+    assert "shutdown_timeout_s must be > 0" in capsys.readouterr().err

@@ -190,3 +190,58 @@ def test_shutdown_deadline_aborts_running_streams(monkeypatch, mode):
     if link is not None:
         link.thread.join(10)
         assert not link.thread.is_alive() and llm.engine.decoder.link is None
+
+
+SERVE_SCRIPT = """
+import sys, time
+from saguaro import LLM
+from saguaro.engine.llm_engine import LLMEngine
+from saguaro.server.app import serve
+from saguaro.server.lifecycle import ServerLimits
+from tests.serving import chat_model
+real = LLMEngine.step
+LLMEngine.step = lambda self: (time.sleep(0.02), real(self))[1]
+llm = LLM(chat_model(), block_size=4)
+closed = llm.close
+llm.close = lambda: (print("engine closed", flush=True), closed())
+serve(llm, "tiny", port=int(sys.argv[1]), limits=ServerLimits(shutdown_timeout_s=1.0))
+"""
+
+
+def _up(url: str) -> bool:
+    try:
+        return http(url)[0] == 200
+    except OSError:  # not listening yet
+        return False
+
+
+def test_sigterm_ends_streams_with_abort_and_exits():
+    """The real signal path: ``serve`` in its own process, SIGTERM while a stream runs."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    from saguaro.ssd.channel import free_port
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, str(port)], cwd=os.getcwd(),
+                            env={**os.environ, "PYTHONPATH": os.getcwd()}, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not _up(f"http://127.0.0.1:{port}/health"):
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0)
+        stream = client.completions.create(model="tiny", prompt="t1 t2", max_tokens=400, temperature=0, stream=True)
+        last = next(iter(stream))
+        proc.send_signal(signal.SIGTERM)
+        for last in stream:
+            pass
+        assert last.choices[0].finish_reason == "abort"
+        assert proc.wait(timeout=20) in (0, -signal.SIGTERM)  # uvicorn re-raises the signal once shut down
+        assert "engine closed" in proc.stdout.read()  # before the signal ended the process
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()

@@ -34,7 +34,7 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]
     text: str
-    finish_reason: str  # "stop" (EOS or stop string), "length", or "error"
+    finish_reason: str  # "stop" (EOS, stop token or string), "length", "abort", or "error: <why>"
     timings: Timings
     spec: SpeculationMetrics | None = None
     spec_counts: Any = field(default=None, repr=False)  # raw SpeculationCounts, summed by LLM.spec_metrics

@@ -327,6 +327,6 @@ def serve(llm, model_name: str, host: str = "127.0.0.1", port: int = 8000, api_k
     try:
         config = uvicorn.Config(create_app(engine, model_name, api_key, limits), host=host, port=port,
                                 log_level="info")
-        GracefulServer(config, limits.shutdown_timeout_s, engine.abort_all).run()
+        GracefulServer(config, limits.shutdown_timeout_s, engine.abort_all, engine.close).run()
     finally:
-        engine.close()
+        engine.close()  # (a no-op once the server closed it) when uvicorn fails to start

@@ -184,6 +184,9 @@ class AsyncEngine:
         _safely(live.sub.deliver, StreamChunk(live.seq.seq_id, [], "", True, reason, engine.output(live.seq)))
 
     def close(self) -> None:
+        """Stop the loop and close the engine (its SSD speculator included); once."""
+        if self._stop:
+            return
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)

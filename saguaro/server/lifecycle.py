@@ -71,15 +71,17 @@ async def _read_body(receive) -> list[dict]:
 
 
 class GracefulServer(uvicorn.Server):
-    """A uvicorn server whose shutdown aborts what is still running after ``deadline_s`` (``abort_all``), and
-    cancels what still has not ended a few seconds later."""
+    """A uvicorn server whose shutdown aborts what is still running after ``deadline_s`` (``abort_all``), cancels
+    what still has not ended a few seconds later, then runs ``on_stopped`` (closing the engine: uvicorn re-raises
+    the signal once it returns, so nothing after ``run`` may be relied on)."""
 
     GRACE_S = 5.0  # for aborted streams to send their last chunks
 
-    def __init__(self, config: uvicorn.Config, deadline_s: float, abort_all: Callable[[], None]):
+    def __init__(self, config: uvicorn.Config, deadline_s: float, abort_all: Callable[[], None],
+                 on_stopped: Callable[[], None] = lambda: None):
         config.timeout_graceful_shutdown = deadline_s + self.GRACE_S
         super().__init__(config)
-        self.deadline_s, self.abort_all = deadline_s, abort_all
+        self.deadline_s, self.abort_all, self.on_stopped = deadline_s, abort_all, on_stopped
 
     async def shutdown(self, sockets=None) -> None:
         async def deadline() -> None:
@@ -91,3 +93,4 @@ class GracefulServer(uvicorn.Server):
             await super().shutdown(sockets)
         finally:
             timer.cancel()
+            self.on_stopped()

@@ -119,7 +119,8 @@ class ServerMetrics:
     def on_finish(self, seq: Sequence, counts: RequestCounts) -> None:
         self.on_tokens(seq, counts)
         now = time.perf_counter()
-        self.finished.labels(finished_reason=seq.finish_reason or "abort").inc()
+        reason = seq.finish_reason or "abort"
+        self.finished.labels(finished_reason="error" if reason.startswith("error") else reason).inc()  # no messages
         self.e2e.observe(now - counts.submitted)
         n = len(seq.output_ids)
         if n > 1 and seq.first_token_time is not None:
