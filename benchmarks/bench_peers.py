@@ -25,7 +25,7 @@ import os
 import statistics
 import sys
 import tempfile
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -283,9 +283,49 @@ def prepare_llama(args: argparse.Namespace, rows: list[Row]) -> tuple[lc.Build, 
     return build, {k: p for k, p in model_files(build, keys).items() if k in keys}
 
 
-def main(argv: list[str] | None = None) -> int:
-    import shlex
+@dataclass
+class Results:
+    """What the rows measured so far (written after every row, so a stopped run keeps the rows it finished)."""
+    summaries: dict[str, dict[str, Any]] = field(default_factory=dict)
+    llama_runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    records: dict[str, list[Any]] = field(default_factory=dict)
+    commands: dict[str, Any] = field(default_factory=dict)
 
+
+def run_row(r: Row, build: lc.Build | None, files: dict[str, Path], prompts: list[Prompt], labels: dict[str, str],
+            args: argparse.Namespace, res: Results) -> None:
+    import shlex
+    if r.engine == LLAMA:
+        assert build is not None
+        res.llama_runs[r.key] = run_llama(r, build, files, prompts, args)
+        res.summaries[r.key] = summarize_llama(res.llama_runs[r.key])
+        res.commands[r.key] = shlex.join(llama_command(r, build, files, Path("PROMPT.txt"), args))
+    else:
+        options = saguaro_options(r, args)
+        res.records[r.key] = run_engine(labels[r.key], options, prompts, args)
+        res.summaries[r.key] = summarize_records(res.records[r.key])
+        res.commands[r.key] = options
+    res.summaries[r.key]["loadavg_1m_after"] = os.getloadavg()[0]  # the machine may be shared: say how busy
+
+
+def write(args, rows, labels, res: Results, files, versions, left: list[str]) -> str:
+    done = [r for r in rows if r.key in res.summaries]
+    payload, markdown = report(args, done, labels, res.summaries, res.llama_runs, res.commands, files,
+                               cpu_description(), versions)
+    if "llama-bf16-ar" in res.llama_runs and "saguaro-ar" in res.records:
+        equal, compared = same_text(res.llama_runs["llama-bf16-ar"], res.records["saguaro-ar"])
+        payload["greedy_text_equal_llama_bf16_ar_vs_saguaro_ar"] = {"equal": equal, "compared": compared}
+        markdown += (f"\n\nGreedy output text of llama.cpp 1.5B BF16 AR equal to Saguaro AR's: {equal}/{compared} "
+                     "(bf16 on both sides; an argmax tie may round differently).")
+    if left:
+        payload["rows_not_run"] = left
+        markdown += f"\n\nPartial: rows not run yet: {', '.join(left)}."
+    payload["saguaro_requests"] = [rec.to_json() for recs in res.records.values() for rec in recs]
+    write_results(args.out, "bench_peers", payload, markdown)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> int:
     import torch
     args = parse_args(argv)
     rows = [r for r in ROWS if r.key in args.only]
@@ -298,40 +338,20 @@ def main(argv: list[str] | None = None) -> int:
     from saguaro.loading import load_tokenizer
     prompts = prepare_prompts(load_tokenizer(TARGET, progress=False), args.datasets, args.prompts)
     labels = {r.key: (llama_label if r.engine == LLAMA else saguaro_label)(r, args) for r in rows}
-    summaries: dict[str, dict[str, Any]] = {}
-    llama_runs: dict[str, list[dict[str, Any]]] = {}
-    commands: dict[str, Any] = {}
-    records: dict[str, list[Any]] = {}
-    log(f"{len(prompts)} prompts x {len(rows)} configurations, {args.max_tokens} new tokens each")
-    for r in rows:
-        if r.engine == LLAMA:
-            assert build is not None
-            try:
-                llama_runs[r.key] = run_llama(r, build, files, prompts, args)
-            except lc.PeerRunError as e:
-                print(f"error: {r.key}: {e}", file=sys.stderr)
-                return 1
-            summaries[r.key] = summarize_llama(llama_runs[r.key])
-            commands[r.key] = shlex.join(llama_command(r, build, files, Path("PROMPT.txt"), args))
-        else:
-            options = saguaro_options(r, args)
-            records[r.key] = run_engine(labels[r.key], options, prompts, args)
-            summaries[r.key] = summarize_records(records[r.key])
-            commands[r.key] = options
-        summaries[r.key]["loadavg_1m_after"] = os.getloadavg()[0]  # the machine may be shared: say how busy
     built = lc.tool_version(build) if build is not None else None
     versions = {"llama_cpp": f"{lc.PACKAGE}=={lc.VERSION} sdist (vendor/llama.cpp)" + (f", {built}" if built else ""),
                 "saguaro_commit": environment()["git_commit"], "torch": torch.__version__}
-    payload, markdown = report(args, rows, labels, summaries, llama_runs, commands, files, cpu_description(), versions)
-    if "llama-bf16-ar" in llama_runs and "saguaro-ar" in records:
-        equal, compared = same_text(llama_runs["llama-bf16-ar"], records["saguaro-ar"])
-        payload["greedy_text_equal_llama_bf16_ar_vs_saguaro_ar"] = {"equal": equal, "compared": compared}
-        markdown += (f"\n\nGreedy output text of llama.cpp 1.5B BF16 AR equal to Saguaro AR's: {equal}/{compared} "
-                     "(bf16 on both sides; an argmax tie may round differently).")
-    payload["saguaro_requests"] = [rec.to_json() for recs in records.values() for rec in recs]
+    res = Results()
+    log(f"{len(prompts)} prompts x {len(rows)} configurations, {args.max_tokens} new tokens each")
+    for i, r in enumerate(rows):
+        try:
+            run_row(r, build, files, prompts, labels, args, res)
+        except lc.PeerRunError as e:
+            print(f"error: {r.key}: {e}", file=sys.stderr)
+            return 1
+        markdown = write(args, rows, labels, res, files, versions, [x.key for x in rows[i + 1:]])
     print(markdown)
-    json_path, md_path = write_results(args.out, "bench_peers", payload, markdown)
-    log(f"wrote {json_path} and {md_path}")
+    log(f"wrote {args.out / 'bench_peers.json'} and {args.out / 'bench_peers.md'}")
     return 0
 
 

@@ -150,7 +150,8 @@ def _extract_vendor(archive: Path, dest: Path) -> None:
                 members.append(m)
         if not members:
             raise PeerRunError(f"{archive.name} has no vendor/llama.cpp/")
-        tar.extractall(dest, members=members, filter="data")
+        safe = {"filter": "data"} if hasattr(tarfile, "data_filter") else {}  # no links out of dest
+        tar.extractall(dest, members=members, **safe)
     (dest / ".git").unlink(missing_ok=True)  # a submodule pointer to a directory the sdist lacks
 
 

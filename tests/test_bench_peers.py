@@ -152,3 +152,36 @@ def test_bench_sd_reads_the_measured_llama_rows(tmp_path):
         '"summary": {"llama-q4-ar": {"tok_s_median": 20.5}, "saguaro-ar": {"tok_s_median": 9.0}}}')
     ref = lc.measured_reference(tmp_path)
     assert ref["rows"] == {"llama.cpp AR, 1.5B Q4_K_M": 20.5} and ref["cpu"] == "AMD EPYC, 2 cores"
+
+
+def test_a_run_with_stand_in_programs_writes_the_table(tmp_path, monkeypatch):
+    """The whole path from the cached build to results/bench_peers.{md,json}, with shell scripts standing in for
+    the llama.cpp programs (they print the recorded samples), so nothing is built or loaded."""
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path / "cache"))
+    build = lc.build_location()
+    (build.build / "bin").mkdir(parents=True)
+    logs = {"llama-completion": COMPLETION_LOG, "llama-speculative-simple": SPECULATIVE_LOG, "llama-quantize": ""}
+    for tool, log in logs.items():
+        (tmp_path / f"{tool}.log").write_text(log)
+        script = build.tool(tool)
+        script.write_text(f"#!/bin/sh\necho 'def f(): pass'\ncat '{tmp_path / f'{tool}.log'}' >&2\n")
+        script.chmod(0o755)
+    files = {k: tmp_path / f"{k}.gguf" for k in ("target-q4", "draft-q4")}
+    for path in files.values():
+        path.write_bytes(b"GGUF")
+    monkeypatch.setattr(bp, "model_files", lambda build, keys: files)
+    monkeypatch.setattr(bp, "prepare_prompts", lambda tok, names, n: [
+        bp.Prompt("humaneval", i, "def f():", list(range(143)), "<|im_start|>user\ndef f():") for i in range(n)])
+    import saguaro.loading
+    monkeypatch.setattr(saguaro.loading, "load_tokenizer", lambda name, progress=False: None)
+    out = tmp_path / "results"
+    assert bp.main(["--only", "llama-q4-ar,llama-q4-spec", "--skip-build", "--prompts", "2", "--out", str(out)]) == 0
+    import json
+    payload = json.loads((out / "bench_peers.json").read_text())
+    assert payload["summary"]["llama-q4-ar"]["tok_s_median"] == pytest.approx(47 / 6.58021)
+    assert payload["summary"]["llama-q4-spec"]["acceptance_rate"] == pytest.approx(37 / 48)
+    assert payload["llama_fastest"] == "llama-q4-spec" and "rows_not_run" not in payload
+    assert payload["summary"]["llama-q4-ar"]["prompt_tokens_equal"] == 2  # 143 tokens on both sides
+    assert "--draft-max 4" in payload["commands"]["llama-q4-spec"]
+    md = (out / "bench_peers.md").read_text()
+    assert "llama.cpp speculative, Q4_K_M pair, draft 4" in md and "x llama.cpp fastest" in md
