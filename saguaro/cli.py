@@ -1,4 +1,4 @@
-"""Command line: ``saguaro generate | models | demo | bench | calibrate``."""
+"""Command line: ``saguaro generate | models | demo | bench | calibrate | train-head``."""
 from __future__ import annotations
 
 import argparse
@@ -129,6 +129,11 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return run(args)
 
 
+def cmd_train_head(args: argparse.Namespace) -> int:
+    from saguaro.eagle.command import run
+    return run(args)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
     p.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=4,
@@ -209,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
     from saguaro.calibration.command import add_arguments
     add_arguments(c)
     c.set_defaults(func=cmd_calibrate)
+    t = sub.add_parser("train-head", help="train an EAGLE-3 head for a target from the target's own outputs")
+    from saguaro.eagle.command import add_arguments as add_train_arguments
+    add_train_arguments(t)
+    t.set_defaults(func=cmd_train_head)
     return parser
 
 
