@@ -27,6 +27,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, enforce_eager=args.enforce_eager,
                 draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
                 calibration_workload=args.calibration_workload)
+    if getattr(args, "draft_kind", "auto") != "auto":
+        opts["draft_kind"] = args.draft_kind
     if args.mode != "ar":
         opts["num_speculative_tokens"] = args.k
         opts["proposer"] = args.proposer
@@ -140,6 +142,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="speculative tokens per round (K), or 'auto' (from the calibration profile)")
     p.add_argument("--proposer", "--speculator", dest="proposer", choices=["draft", "ngram"], default="draft",
                    help="SD proposer: the draft model or the n-gram matcher (--speculator: deprecated spelling)")
+    p.add_argument("--draft-kind", choices=["auto", "model", "eagle3"], default="auto",
+                   help="the draft: a model or an EAGLE-3 head directory (SD); auto tells them apart")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--fallback", choices=["jit", "ngram", "random", "auto"])
     p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")
