@@ -1,4 +1,4 @@
-"""Command line: ``saguaro generate | models | demo | info | bench | calibrate``."""
+"""Command line: ``saguaro generate | models | demo | info | bench | calibrate | train-head``."""
 from __future__ import annotations
 
 import argparse
@@ -29,6 +29,8 @@ def _engine_options(args: argparse.Namespace) -> dict:
     opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, enforce_eager=args.enforce_eager,
                 draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
                 calibration_workload=args.calibration_workload, tensor_parallel_size=args.tensor_parallel_size)
+    if getattr(args, "draft_kind", "auto") != "auto":
+        opts["draft_kind"] = args.draft_kind
     if args.mode != "ar":
         opts["num_speculative_tokens"] = args.k
         opts["proposer"] = args.proposer
@@ -155,12 +157,19 @@ def _deprecated(new: str) -> type[argparse.Action]:
     return Deprecated
 
 
+def cmd_train_head(args: argparse.Namespace) -> int:
+    from saguaro.eagle.command import run
+    return run(args)
+
+
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
     p.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=4,
                    help="speculative tokens per round (K), or 'auto' (from the calibration profile)")
     p.add_argument("--proposer", "--speculator", dest="proposer", choices=["draft", "ngram"], default="draft",
                    help="SD proposer: the draft model or the n-gram matcher (--speculator: deprecated spelling)")
+    p.add_argument("--draft-kind", choices=["auto", "model", "eagle3"], default="auto",
+                   help="the draft: a model or an EAGLE-3 head directory (SD); auto tells them apart")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--miss-strategy", choices=[m.value for m in MissStrategy],
                    help="SSD: how a cache miss is drafted: jit (the draft, just in time), ngram, random, or auto "
@@ -256,6 +265,10 @@ def build_parser() -> argparse.ArgumentParser:
     from saguaro.calibration.command import add_arguments
     add_arguments(c)
     c.set_defaults(func=cmd_calibrate)
+    t = sub.add_parser("train-head", help="train an EAGLE-3 head for a target from the target's own outputs")
+    from saguaro.eagle.command import add_arguments as add_train_arguments
+    add_train_arguments(t)
+    t.set_defaults(func=cmd_train_head)
     return parser
 
 

@@ -110,3 +110,12 @@ def test_reduced_vocabulary_drafts_stay_inside_it(target, tmp_path):
 def test_eagle_draft_needs_sd_mode(target, head_dir):
     with pytest.raises(ValueError, match="mode='sd'"):
         LLM(target=target, draft=str(head_dir), mode="ssd", block_size=4)
+
+
+def test_preempted_requests_still_equal_ar(target, head_dir, ar_outputs):
+    """A KV cache too small for every request at once: preempted requests re-prefill, and the head takes the
+    target's features again from the new prefill."""
+    with LLM(target=target, draft=str(head_dir), mode="sd", num_speculative_tokens=3, block_size=4,
+             kv_cache_tokens=96) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
+        assert [o.token_ids for o in outs] == ar_outputs

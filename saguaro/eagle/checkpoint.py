@@ -62,7 +62,7 @@ class Eagle3Config:
         """The aux layers for a target of ``num_target_layers`` layers: the checkpoint's, checked to exist, or
         the paper's [2, L/2, L-3] (clamped into the target, for tiny test models)."""
         if self.aux_layers is None:
-            return [min(max(i, 0), num_target_layers - 1) for i in (2, num_target_layers // 2, num_target_layers - 3)]
+            return default_aux_layers(num_target_layers)
         bad = [i for i in self.aux_layers if not 0 <= i < num_target_layers]
         if bad:
             raise EagleCheckpointError(f"aux layers {bad} do not exist in a {num_target_layers}-layer target")
@@ -87,6 +87,11 @@ class Eagle3Config:
                 norm_before_residual=bool(raw.get("norm_before_residual", False)))
         except (KeyError, TypeError) as e:
             raise EagleCheckpointError(f"EAGLE-3 config.json lacks a field: {e}") from e
+
+
+def default_aux_layers(num_layers: int) -> list[int]:
+    """The paper's [2, L/2, L-3], clamped into a target of ``num_layers`` layers (tiny test models)."""
+    return [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
 
 
 def is_eagle3_dir(path: str | Path) -> bool:
