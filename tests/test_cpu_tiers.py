@@ -70,7 +70,7 @@ def _syntax_check(compiler: str, tier: str) -> subprocess.CompletedProcess:
     from torch.utils.cpp_extension import include_paths
     includes = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     flags = [f for f in kernels.compile_flags(tier) if not f.startswith("-mtune")]
-    return subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-w", "-DTORCH_EXTENSION_NAME=check", *flags,
+    return subprocess.run([compiler, "-std=c++20", "-fsyntax-only", "-w", "-DTORCH_EXTENSION_NAME=check", *flags,
                            *includes, str(kernels.SOURCE)], capture_output=True, text=True, timeout=600)
 
 
