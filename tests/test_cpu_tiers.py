@@ -89,3 +89,14 @@ def test_avx512_tier_compiles_where_it_cannot_run():
     result = _syntax_check("g++", "avx512")
     assert result.returncode == 0, result.stderr[-3000:]
 
+
+
+@pytest.mark.slow
+def test_info_names_the_tier_and_the_floor():
+    from saguaro.info import report
+    from saguaro.models.draft_format import DraftFormat
+    text = report("smollm2-135m", "smollm2-135m", DraftFormat("int4", 1024))
+    tier = kernels.chosen_tier()
+    assert f"target smollm2-135m: bf16; cpu_kernels/{tier}" in text
+    assert f"draft  smollm2-135m: int4, head 1024 of 49152; cpu_kernels/{tier}" in text
+    assert "GB per token, floor" in text and "one-core bandwidth" in text
