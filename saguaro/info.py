@@ -6,6 +6,7 @@ packed bytes / the bandwidth one core streams (a sum over a huge-page buffer, ``
 """
 from __future__ import annotations
 
+import os
 import platform
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,7 +65,7 @@ def one_core_bandwidth(seconds: float = 2.0) -> float:
 def report(target: str, draft: str, draft_format: DraftFormat) -> str:
     flags = kernels.cpu_flags()
     have = [f for f in FEATURES if f in flags]
-    lines = [f"CPU: {cpu_name()} ({platform.machine()}, {torch.get_num_threads()} threads), "
+    lines = [f"CPU: {cpu_name()} ({platform.machine()}, {os.cpu_count()} cores), "
              f"features: {' '.join(have) or 'none of ' + ' '.join(FEATURES)}",
              f"kernel tiers this CPU executes: {', '.join(kernels.runnable_tiers())} "
              f"(force one with {kernels.ENV}=avx512|avx2|portable)"]

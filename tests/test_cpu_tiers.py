@@ -70,7 +70,7 @@ def _syntax_check(compiler: str, tier: str) -> subprocess.CompletedProcess:
     from torch.utils.cpp_extension import include_paths
     includes = [f"-I{p}" for p in include_paths()] + [f"-I{sysconfig.get_paths()['include']}"]
     flags = [f for f in kernels.compile_flags(tier) if not f.startswith("-mtune")]
-    return subprocess.run([compiler, "-std=c++17", "-fsyntax-only", "-w", "-DTORCH_EXTENSION_NAME=check", *flags,
+    return subprocess.run([compiler, "-std=c++20", "-fsyntax-only", "-w", "-DTORCH_EXTENSION_NAME=check", *flags,
                            *includes, str(kernels.SOURCE)], capture_output=True, text=True, timeout=600)
 
 
@@ -89,3 +89,14 @@ def test_avx512_tier_compiles_where_it_cannot_run():
     result = _syntax_check("g++", "avx512")
     assert result.returncode == 0, result.stderr[-3000:]
 
+
+
+@pytest.mark.slow
+def test_info_names_the_tier_and_the_floor():
+    from saguaro.info import report
+    from saguaro.models.draft_format import DraftFormat
+    text = report("smollm2-135m", "smollm2-135m", DraftFormat("int4", 1024))
+    tier = kernels.chosen_tier()
+    assert f"target smollm2-135m: bf16; cpu_kernels/{tier}" in text
+    assert f"draft  smollm2-135m: int4, head 1024 of 49152; cpu_kernels/{tier}" in text
+    assert "GB per token, floor" in text and "one-core bandwidth" in text

@@ -1,7 +1,7 @@
 """Backends: how a model runs its forward passes on a device (the seam is ``backends/base.py``).
 
 ``make_backend`` picks the fastest exact path the device supports unless told otherwise:
-CUDA -> ``paged`` (fused ops, CUDA graphs); a bf16 model on an AVX512-BF16 CPU -> ``cpu_kernels``;
+CUDA -> ``paged`` (fused ops, CUDA graphs); a bf16 model on a CPU -> ``cpu_kernels`` (its best kernel tier);
 anything else, and ``enforce_eager`` -> ``eager``, the reference.
 """
 from __future__ import annotations
@@ -71,7 +71,7 @@ def _paged(model: CausalLM, cache, device: torch.device, graphs: bool, max_table
 
 def _cpu_kernels_apply(model: CausalLM) -> bool:
     """Whether the bf16 CPU kernels can run ``model`` here; when they cannot, the default quietly stays eager
-    (an fp32 model, a CPU without AVX512-BF16), and the reason is logged at debug level."""
+    (an fp32 model, one on a GPU, an unsupported head size), and the reason is logged at debug level."""
     from saguaro.backends.cpu_kernels.model import unsupported_reason
     reason = unsupported_reason(model)
     if reason:

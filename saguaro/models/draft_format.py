@@ -6,7 +6,7 @@ any draft that proposes tokens keeps SD and SSD lossless. What a cheaper draft b
 shorter draft step, which is what SD's drafting and SSD's tree build pay for.
 
   * ``weights="int8"``: every matrix quantized per output channel, activations per block of
-    32 (W8A8, vpdpbusd; see saguaro/backends/cpu_kernels/csrc/quant_gemm.h). Half the bytes of bf16.
+    32 (W8A8; see saguaro/backends/cpu_kernels/csrc/quant_pack.h). Half the bytes of bf16.
   * ``weights="int4"``: every matrix quantized per group of 32 inputs, 16 levels from the
     group's min to its max (W4A8): 5 bits a weight with the fp16 scale and offset. The Qwen
     drafts ship as GGUF Q4_K, whose blocks already lie on such a grid, so little is lost
@@ -19,7 +19,7 @@ shorter draft step, which is what SD's drafting and SSD's tree build pay for.
     The head is a quarter of the 0.5B draft's bytes; a draft never proposes a dropped token
     (its logit is -inf, so q = 0 there).
 
-Both need the fast path (bf16 model, AVX512-BF16/VNNI CPU); such a draft is loaded in bf16
+Both need the fast path (a bf16 model on CPU, any kernel tier); such a draft is loaded in bf16
 whatever the target's dtype.
 """
 from __future__ import annotations

@@ -13,27 +13,11 @@ inline float dot_bf16(const float* __restrict q, const bf16* __restrict k, int64
   return ((part[0] + part[4]) + (part[1] + part[5])) + ((part[2] + part[6]) + (part[3] + part[7]));
 }
 
-// q: the first H*D columns of qkv [N, row]; caches [slots, KVH, D]; out [N, H*D] (rows of valid queries).
+// (AttentionArgs: kernels.cpp; rows of out are written for valid queries only)
 // Work item: one valid query and one kv head, with the G query heads that share it (keys and values read once).
-at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& context_slots,
-                     const at::Tensor& mask, int64_t H, int64_t KVH, int64_t D, double scale) {
-  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fscale) {
   TORCH_CHECK(D % 8 == 0, "attention: head_dim must be a multiple of 8");
-  TORCH_CHECK(query_index.is_contiguous() && query_valid.is_contiguous() && context_slots.is_contiguous() &&
-              mask.is_contiguous());
-  const int64_t N = qkv.size(0), row = qkv.size(1), S = query_index.size(0), Q = query_index.size(1);
-  const int64_t L = context_slots.size(1), G = H / KVH;
-  auto out = at::empty({N, H * D}, qkv.options());
-  const bf16* qp = qkv.data_ptr<bf16>();
-  const bf16* kc = k_cache.data_ptr<bf16>();
-  const bf16* vc = v_cache.data_ptr<bf16>();
-  const int64_t* qi = query_index.data_ptr<int64_t>();
-  const bool* qv = query_valid.data_ptr<bool>();
-  const int64_t* ctx = context_slots.data_ptr<int64_t>();
-  const bool* mk = mask.data_ptr<bool>();
-  bf16* op = out.data_ptr<bf16>();
-  const float fscale = (float)scale;
+  const auto [S, Q, L, G, row, qp, kc, vc, qi, ctx, qv, mk, op] = a;
   at::parallel_for(0, S * Q * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> qf(G * D), sc(G * L), acc(G * D), mx(G), sum(G);
     for (int64_t it = i0; it < i1; it++) {
@@ -79,5 +63,4 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
       }
     }
   });
-  return out;
 }

@@ -123,8 +123,20 @@ void for_register_tiles(int64_t M, int64_t steps, int64_t chunk, int64_t maxmb, 
 
 #include "quant_pack.h"  // int8 and int4 draft weights: formats and packers
 
-// Each tier defines MAXMB_BF16 and MAXMB_Q (rows per register tile), bf16_rows / i8_rows / i4_rows (a register
-// tile of rows against k steps of one packed tile, into fp32 [rows, 64]), quantize_rows and attention.
+// An attention call's tensors as the tiers read them: q in the first H*D columns of qkv [N, row]; caches
+// [slots, KVH, D]; S groups of Q query slots (query_index [S, Q]: rows of qkv; query_valid [S, Q]) over L
+// context slots (context_slots [S, L], mask [S, Q, L]); G = H / KVH query heads per kv head; op: out [N, H*D].
+struct AttentionArgs {
+  int64_t S, Q, L, G, row;
+  const bf16 *qp, *kc, *vc;
+  const int64_t *qi, *ctx;
+  const bool *qv, *mk;
+  bf16* op;
+};
+
+// Each tier defines MAXMB_BF16 and MAXMB_Q (rows per register tile), bf16_rows (a register tile of rows
+// against k pairs of one packed tile, into fp32 [rows, 64]), tile_block_i8<MB> / tile_block_i4<MB> (the same
+// over quantized k blocks), quantize_rows and attend (attention's work, see attention below).
 #if defined(SAGUARO_TIER_AVX512)
 #include "tier_avx512_gemm.h"
 #include "tier_avx512_attention.h"
@@ -140,6 +152,33 @@ constexpr const char* TIER = "portable";
 #else
 #error "define SAGUARO_TIER_AVX512, SAGUARO_TIER_AVX2 or SAGUARO_TIER_PORTABLE"
 #endif
+
+void i8_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
+             float* acc, bool first) {
+  with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i8<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
+}
+
+void i4_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
+             float* acc, bool first) {
+  with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i4<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
+}
+
+// Masked attention of the new tokens over their context slots (the tier's attend does the work).
+at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& context_slots,
+                     const at::Tensor& mask, int64_t H, int64_t KVH, int64_t D, double scale) {
+  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+  TORCH_CHECK(query_index.is_contiguous() && query_valid.is_contiguous() && context_slots.is_contiguous() &&
+              mask.is_contiguous());
+  TORCH_CHECK(H % KVH == 0 && qkv.size(1) >= H * D, "attention: bad head counts");
+  auto out = at::empty({qkv.size(0), H * D}, qkv.options());
+  const AttentionArgs args{query_index.size(0), query_index.size(1), context_slots.size(1), H / KVH, qkv.size(1),
+                           qkv.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
+                           query_index.data_ptr<int64_t>(), context_slots.data_ptr<int64_t>(),
+                           query_valid.data_ptr<bool>(), mask.data_ptr<bool>(), out.data_ptr<bf16>()};
+  attend(args, H, KVH, D, (float)scale);
+  return out;
+}
 
 // Write tile t's accumulators (fp32 [M, 64], row stride 64) through the epilogue; see gemm.
 void finish_tile(float* acc, int64_t M, int64_t t, int64_t n, int64_t n_out, int64_t epilogue, bool out_fp32,

@@ -142,14 +142,4 @@ inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint
   }
 }
 
-void i8_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
-             float* acc, bool first) {
-  with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i8<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
-}
-
-void i4_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
-             float* acc, bool first) {
-  with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i4<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
-}
-
 QuantRows quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K) { return quantize_rows_scalar(x, ldx, M, K); }

@@ -48,28 +48,13 @@ void lane_accumulate_any(int64_t nv, float* o, const bf16* vp, const int32_t* pp
   }
 }
 
-// q: the first H*D columns of qkv [N, row]; caches [slots, KVH, D]; out [N, H*D].
+// (AttentionArgs: kernels.cpp)
 // Work item: one group s, one kv head, up to 16 (query, head) "lanes" that share it. Scores
 // for the 16 lanes come out of one vdpbf16ps per k pair (lanes in the vector, the key's
 // pair broadcast); values are accumulated in fp32.
-at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                     const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& context_slots,
-                     const at::Tensor& mask, int64_t H, int64_t KVH, int64_t D, double scale) {
-  TORCH_CHECK(qkv.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous());
+void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fscale) {
   TORCH_CHECK(D % 16 == 0 && D <= 256 && (D / 16 & (D / 16 - 1)) == 0, "attention: head_dim must be 16, 32, 64, 128 or 256");
-  TORCH_CHECK(query_index.is_contiguous() && query_valid.is_contiguous() && context_slots.is_contiguous() &&
-              mask.is_contiguous());
-  const int64_t N = qkv.size(0), row = qkv.size(1), S = query_index.size(0), Q = query_index.size(1);
-  const int64_t L = context_slots.size(1), G = H / KVH;
-  auto out = at::empty({N, H * D}, qkv.options());
-  const bf16* qp = qkv.data_ptr<bf16>();
-  const bf16* kc = k_cache.data_ptr<bf16>();
-  const bf16* vc = v_cache.data_ptr<bf16>();
-  const int64_t* qi = query_index.data_ptr<int64_t>();
-  const bool* qv = query_valid.data_ptr<bool>();
-  const int64_t* ctx = context_slots.data_ptr<int64_t>();
-  const bool* mk = mask.data_ptr<bool>();
-  bf16* op = out.data_ptr<bf16>();
+  const auto [S, Q, L, G, row, qp, kc, vc, qi, ctx, qv, mk, op] = a;
 
   // work items: (s, kv head, lane block); lanes of group s are (valid query q, head g), q-major
   std::vector<int64_t> item_s, item_lane0, lens(S), nq(S);
@@ -88,7 +73,6 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
     for (int64_t lane0 = 0; lane0 < cnt * G; lane0 += 16) { item_s.push_back(s); item_lane0.push_back(lane0); }
   }
   const int64_t items = (int64_t)item_s.size();
-  const float fscale = (float)scale;
 
   at::parallel_for(0, items * KVH, 1, [&](int64_t i0, int64_t i1) {
     std::vector<int64_t> vq;  // valid query positions of the current group
@@ -207,6 +191,5 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
       }
     }
   });
-  return out;
 }
 
