@@ -60,6 +60,9 @@ ROWS = (
     Row("saguaro-ssd", SAGUARO, "Saguaro SSD, bf16 target, int4 draft (+ speculator cores)"),
 )
 
+RUN_ORDER = ("saguaro-ar", "llama-bf16-ar", "llama-q4-ar", "saguaro-sd", "llama-q4-spec", "saguaro-ssd",
+             "llama-bf16-spec", "llama-draft-q4-ar")
+
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="saguaro bench peers", description=__doc__.split("\n\n")[0],
@@ -308,8 +311,8 @@ def run_row(r: Row, build: lc.Build | None, files: dict[str, Path], prompts: lis
     res.summaries[r.key]["loadavg_1m_after"] = os.getloadavg()[0]  # the machine may be shared: say how busy
 
 
-def write(args, rows, labels, res: Results, files, versions, left: list[str]) -> str:
-    done = [r for r in rows if r.key in res.summaries]
+def write(args, labels, res: Results, files, versions, left: list[str]) -> str:
+    done = [r for r in ROWS if r.key in res.summaries]  # table order
     payload, markdown = report(args, done, labels, res.summaries, res.llama_runs, res.commands, files,
                                cpu_description(), versions)
     if "llama-bf16-ar" in res.llama_runs and "saguaro-ar" in res.records:
@@ -343,13 +346,15 @@ def main(argv: list[str] | None = None) -> int:
                 "saguaro_commit": environment()["git_commit"], "torch": torch.__version__}
     res = Results()
     log(f"{len(prompts)} prompts x {len(rows)} configurations, {args.max_tokens} new tokens each")
+    # run order: each Saguaro row next to its llama.cpp peers, so a run stopped early still compares something
+    rows = sorted(rows, key=lambda r: RUN_ORDER.index(r.key))
     for i, r in enumerate(rows):
         try:
             run_row(r, build, files, prompts, labels, args, res)
         except lc.PeerRunError as e:
             print(f"error: {r.key}: {e}", file=sys.stderr)
             return 1
-        markdown = write(args, rows, labels, res, files, versions, [x.key for x in rows[i + 1:]])
+        markdown = write(args, labels, res, files, versions, [x.key for x in rows[i + 1:]])
     print(markdown)
     log(f"wrote {args.out / 'bench_peers.json'} and {args.out / 'bench_peers.md'}")
     return 0

@@ -180,11 +180,12 @@ def ensure_built(version: str = VERSION, jobs: int = 2, log: Callable[[str], Non
 
 # -- parsing ----------------------------------------------------------------------------------
 _NUM = r"([0-9]+(?:\.[0-9]+)?)"
-_EVAL = re.compile(rf"^\S*\s+eval time =\s*{_NUM} ms /\s*(\d+) (?:runs|tokens)", re.M)
+# log lines may carry a time stamp and a level ("0.08.894.179 I common_perf_print: ...")
+_EVAL = re.compile(rf"(?<!prompt )\beval time =\s*{_NUM} ms /\s*(\d+) (?:runs|tokens)")
 _PROMPT = re.compile(rf"prompt eval time =\s*{_NUM} ms /\s*(\d+) tokens")
 _DECODED = re.compile(rf"decoded\s+(\d+) tokens in\s+{_NUM} seconds, speed:\s+{_NUM} t/s")
 _ENCODED = re.compile(rf"encoded\s+(\d+) tokens in\s+{_NUM} seconds")
-_COUNTER = re.compile(r"^\S*\s*(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)\s*$", re.M)
+_COUNTER = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(\d+)\s*$", re.M)
 
 
 @dataclass

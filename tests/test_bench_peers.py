@@ -1,6 +1,7 @@
 """The llama.cpp peer benchmark without llama.cpp: its output parsed from recorded samples, the command lines it
 builds, the source unpacking, and a clear error (no build, no network) when the toolchain is missing.
 """
+# ruff: noqa: E501  (the recorded log lines stay as llama.cpp printed them)
 import io
 import tarfile
 
@@ -9,46 +10,45 @@ import pytest
 from benchmarks import bench_peers as bp
 from benchmarks import llama_cpp as lc
 
-# The tail of `llama-completion` (greedy, 48 tokens) on this machine: stderr after the generated text.
+# The tail of `llama-completion` (0.5B Q4_K_M, greedy, 4 tokens, "def f():") on this machine: its log (stderr)
+# prefixes every line with a time stamp and a level.
 COMPLETION_LOG = """\
-def has_close_elements(numbers, threshold):
-
-common_perf_print:    sampling time =      12.31 ms
-common_perf_print:    samplers time =       4.02 ms /   191 tokens
-common_perf_print:        load time =    1534.77 ms
-common_perf_print: prompt eval time =    9012.55 ms /   143 tokens (   63.02 ms per token,    15.87 tokens per second)
-common_perf_print:        eval time =    6580.21 ms /    47 runs   (  140.00 ms per token,     7.14 tokens per second)
-common_perf_print:       total time =   15702.40 ms /   190 tokens
-common_perf_print: unaccounted time =      97.33 ms /   0.6 %      (total - sampling - prompt eval - eval) / (total)
-common_perf_print:    graphs reused =         46
+0.08.894.172 I common_perf_print:    sampling time =      15.50 ms
+0.08.894.174 I common_perf_print:    samplers time =       1.11 ms /     7 tokens
+0.08.894.177 I common_perf_print:        load time =    3485.11 ms
+0.08.894.178 I common_perf_print: prompt eval time =     716.75 ms /     3 tokens (  238.92 ms per token,     4.19 tokens per second)
+0.08.894.179 I common_perf_print:        eval time =     945.87 ms /     3 runs   (  315.29 ms per token,     3.17 tokens per second)
+0.08.894.180 I common_perf_print:       total time =    1687.33 ms /     6 tokens
+0.08.894.181 I common_perf_print: unaccounted time =       9.21 ms /   0.5 %      (total - sampling - prompt eval - eval) / (total)
+0.08.894.181 I common_perf_print:    graphs reused =          2
 """
 
-# The summary of `llama-speculative-simple` (draft 4): the draft's and the target's perf reports follow it.
+# The summary of `llama-speculative-simple` (draft 4), as its source prints it, with the same line prefixes.
 SPECULATIVE_LOG = """\
-encoded  143 tokens in    9.871 seconds, speed:   14.487 t/s
-decoded   49 tokens in    4.102 seconds, speed:   11.945 t/s
+0.20.100.000 I encoded  143 tokens in    9.871 seconds, speed:   14.487 t/s
+0.20.101.000 I decoded   49 tokens in    4.102 seconds, speed:   11.945 t/s
 
-n_draft   = 4
-n_predict = 49
-n_drafted = 48
-n_accept  = 37
-accept    = 77.083%
+0.20.103.000 I n_draft   = 4
+0.20.104.000 I n_predict = 49
+0.20.105.000 I n_drafted = 48
+0.20.106.000 I n_accept  = 37
+0.20.107.000 I accept    = 77.083%
 
-draft:
+0.20.109.000 I draft:
 
-target:
+0.21.111.000 I target:
 
-common_perf_print:        load time =    1534.77 ms
-common_perf_print: prompt eval time =    9012.55 ms /   142 tokens (   63.47 ms per token,    15.76 tokens per second)
-common_perf_print:        eval time =    3580.21 ms /    12 runs   (  298.35 ms per token,     3.35 tokens per second)
+0.21.113.000 I common_perf_print:        load time =    1534.77 ms
+0.21.114.000 I common_perf_print: prompt eval time =    9012.55 ms /   142 tokens (   63.47 ms per token,    15.76 tokens per second)
+0.21.115.000 I common_perf_print:        eval time =    3580.21 ms /    12 runs   (  298.35 ms per token,     3.35 tokens per second)
 """
 
 
 def test_completion_timing_is_the_eval_line_not_the_prompt_line():
     t = lc.parse_completion(COMPLETION_LOG)
-    assert t.decode_tokens == 47 and t.decode_s == pytest.approx(6.58021)
-    assert t.tok_s == pytest.approx(47 / 6.58021)
-    assert t.prompt_tokens == 143 and t.acceptance is None
+    assert t.decode_tokens == 3 and t.decode_s == pytest.approx(0.94587)
+    assert t.tok_s == pytest.approx(3 / 0.94587)
+    assert t.prompt_tokens == 3 and t.acceptance is None
 
 
 def test_speculative_timing_and_acceptance():
@@ -178,10 +178,11 @@ def test_a_run_with_stand_in_programs_writes_the_table(tmp_path, monkeypatch):
     assert bp.main(["--only", "llama-q4-ar,llama-q4-spec", "--skip-build", "--prompts", "2", "--out", str(out)]) == 0
     import json
     payload = json.loads((out / "bench_peers.json").read_text())
-    assert payload["summary"]["llama-q4-ar"]["tok_s_median"] == pytest.approx(47 / 6.58021)
+    assert payload["summary"]["llama-q4-ar"]["tok_s_median"] == pytest.approx(3 / 0.94587)
     assert payload["summary"]["llama-q4-spec"]["acceptance_rate"] == pytest.approx(37 / 48)
     assert payload["llama_fastest"] == "llama-q4-spec" and "rows_not_run" not in payload
-    assert payload["summary"]["llama-q4-ar"]["prompt_tokens_equal"] == 2  # 143 tokens on both sides
+    assert payload["summary"]["llama-q4-ar"]["prompt_tokens_equal"] == 0  # 3 tokens there, 143 here
+    assert payload["summary"]["llama-q4-spec"]["prompt_tokens_equal"] == 2
     assert "--draft-max 4" in payload["commands"]["llama-q4-spec"]
     md = (out / "bench_peers.md").read_text()
     assert "llama.cpp speculative, Q4_K_M pair, draft 4" in md and "x llama.cpp fastest" in md
