@@ -7,8 +7,8 @@ Rates are in CPU time of the one thread (see best_rate): the dev machine is shar
     --reps windows;
   * GEMM: 1 x K by K x N (default the Qwen2.5-1.5B MLP shape, 1 x 1536 by 1536 x 8960), weights packed in
     huge pages, enough copies that each call streams from memory, not the caches; GB/s = packed bytes / time;
-  * AR: the target in bf16 on the default tier, one thread, greedy, decode tok/s of one prompt; floor = packed
-    bytes per token / bus;
+  * AR: one 1-row decode step of the target in bf16 on the default tier (forward + logits at a context of 64),
+    median of --steps steps, as tok/s; floor = packed bytes per token / bus;
   * draft step: the 0.5B with int4 weights and a 65,536-token head (the demo's draft), one row at a context of
     64, median of --steps steps; floor = its packed bytes / bus.
 
@@ -41,7 +41,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=1536, help="GEMM inputs (default 1536)")
     p.add_argument("--reps", type=int, default=5, help="windows per measurement (best kept; default 5)")
     p.add_argument("--steps", type=int, default=20, help="draft steps timed (default 20)")
-    p.add_argument("--max-tokens", type=int, default=48, help="AR tokens (default 48)")
     p.add_argument("--no-models", dest="models", action="store_false", help="kernels and bus only")
     p.add_argument("--core", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results"))
@@ -90,35 +89,27 @@ def gemm_rates(tier: str, n: int, k: int, reps: int) -> dict[str, float]:
     return out
 
 
-def ar_decode(max_tokens: int) -> dict[str, Any]:
-    from saguaro import LLM, SamplingParams
-    with LLM(TARGET, dtype="bfloat16", threads=1, max_model_len=1024, kv_cache_tokens=2048) as llm:
-        net = llm.engine.target.net
-        prompt = llm.tokenizer.encode("def quicksort(xs):\n    \"\"\"Sort a list of integers.\"\"\"\n")
-        llm.generate([prompt], SamplingParams(max_tokens=4))  # warm-up
-        out = llm.generate([prompt], SamplingParams(max_tokens=max_tokens, ignore_eos=True))[0]
-        return {"tok_s": out.timings.decode_tokens_per_s, "tier": getattr(net, "tier", "eager"),
-                "bytes_per_token": net.arena.numel() if isinstance(net, FastCausalLM) else None}
-
-
-def draft_step(steps: int) -> dict[str, Any]:
+def decode_steps(name: str, weights: str, vocab: int | None, steps: int) -> dict[str, Any]:
+    """Median CPU time of one 1-row decode step (forward + logits) of ``name`` packed as ``weights`` (head: the
+    first ``vocab`` ids and the special tokens), at a context of 64, and its packed bytes per step."""
     from saguaro.kv.kv_cache import KVCache
     from saguaro.kv.metadata import build_metadata
     from saguaro.loading import load_model
     from saguaro.models.draft_format import DraftFormat
-    loaded = load_model(DRAFT, torch.bfloat16, progress=False)
-    head = DraftFormat("int4", 65536).head_ids(loaded)
-    fast = FastCausalLM(loaded.model, "int4", head)
+    loaded = load_model(name, torch.bfloat16, progress=False)
+    head = DraftFormat(weights, vocab).head_ids(loaded)
+    fast = FastCausalLM(loaded.model, weights, head)
     cache = KVCache(loaded.config, 8, 16, torch.bfloat16)
     times = []
     for i in range(steps + 2):
         meta = build_metadata([list(range(65 + i))], [1])
         ids, pos = torch.tensor([100 + i]), torch.tensor([64 + i])
-        t = time.perf_counter()
+        t = time.thread_time()
         fast.logits(fast(ids, pos, cache, meta))
-        times.append(time.perf_counter() - t)
+        times.append(time.thread_time() - t)
+    rows = loaded.config.vocab_size if head is None else len(head)
     return {"step_s": statistics.median(times[2:]), "tier": fast.tier,
-            "bytes_per_step": pass_bytes(loaded.config, "int4", len(head))}
+            "bytes_per_step": pass_bytes(loaded.config, weights, rows)}
 
 
 def markdown(r: dict[str, Any]) -> str:
@@ -131,7 +122,7 @@ def markdown(r: dict[str, Any]) -> str:
     if "ar" in r:
         ar, dr = r["ar"], r["draft"]
         lines += ["", f"AR, {TARGET} bf16 ({ar['tier']}): {ar['tok_s']:.2f} tok/s against a one-core floor of "
-                      f"{ar['floor_tok_s']:.2f} ({ar['bytes_per_token'] / 1e9:.2f} GB per token): "
+                      f"{ar['floor_tok_s']:.2f} ({ar['bytes_per_step'] / 1e9:.2f} GB per token): "
                       f"{ar['tok_s'] / ar['floor_tok_s']:.0%} of the floor.",
                   f"Draft step, {DRAFT} int4 + 65,536-token head ({dr['tier']}): {dr['step_s'] * 1e3:.1f} ms against "
                   f"a floor of {dr['floor_s'] * 1e3:.1f} ms ({dr['bytes_per_step'] / 1e9:.3f} GB): "
@@ -149,9 +140,9 @@ def main(argv: list[str] | None = None) -> int:
                          "bus_gb_s": bus}
     r["gemm_gb_s"] = {t: gemm_rates(t, args.n, args.k, args.reps) for t in args.tiers}
     if args.models:
-        ar = ar_decode(args.max_tokens)
-        ar["floor_tok_s"] = bus * 1e9 / ar["bytes_per_token"]
-        dr = draft_step(args.steps)
+        ar = decode_steps(TARGET, "bf16", None, args.steps)
+        ar["tok_s"], ar["floor_tok_s"] = 1 / ar["step_s"], bus * 1e9 / ar["bytes_per_step"]
+        dr = decode_steps(DRAFT, "int4", 65536, args.steps)
         dr["floor_s"] = dr["bytes_per_step"] / (bus * 1e9)
         r.update(ar=ar, draft=dr)
     md = markdown(r)
