@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="threads of every engine, pinned to cores 0..N-1 (default 1)")
     p.add_argument("--k", type=int, default=4,
-                   help="draft tokens per round: llama.cpp's --draft-max and SD's K (default 4)")
+                   help="draft tokens per round: llama.cpp's --spec-draft-n-max and SD's K (default 4)")
     p.add_argument("--fan-out", type=int_list, default=[1, 1, 1, 1, 2],
                    help="SSD fan-out F_0..F_K; its K is the length minus one (default 1,1,1,1,2)")
     p.add_argument("--branch-steps", type=int, default=2, help="SSD build steps every branch takes (default 2)")
