@@ -74,6 +74,7 @@ def test_command_lines(tmp_path):
     assert "-no-cnv" in ar and "--no-display-prompt" in ar
     spec = lc.speculative_command(b, m, d, f, 48, 1, 4)
     assert spec[0].endswith("llama-speculative-simple")
+    assert spec[spec.index("--spec-type") + 1] == "draft-simple"  # a draft model, not n-grams
     for flag, value in (("-md", d), ("--spec-draft-n-max", 4), ("--spec-draft-p-min", 0), ("-td", 1), ("--temp", 0)):
         assert spec[spec.index(flag) + 1] == str(value)
     q = lc.quantize_command(b, m, d)
