@@ -72,7 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1,
                    help="threads of every engine, pinned to cores 0..N-1 (default 1)")
     p.add_argument("--k", type=int, default=4,
-                   help="draft tokens per round: llama.cpp's --draft-max and SD's K (default 4)")
+                   help="draft tokens per round: llama.cpp's --spec-draft-n-max and SD's K (default 4)")
     p.add_argument("--fan-out", type=int_list, default=[1, 1, 1, 1, 2],
                    help="SSD fan-out F_0..F_K; its K is the length minus one (default 1,1,1,1,2)")
     p.add_argument("--branch-steps", type=int, default=2, help="SSD build steps every branch takes (default 2)")
@@ -237,7 +237,7 @@ def report(args, rows, labels, summaries, llama_runs, commands, files, cpu, vers
     speed, ratios = speed_table(rows, labels, summaries)
     threads = f"{args.threads} thread{'s' if args.threads > 1 else ''}"
     lines = [f"# llama.cpp and Saguaro side by side: {TARGET} target, {DRAFT} draft, batch 1, greedy", "",
-             f"CPU: {cpu['summary']}. {threads} per engine, pinned to cores 0-{args.threads - 1} "
+             f"CPU: {cpu['summary']}. {threads} per engine, pinned to the first {args.threads} core(s) "
              "(Saguaro SSD's speculator on the next cores). "
              f"{args.prompts} HumanEval prompts (chat template), {args.max_tokens} new tokens. "
              f"llama.cpp: {versions['llama_cpp']}; Saguaro {versions['saguaro_commit'] or '(no git commit)'}, "
@@ -256,11 +256,11 @@ def report(args, rows, labels, summaries, llama_runs, commands, files, cpu, vers
     if loads:
         lines += ["", f"1-minute load average after each row: {min(loads):.1f}-{max(loads):.1f} on "
                   f"{cpu['cores']} cores (above 1 per core, other work shared the cores and slowed every row)."]
-    mismatch = {k: f"{s['prompt_tokens_equal']}/{s['prompt_tokens_compared']}" for k, s in summaries.items()
-                if s.get("prompt_tokens_compared")}
-    if mismatch:
-        lines += ["", "Prompt token counts llama.cpp reported, equal to Saguaro's: "
-                  + ", ".join(f"{k} {v}" for k, v in mismatch.items()) + "."]
+    counted = {k: ", ".join(f"{r['prompt_tokens']}/{r['prompt_tokens_ours']}" for r in runs)
+               for k, runs in llama_runs.items()}
+    if counted:
+        lines += ["", "Prompt tokens, as llama.cpp's timing lines count them / as Saguaro fed them: "
+                  + "; ".join(f"{k} {v}" for k, v in counted.items()) + "."]
     payload = {"benchmark": "peers", "description": __doc__.split("\n\n")[0], "cpu": cpu, "threads": args.threads,
                "versions": versions, "models": {"target": TARGET, "draft": DRAFT},
                "files": {k: {"path": str(p), "bytes": Path(p).stat().st_size} for k, p in files.items()},
@@ -293,6 +293,7 @@ class Results:
     llama_runs: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     records: dict[str, list[Any]] = field(default_factory=dict)
     commands: dict[str, Any] = field(default_factory=dict)
+    not_run: dict[str, str] = field(default_factory=dict)  # Saguaro rows this machine cannot run, and why
 
 
 def run_row(r: Row, build: lc.Build | None, files: dict[str, Path], prompts: list[Prompt], labels: dict[str, str],
@@ -305,7 +306,12 @@ def run_row(r: Row, build: lc.Build | None, files: dict[str, Path], prompts: lis
         res.commands[r.key] = shlex.join(llama_command(r, build, files, Path("PROMPT.txt"), args))
     else:
         options = saguaro_options(r, args)
-        res.records[r.key] = run_engine(labels[r.key], options, prompts, args)
+        try:
+            res.records[r.key] = run_engine(labels[r.key], options, prompts, args)
+        except (ValueError, RuntimeError) as e:  # e.g. a draft format this CPU has no kernels for
+            log(f"{r.key}: not run: {e}")
+            res.not_run[r.key] = str(e)
+            return
         res.summaries[r.key] = summarize_records(res.records[r.key])
         res.commands[r.key] = options
     res.summaries[r.key]["loadavg_1m_after"] = os.getloadavg()[0]  # the machine may be shared: say how busy
@@ -320,6 +326,9 @@ def write(args, labels, res: Results, files, versions, left: list[str]) -> str:
         payload["greedy_text_equal_llama_bf16_ar_vs_saguaro_ar"] = {"equal": equal, "compared": compared}
         markdown += (f"\n\nGreedy output text of llama.cpp 1.5B BF16 AR equal to Saguaro AR's: {equal}/{compared} "
                      "(bf16 on both sides; an argmax tie may round differently).")
+    if res.not_run:
+        payload["rows_failed"] = res.not_run
+        markdown += "\n\n" + "\n".join(f"Not run here: {labels[k]}: {why}" for k, why in res.not_run.items())
     if left:
         payload["rows_not_run"] = left
         markdown += f"\n\nPartial: rows not run yet: {', '.join(left)}."

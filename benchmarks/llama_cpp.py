@@ -125,7 +125,8 @@ def speculative_command(build: Build, target: Path, draft: Path, prompt_file: Pa
     return [str(build.tool("llama-speculative-simple")), "-m", str(target), "-md", str(draft),
             "-f", str(prompt_file), "-n", str(max_tokens), "-t", str(threads), "-tb", str(threads),
             "-td", str(threads), "-tbd", str(threads), "-c", "4096", "--temp", "0", "--seed", "0",
-            "--draft-max", str(draft_max), "--draft-min", "0", "--draft-p-min", "0"]
+            "--spec-type", "draft-simple", "--spec-draft-n-max", str(draft_max), "--spec-draft-n-min", "0",
+            "--spec-draft-p-min", "0"]
 
 
 # -- building ---------------------------------------------------------------------------------

@@ -74,7 +74,8 @@ def test_command_lines(tmp_path):
     assert "-no-cnv" in ar and "--no-display-prompt" in ar
     spec = lc.speculative_command(b, m, d, f, 48, 1, 4)
     assert spec[0].endswith("llama-speculative-simple")
-    for flag, value in (("-md", d), ("--draft-max", 4), ("--draft-p-min", 0), ("-td", 1), ("--temp", 0)):
+    assert spec[spec.index("--spec-type") + 1] == "draft-simple"  # a draft model, not n-grams
+    for flag, value in (("-md", d), ("--spec-draft-n-max", 4), ("--spec-draft-p-min", 0), ("-td", 1), ("--temp", 0)):
         assert spec[spec.index(flag) + 1] == str(value)
     q = lc.quantize_command(b, m, d)
     assert q[1] == "--allow-requantize" and q[-1] == "BF16"
@@ -183,6 +184,20 @@ def test_a_run_with_stand_in_programs_writes_the_table(tmp_path, monkeypatch):
     assert payload["llama_fastest"] == "llama-q4-spec" and "rows_not_run" not in payload
     assert payload["summary"]["llama-q4-ar"]["prompt_tokens_equal"] == 0  # 3 tokens there, 143 here
     assert payload["summary"]["llama-q4-spec"]["prompt_tokens_equal"] == 2
-    assert "--draft-max 4" in payload["commands"]["llama-q4-spec"]
+    assert "--spec-draft-n-max 4" in payload["commands"]["llama-q4-spec"]
     md = (out / "bench_peers.md").read_text()
     assert "llama.cpp speculative, Q4_K_M pair, draft 4" in md and "x llama.cpp fastest" in md
+
+
+def test_a_saguaro_row_this_cpu_cannot_run_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
+    def refuse(name, options, prompts, args):
+        raise ValueError("int8/int4 weights need the fast path")
+    monkeypatch.setattr(bp, "run_engine", refuse)
+    monkeypatch.setattr(bp, "prepare_prompts", lambda tok, names, n: [bp.Prompt("humaneval", 0, "x", [1], "x")])
+    import saguaro.loading
+    monkeypatch.setattr(saguaro.loading, "load_tokenizer", lambda name, progress=False: None)
+    assert bp.main(["--only", "saguaro-sd,saguaro-ssd", "--prompts", "1", "--out", str(tmp_path)]) == 0
+    import json
+    payload = json.loads((tmp_path / "bench_peers.json").read_text())
+    assert set(payload["rows_failed"]) == {"saguaro-sd", "saguaro-ssd"} and payload["summary"] == {}
+    assert "Not run here: Saguaro SD K=4" in (tmp_path / "bench_peers.md").read_text()
