@@ -42,13 +42,16 @@ class LLM:
         if cfg.device == "cpu":
             pin_process(cfg.target_cores, cfg.threads)
         num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
+        self._eagle = _eagle_head_dir(cfg, draft)  # an EAGLE-3 head drafts from the target's features
+        if self._eagle is not None and cfg.tensor_parallel_size > 1:
+            raise ValueError("an EAGLE-3 draft reads the target's whole hidden states, which no tensor-parallel rank "
+                             "holds: use tensor_parallel_size=1 or a draft model")
         self._tp = None
         if cfg.tensor_parallel_size > 1:  # ranks other than 0 under torchrun serve in here, then exit
             from saguaro.parallel.launch import RankOptions, TensorParallelTarget
             self._tp = TensorParallelTarget(target, RankOptions.from_config(cfg, num_blocks))
         self.target = self._tp.loaded if self._tp else _load(target, cfg)
         self.tokenizer = self.target.tokenizer
-        self._eagle = _eagle_head_dir(cfg, draft)  # an EAGLE-3 head drafts from the target's features
         self.draft = (_load(draft, cfg, cfg.draft_device or cfg.device, cfg.draft_torch_dtype)
                       if draft is not None and cfg.mode != "ar" and self._eagle is None else None)
         if self.draft is not None:

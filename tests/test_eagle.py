@@ -112,6 +112,12 @@ def test_eagle_draft_needs_sd_mode(target, head_dir):
         LLM(target=target, draft=str(head_dir), mode="ssd", block_size=4)
 
 
+def test_eagle_draft_refuses_tensor_parallelism(target, head_dir):
+    """Refused before any rank starts: no rank holds the whole hidden states the head reads."""
+    with pytest.raises(ValueError, match="tensor-parallel"):
+        LLM(target=target, draft=str(head_dir), mode="sd", block_size=4, tensor_parallel_size=2)
+
+
 def test_preempted_requests_still_equal_ar(target, head_dir, ar_outputs):
     """A KV cache too small for every request at once: preempted requests re-prefill, and the head takes the
     target's features again from the new prefill."""

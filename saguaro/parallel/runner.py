@@ -79,6 +79,7 @@ class TPModelRunner(ModelRunner):
         self.cache = shard_cache(model, num_blocks, block_size, self.device)
         self.blocks = BlockManager(num_blocks, block_size)
         self.backend = TPBackend(DenseBackend(model, self.device, "eager"), link, describe)
+        self._observer = None  # no taps: an EAGLE-3 head reads whole hidden states, which no rank holds
 
 
 @torch.inference_mode()
