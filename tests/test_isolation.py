@@ -9,11 +9,13 @@ there are greedy."""
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
 
-from saguaro import LLM, SamplingParams
-from saguaro.sampling.batch import INVALID_TOKEN
-from tests.tiny import PROMPTS, weak_pair
+pytest.importorskip("hypothesis")  # absent on the GPU machine
+from hypothesis import given, settings, strategies as st  # noqa: E402
+
+from saguaro import LLM, SamplingParams  # noqa: E402
+from saguaro.sampling.batch import INVALID_TOKEN  # noqa: E402
+from tests.tiny import PROMPTS, weak_pair  # noqa: E402
 
 CONTEXT = 32  # bounds what a fuzzed request with a huge max_tokens may run
 SAMPLED = dict(max_tokens=10, temperature=0.8, seed=7)

@@ -7,14 +7,16 @@ import socket
 import threading
 import time
 
-import openai
 import pytest
 
-from saguaro import LLM, SamplingParams
-from saguaro.engine.llm_engine import LLMEngine
-from saguaro.server.lifecycle import ServerLimits
-from tests.serving import chat_model, http, running_server
-from tests.tiny import weak_pair
+openai = pytest.importorskip("openai")  # the server's packages: absent on the GPU machine
+pytest.importorskip("uvicorn")
+
+from saguaro import LLM, SamplingParams  # noqa: E402
+from saguaro.engine.llm_engine import LLMEngine  # noqa: E402
+from saguaro.server.lifecycle import ServerLimits  # noqa: E402
+from tests.serving import chat_model, http, running_server  # noqa: E402
+from tests.tiny import weak_pair  # noqa: E402
 
 CONTEXT = 128
 LIMITS = ServerLimits(max_choices=8, body_timeout_s=0.5, shutdown_timeout_s=1.0, health_stall_s=0.5)
