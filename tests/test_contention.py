@@ -96,7 +96,7 @@ def test_pass_bytes_fast_path_is_the_packed_arena():
     from saguaro.engine.model_runner import draft_runner
     from saguaro.models.draft_format import DraftFormat
     if not kernels.available():
-        pytest.skip("the fast kernels need AVX512-BF16")
+        pytest.skip("no CPU kernel tier could be built here (no C++ compiler)")
     loaded = tiny_model(seed=1, vocab=64, layers=2)  # every matrix a whole number of 64-output tiles
     loaded.model.to(torch.bfloat16)
     weights = _matrix_weights(loaded.config)
