@@ -169,7 +169,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--proposer", "--speculator", dest="proposer", choices=["draft", "ngram"], default="draft",
                    help="SD proposer: the draft model or the n-gram matcher (--speculator: deprecated spelling)")
     p.add_argument("--draft-kind", choices=["auto", "model", "eagle3"], default="auto",
-                   help="the draft: a model or an EAGLE-3 head directory (SD); auto tells them apart")
+                   help="the draft: a model or an EAGLE-3 head directory (SD, SSD); auto tells them apart")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--miss-strategy", choices=[m.value for m in MissStrategy],
                    help="SSD: how a cache miss is drafted: jit (the draft, just in time), ngram, random, or auto "

@@ -60,7 +60,7 @@ class Config:
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
     tensor_parallel_size: int = 1  # the target's devices (ranks): >1 shards it with torch.distributed (parallel/)
-    draft_kind: str = "auto"  # the draft: a model, an EAGLE-3 head directory (SD only), or "auto" to tell them apart
+    draft_kind: str = "auto"  # the draft: a model, an EAGLE-3 head directory (SD, SSD), or "auto" to tell them apart
     # the flat spellings of ``ssd``'s fields (SSDSettings), as LLM(...) and the CLI take them
     fan_out: InitVar[list[int] | str | None] = _UNSET
     miss_strategy: InitVar[str] = _UNSET
@@ -90,8 +90,8 @@ class Config:
             raise ValueError(f"mode must be one of {MODES}, got {self.mode!r}")
         if self.draft_kind not in DRAFT_KINDS:
             raise ValueError(f"draft_kind must be one of {DRAFT_KINDS}, got {self.draft_kind!r}")
-        if self.draft_kind == "eagle3" and self.mode != "sd":
-            raise ValueError("an EAGLE-3 draft runs in mode='sd' only")
+        if self.draft_kind == "eagle3":
+            self.check_eagle3()
         if self.proposer not in PROPOSERS:
             raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}")
         if self.mode != "ar" and k != "auto" and k < 1:
@@ -118,6 +118,15 @@ class Config:
                 bad = [c for c in cores if not 0 <= c < (os.cpu_count() or 1)]
                 if bad:
                     raise ValueError(f"CPU cores {bad} do not exist (this machine has {os.cpu_count()})")
+
+    def check_eagle3(self, head: str = "an EAGLE-3 draft") -> None:
+        """Refuse what an EAGLE-3 head cannot do (``head`` names it in the message)."""
+        if self.mode not in ("sd", "ssd"):
+            raise ValueError(f"{head} drafts in mode='sd' or mode='ssd', not {self.mode!r}")
+        if self.mode == "sd" and self.proposer != "draft":
+            raise ValueError(f"{head} is the draft proposer: proposer={self.proposer!r} drafts without it")
+        if self.draft_format.custom:
+            raise ValueError(f"draft_weights / draft_vocab shape a draft model's weights, not {head}'s")
 
     def _gather_ssd(self, flat: dict[str, Any]) -> None:
         """Map the flat SSD keyword arguments into ``ssd`` (validated there, once)."""

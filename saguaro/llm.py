@@ -1,8 +1,8 @@
 """The public entry point: ``LLM(...).generate(prompts, params)``.
 
 One class serves all three modes. AR decodes with the target alone; SD adds a draft
-model (collocated) or the n-gram speculator; SSD runs the draft in its own process on
-its own device and answers each round from a speculation cache.
+model (collocated), an EAGLE-3 head or the n-gram proposer; SSD runs the draft (a model or an EAGLE-3
+head) in its own process or thread on its own device and answers each round from a speculation cache.
 """
 from __future__ import annotations
 
@@ -77,7 +77,7 @@ class LLM:
         cfg = self.config
         if cfg.mode == "ar":
             return ARDecoder(runner)
-        if self._eagle is not None:
+        if self._eagle is not None and cfg.mode == "sd":
             from saguaro.eagle.proposer import build_eagle_decoder
             return build_eagle_decoder(cfg, runner, self._eagle, num_blocks, self.max_model_len)
         if cfg.mode == "sd":
@@ -86,7 +86,11 @@ class LLM:
         from saguaro.calibration.resolve import ssd_plan
         from saguaro.ssd.ssd_decoder import build_ssd_decoder
         plan = ssd_plan(cfg, runner.config.vocab_size)
-        return build_ssd_decoder(cfg, plan, runner, self._draft_source, self.max_model_len)
+        draft = self._draft_source
+        if self._eagle is not None:  # the head, and what it reads of the target (shared, not copied, by a thread)
+            from saguaro.eagle.runner import EagleDraft
+            draft = EagleDraft(self._eagle, runner.config, runner.model.model.embed_tokens.weight)
+        return build_ssd_decoder(cfg, plan, runner, draft, self.max_model_len)
 
     # -- generation ----------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:
@@ -163,8 +167,7 @@ def _eagle_head_dir(cfg: Config, draft: str | LoadedModel | None) -> str | None:
         return None
     from saguaro.eagle.checkpoint import is_eagle3_dir
     if cfg.draft_kind == "eagle3" or is_eagle3_dir(draft):
-        if cfg.mode != "sd":
-            raise ValueError(f"{draft} is an EAGLE-3 head: it drafts in mode='sd' only")
+        cfg.check_eagle3(f"the EAGLE-3 head {draft}")
         return draft
     return None
 

@@ -107,9 +107,14 @@ def test_reduced_vocabulary_drafts_stay_inside_it(target, tmp_path):
         assert set(torch.nonzero(support).flatten().tolist()) <= allowed
 
 
-def test_eagle_draft_needs_sd_mode(target, head_dir):
-    with pytest.raises(ValueError, match="mode='sd'"):
-        LLM(target=target, draft=str(head_dir), mode="ssd", block_size=4)
+@pytest.mark.parametrize("options, message", [
+    (dict(mode="ar", draft_kind="eagle3"), "mode='sd' or mode='ssd'"),
+    (dict(mode="sd", proposer="ngram", draft_kind="eagle3"), "proposer='ngram'"),
+    (dict(mode="ssd", draft_weights="int8"), "draft model's weights"),
+])
+def test_eagle_draft_refuses_what_it_cannot_do(target, head_dir, options, message):
+    with pytest.raises(ValueError, match=message):
+        LLM(target=target, draft=str(head_dir), block_size=4, **options)
 
 
 def test_eagle_draft_refuses_tensor_parallelism(target, head_dir):

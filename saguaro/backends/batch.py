@@ -14,8 +14,12 @@ mask (Appendix D), stated per row so that a backend needs neither a dense mask n
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # hints only
+    from saguaro.eagle.features import FeatureLog
 
 
 @dataclass
@@ -41,6 +45,8 @@ class ForwardItem:
     block_table: list[int]  # must already cover start + n positions (a tree item: its visible prefix)
     logits: str = "last"  # "last", "all" or "none"
     tree: TreeRows | None = None  # SSD branch rows instead of a causal run
+    # the sequence's target features, for a draft that reads them (an EAGLE-3 head); other models ignore it
+    features: FeatureLog | None = None
 
     def __post_init__(self) -> None:
         if self.logits not in ("last", "all", "none"):

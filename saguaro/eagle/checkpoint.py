@@ -118,15 +118,24 @@ def _normalize(name: str) -> str:
     return name
 
 
-def load_eagle3(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor], str]:
-    """(config, weights under normalized names, layout) of the head in directory ``path``."""
-    directory = Path(path)
+def _read_config(directory: Path) -> dict[str, Any]:
     if not (directory / "config.json").is_file():
         raise EagleCheckpointError(f"{directory} has no config.json; expected an EAGLE-3 head directory")
     try:
-        raw = json.loads((directory / "config.json").read_text())
+        return json.loads((directory / "config.json").read_text())
     except (OSError, ValueError) as e:
         raise EagleCheckpointError(f"cannot read {directory / 'config.json'}: {e}") from e
+
+
+def load_eagle3_config(path: str | Path) -> Eagle3Config:
+    """The config of the head in directory ``path``, without its weights (e.g. the aux layers a target taps)."""
+    return Eagle3Config.from_json(_read_config(Path(path)))
+
+
+def load_eagle3(path: str | Path) -> tuple[Eagle3Config, dict[str, torch.Tensor], str]:
+    """(config, weights under normalized names, layout) of the head in directory ``path``."""
+    directory = Path(path)
+    raw = _read_config(directory)
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise EagleCheckpointError(f"{directory} has no .safetensors weights")

@@ -138,11 +138,17 @@ def build_head(cfg: Eagle3Config, state: dict[str, torch.Tensor], target_embed: 
 
 def load_head(path: str, target: CausalLM, device: torch.device | str = "cpu") -> Eagle3Head:
     """The EAGLE-3 head in directory ``path`` (any layout), for ``target``, in the target's dtype."""
-    cfg, state, _ = load_eagle3(path)
-    aux = cfg.layers_for(target.config.num_layers)
-    width = cfg.target_hidden_size or cfg.hidden_size
-    if width != target.config.hidden_size:
-        raise EagleCheckpointError(f"the head reads target features of width {width}, the target's are "
-                                   f"{target.config.hidden_size}")
     dtype = next(target.parameters()).dtype
-    return build_head(cfg, state, target.model.embed_tokens, aux, dtype).to(device)
+    return head_for(path, target.config, target.model.embed_tokens, dtype).to(device)
+
+
+def head_for(path: str, target_config: ModelConfig, target_embed: nn.Embedding, dtype: torch.dtype) -> Eagle3Head:
+    """The EAGLE-3 head in ``path`` for a target described by its config and embedding table (all an SSD
+    speculator holds of the target)."""
+    cfg, state, _ = load_eagle3(path)
+    aux = cfg.layers_for(target_config.num_layers)
+    width = cfg.target_hidden_size or cfg.hidden_size
+    if width != target_config.hidden_size:
+        raise EagleCheckpointError(f"the head reads target features of width {width}, the target's are "
+                                   f"{target_config.hidden_size}")
+    return build_head(cfg, state, target_embed, aux, dtype)

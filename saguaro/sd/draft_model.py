@@ -24,6 +24,7 @@ from typing import Callable
 import torch
 
 from saguaro.device import to_device
+from saguaro.eagle.features import FeatureLog
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
@@ -36,6 +37,7 @@ from saguaro.sd.types import Proposal, Proposer
 class DraftState:
     block_table: list[int] = field(default_factory=list)
     num_cached: int = 0
+    features: FeatureLog | None = None  # the target's features, for a draft that reads them (SSD's EAGLE-3 head)
 
 
 Reweight = Callable[[torch.Tensor, int, list[Sequence]], torch.Tensor]  # (probs [N, V], step j, rows) -> probs
@@ -121,7 +123,7 @@ class DraftModelProposer(Proposer):
         """The forward item writing ``pending`` after the draft's cached tokens (blocks reserved, counted)."""
         state = self._state(seq)
         self.runner.blocks.reserve(state.block_table, state.num_cached + len(pending))
-        item = ForwardItem(pending, state.num_cached, state.block_table, logits)
+        item = ForwardItem(pending, state.num_cached, state.block_table, logits, features=state.features)
         state.num_cached += len(pending)
         return item
 

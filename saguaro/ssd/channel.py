@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from saguaro.ssd.shared_file import SharedFile
 
-_DTYPES = [torch.int64, torch.float32]
+_DTYPES = [torch.int64, torch.float32, torch.bfloat16, torch.float16]  # codes on the wire: append only
 MAX_FRAMES = 4
 _HEADER = 1 + 2 * MAX_FRAMES  # [frame count, (dtype code, length) per frame]
 

@@ -20,6 +20,7 @@ import torch
 
 from saguaro.config import Config
 from saguaro.device import load_or_place
+from saguaro.eagle.runner import EagleDraft, eagle_runner
 from saguaro.engine.model_runner import draft_runner
 from saguaro.models.draft_format import DraftFormat
 from saguaro.ssd.plan import SpecPlan
@@ -66,16 +67,19 @@ class SpeculatorOptions:
 
 
 def start_speculator(draft: Any, opts: SpeculatorOptions, recorder: RankRecorder | None = None) -> Speculator:
-    """The draft (a registry name or path, loaded; a ``LoadedModel``, placed) on the speculator's device, its
-    runner, and the engine's speculator over them -- or with ``recorder``, calibration's, which records
-    bonus-token ranks.
+    """The draft (a registry name or path, loaded; a ``LoadedModel``, placed; an ``EagleDraft``, its head built)
+    on the speculator's device, its runner, and the engine's speculator over them -- or with ``recorder``,
+    calibration's, which records bonus-token ranks.
 
     The draft's graphs are captured before the speculator serves (a GPU's paged backend; nothing elsewhere):
     every row bucket a tree step can reach, for every width of its extra slots (tree step j reads j + 1), so
     that no round captures, and the speculator never captures beside the target."""
-    loaded = load_or_place(draft, opts.device, opts.dtype)
-    runner = draft_runner(opts.draft_format, loaded, opts.draft_blocks(), opts.block_size, opts.device,
-                          opts.enforce_eager)
+    if isinstance(draft, EagleDraft):  # an EAGLE-3 head, fed the target's features through the messages
+        runner = eagle_runner(draft, opts.draft_blocks(), opts.block_size, opts.device, opts.dtype)
+    else:
+        loaded = load_or_place(draft, opts.device, opts.dtype)
+        runner = draft_runner(opts.draft_format, loaded, opts.draft_blocks(), opts.block_size, opts.device,
+                              opts.enforce_eager)
     runner.capture_graphs(opts.graph_rows(), tuple(range(opts.k + 1)))
     if recorder is None:
         return Speculator(runner, opts.plan)

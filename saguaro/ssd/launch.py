@@ -48,7 +48,8 @@ class WorkerStartError(RuntimeError):
 
 @dataclass
 class DraftSource:
-    """How the draft reaches the worker: a registry name / path the worker loads, or weights in a ``SharedFile``."""
+    """How the draft reaches the worker: a registry name / path the worker loads, or weights in a ``SharedFile``
+    (a model's, or what an EAGLE-3 head reads of the target)."""
     name: str | None = None
     file: SharedFile | None = None
 
@@ -56,14 +57,19 @@ class DraftSource:
     def of(cls, draft: Any) -> "DraftSource":
         if isinstance(draft, str):
             return cls(name=draft)
+        from saguaro.eagle.runner import EagleDraft
+        if isinstance(draft, EagleDraft):  # the head's directory, and the target's config and embedding table
+            saved = {"eagle": draft.head_dir, "config": draft.target_config, "embed": draft.embed}
+        else:
+            saved = {"name": draft.name, "config": draft.config, "tokenizer": draft.tokenizer,
+                     "state": draft.model.state_dict()}
         file = SharedFile()
         with os.fdopen(os.dup(file.fd), "wb") as f:
-            torch.save({"name": draft.name, "config": draft.config, "tokenizer": draft.tokenizer,
-                        "state": draft.model.state_dict()}, f)
+            torch.save(saved, f)
         return cls(file=file)
 
     def load(self, device: str, dtype: torch.dtype) -> Any:
-        """In the worker: the draft as a ``LoadedModel`` on ``device`` / ``dtype``."""
+        """In the worker: the draft as a ``LoadedModel`` on ``device`` / ``dtype`` (an ``EagleDraft`` as it came)."""
         from pathlib import Path
 
         from saguaro.device import load_or_place
@@ -72,6 +78,9 @@ class DraftSource:
         if self.name is not None:
             return load_or_place(self.name, device, dtype)
         saved = self.saved()
+        if "eagle" in saved:
+            from saguaro.eagle.runner import EagleDraft
+            return EagleDraft(saved["eagle"], saved["config"], saved["embed"])
         model = build_model(saved["config"], saved["state"], dtype, device)
         return LoadedModel(saved["name"], saved["config"], model, saved["tokenizer"], Path("."), Path("."), True)
 

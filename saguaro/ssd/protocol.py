@@ -1,8 +1,8 @@
 """The two messages of an SSD round, as typed dataclasses, and their wire format.
 
 Verifier -> speculator (``RoundRequest``): per sequence the verification outcome (sequence id,
-accepted count k, bonus token), plus admissions of new sequences (their tokens and sampling
-settings) and releases of finished ones.
+accepted count k, bonus token, and for an EAGLE-3 head the target's features of the verified positions),
+plus admissions of new sequences (their tokens and sampling settings) and releases of finished ones.
 
 Speculator -> verifier (``RoundResponse``): per requested sequence one ``SpecRow``: a hit flag,
 up to K tokens, and for sampled rows the distributions the tokens were drawn from.
@@ -12,7 +12,8 @@ Wire format
 Only the process transport packs messages (in-process transports pass the objects). A packed
 message is a short list of flat tensors (``Channel`` sends each with its dtype and length):
 
-* request:  ``[int64 fields]``;
+* request:  ``[int64 fields]``, plus ``[features]`` in the target's dtype when an EAGLE-3 speculator is sent
+  the target's features (a prefill chunk's, a round's verified positions');
 * response: ``[int64 fields, float32 probs]``.
 
 Every row of a response carries explicit flags in the columns of ``RowColumns``, the one table
@@ -49,6 +50,9 @@ class Outcome:
     seq_id: int
     num_accepted: int  # k: drafts the verifier kept
     bonus: int  # t*: the token it drew after them
+    # an EAGLE-3 speculator's: the target's features of the verified positions (the last token and the k accepted
+    # drafts) [k+1, A*H_t], a view of the verification pass's tap
+    features: torch.Tensor | None = None
 
 
 @dataclass
@@ -57,6 +61,9 @@ class Admission:
     tokens: list[int]  # every token so far (prompt and generated)
     params: SamplingParams  # only temperature, top_k and top_p cross the wire (see the module docstring)
     seed: int  # seeds the speculator's own generator for this sequence
+    # an EAGLE-3 speculator's prefill: the target's features of positions features_start.. [n, A*H_t]
+    features: torch.Tensor | None = None
+    features_start: int = 0
 
 
 @dataclass
@@ -111,41 +118,65 @@ def _float(bits: int) -> float:
 
 
 # -- request ------------------------------------------------------------------------
-# int64 fields: [command, #outcomes, #admissions, #releases, #order]
-#               + per outcome [seq_id, k, bonus]
-#               + per admission [seq_id, #tokens, temperature bits, top_k, top_p bits, seed, tokens...]
+# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width]
+#               + per outcome [seq_id, k, bonus, #feature rows]
+#               + per admission [seq_id, #tokens, temperature bits, top_k, top_p bits, seed, #feature rows,
+#                                features_start, tokens...]
 #               + releases + order
+# features (a second frame, only when some are sent; the target's dtype): every outcome's rows, then every
+#               admission's, [rows * width]
+
+def _rows(features: torch.Tensor | None) -> int:
+    return 0 if features is None else len(features)
+
 
 def pack_request(req: RoundRequest) -> list[torch.Tensor]:
-    out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order)]
+    sent = [f for f in [o.features for o in req.outcomes] + [a.features for a in req.admissions] if f is not None]
+    width = sent[0].shape[-1] if sent else 0
+    out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order), width]
     for o in req.outcomes:
-        out += [o.seq_id, o.num_accepted, o.bonus]
+        out += [o.seq_id, o.num_accepted, o.bonus, _rows(o.features)]
     for a in req.admissions:
         p = a.params
-        out += [a.seq_id, len(a.tokens), _bits(p.temperature), p.top_k, _bits(p.top_p), a.seed, *a.tokens]
+        out += [a.seq_id, len(a.tokens), _bits(p.temperature), p.top_k, _bits(p.top_p), a.seed, _rows(a.features),
+                a.features_start, *a.tokens]
     out += req.releases
     out += req.order
-    return [torch.tensor(out, dtype=torch.int64)]
+    fields = torch.tensor(out, dtype=torch.int64)
+    return [fields, torch.cat([f.reshape(-1) for f in sent]).cpu()] if sent else [fields]
 
 
 def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
     v = frames[0].tolist()
-    command, n_out, n_adm, n_rel, n_ord = v[:5]
-    i = 5
+    command, n_out, n_adm, n_rel, n_ord, width = v[:6]
+    flat = frames[1].view(-1, width) if len(frames) > 1 else None
+    taken = 0
+
+    def take(rows: int) -> torch.Tensor | None:  # the next rows of the features frame: views, no copy
+        nonlocal taken
+        if not rows:
+            return None
+        taken += rows
+        return flat[taken - rows:taken]
+
+    i = 6
     outcomes = []
     for _ in range(n_out):
-        outcomes.append(Outcome(*v[i:i + 3]))
-        i += 3
+        seq_id, k, bonus, rows = v[i:i + 4]
+        outcomes.append(Outcome(seq_id, k, bonus, take(rows)))
+        i += 4
     admissions = []
     for _ in range(n_adm):
-        seq_id, n_tok, temp, top_k, top_p, seed = v[i:i + 6]
+        seq_id, n_tok, temp, top_k, top_p, seed, rows, start = v[i:i + 8]
         params = SamplingParams(temperature=_float(temp), top_k=top_k, top_p=_float(top_p))
-        admissions.append(Admission(seq_id, v[i + 6:i + 6 + n_tok], params, seed))
-        i += 6 + n_tok
+        admissions.append(Admission(seq_id, v[i + 8:i + 8 + n_tok], params, seed, take(rows), start))
+        i += 8 + n_tok
     releases = v[i:i + n_rel]
     order = v[i + n_rel:i + n_rel + n_ord]
     if i + n_rel + n_ord != len(v):
         raise ValueError(f"request holds {len(v)} fields, its counts describe {i + n_rel + n_ord}")
+    if flat is not None and taken != len(flat):
+        raise ValueError(f"request carries {len(flat)} feature rows, its counts describe {taken}")
     return RoundRequest(outcomes, admissions, releases, order, command)
 
 

@@ -43,6 +43,7 @@ from typing import Callable
 import torch
 
 from saguaro.device import read_together, to_device
+from saguaro.eagle.features import FeatureLog
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
@@ -90,6 +91,9 @@ class Speculator:
     def __init__(self, runner: ModelRunner, plan: SpecPlan):
         self.plan = plan
         self.runner = runner
+        # an EAGLE-3 head (``eagle/runner.py``) reads the target's features: the messages bring them, and after an
+        # outcome the head keeps only the rows built on them (the self-conditioned ones are recomputed)
+        self.conditioned = getattr(runner, "reads_features", False)
         self.k = plan.k
         self.batch = 1  # size of the batch in the last request
         self.miss_strategies = MissStrategyTracker(self.plan)  # follows the batch size (strategy "auto", Thm 18)
@@ -138,14 +142,15 @@ class Speculator:
             state = self.states.get(adm.seq_id)
             done = state.prefilled if state is not None else None
             if done is None or cached[:len(done)] != done:
-                self._forget(adm.seq_id)
-                state = self.states[adm.seq_id] = SeqState(prefilled=[])
+                state = self._fresh(adm.seq_id, SeqState(prefilled=[]))
                 done = []
+            self._take_features(state, adm.features_start, adm.features)
             state.prefilled = cached
             draft = state.draft
             self.runner.blocks.reserve(draft.block_table, len(cached))
             if len(cached) > len(done):
-                items.append(ForwardItem(cached[len(done):], len(done), draft.block_table, "none"))
+                items.append(ForwardItem(cached[len(done):], len(done), draft.block_table, "none",
+                                         features=draft.features))
             draft.num_cached = len(cached)
         if items:
             self.runner.forward(items)
@@ -165,14 +170,18 @@ class Speculator:
             state = self.states[out.seq_id]
             seq, draft = state.seq, state.draft
             accepted = state.sent[:out.num_accepted] + [out.bonus]
-            # the draft cache stays valid up to the accepted drafts
-            draft.num_cached = min(draft.num_cached, len(seq) + out.num_accepted)
+            # the draft cache stays valid up to the accepted drafts; a head's, up to the rows built on the target's
+            # features (x_{n-1}'s, fed g_{n-2}): its rows past them read its own hidden states, now replaced
+            valid = len(seq) if self.conditioned else len(seq) + out.num_accepted
+            draft.num_cached = min(draft.num_cached, valid)
             self.runner.blocks.truncate(draft.block_table, draft.num_cached)
+            self._take_features(state, len(seq) - 1, out.features)
             seq.output_ids += accepted
             cached = self.cache.get(out.seq_id, out.num_accepted, out.bonus)
             if cached is not None:
                 hits[out.seq_id] = cached
-                self._adopt_kv(state, cached)
+                if not self.conditioned:  # a head's branch k/v read its own features: the glue recomputes them
+                    self._adopt_kv(state, cached)
             self._verified(state, out, cached is not None)
         order = [self.states[i] for i in req.order]
         hit_states = [s for s in order if s.seq.seq_id in hits]
@@ -202,13 +211,28 @@ class Speculator:
         state = self.states.get(adm.seq_id)
         done = state.prefilled if state is not None else None
         if done is None or len(done) >= len(adm.tokens) or adm.tokens[:len(done)] != done:
-            self._forget(adm.seq_id)  # frees a prefill that does not match
-            state = self.states[adm.seq_id] = SeqState()
+            state = self._fresh(adm.seq_id, SeqState())  # frees a prefill that does not match
         state.prefilled = None
         seq = state.seq = Sequence(adm.tokens, adm.params)
         seq.seq_id = adm.seq_id
         if seq.generator is not None:
             seq.generator.manual_seed(adm.seed)
+
+    def _fresh(self, seq_id: int, state: SeqState) -> SeqState:
+        """Start ``seq_id`` over as ``state``, keeping the target's features that arrived for it."""
+        old = self.states.get(seq_id)
+        state.draft.features = old.draft.features if old is not None else None
+        self._forget(seq_id)
+        self.states[seq_id] = state
+        return state
+
+    def _take_features(self, state: SeqState, start: int, rows: torch.Tensor | None) -> None:
+        """Record the target's features of positions ``start``.. (an EAGLE-3 speculator's messages carry them)."""
+        if rows is None:
+            return
+        if state.draft.features is None:
+            state.draft.features = FeatureLog(self.runner.device)
+        state.draft.features.put(start, rows)
 
     def _adopt_kv(self, state: SeqState, cached: CachedBranch) -> None:
         """Copy a hit branch's k/v (its bonus token and every drafted token but the last) from the build's
@@ -290,7 +314,7 @@ class Speculator:
             self.runner.blocks.truncate(draft.block_table, start)
             tokens = (seq.tokens + sent)[start:]
             self.runner.blocks.reserve(draft.block_table, start + len(tokens))
-            items.append(ForwardItem(tokens, start, draft.block_table, "all"))
+            items.append(ForwardItem(tokens, start, draft.block_table, "all", features=draft.features))
             draft.num_cached = start + len(tokens)
         logits = self.runner.forward(items)
         depth_logits = [rows[-(len(s.sent) + 1 - j0):] for s, rows, j0 in zip(states, logits, known)]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from saguaro.config import Config
+from saguaro.eagle.runner import EagleDraft
 from saguaro.engine.decoder import Decoder
 from saguaro.device import to_device
 from saguaro.engine.model_runner import ModelRunner
@@ -31,6 +32,7 @@ from saguaro.ssd.link import SpeculatorLink
 from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
 from saguaro.ssd_settings import MissStrategy
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
+from saguaro.ssd.target_features import TargetFeatures
 from saguaro.ssd.thread_link import ThreadLink
 from saguaro.ssd.host import SpeculatorOptions
 from saguaro.ssd.worker import WorkerLink
@@ -54,8 +56,10 @@ class SSDDecoder(Decoder):
     reports_spec = True
     reports_cache = True
 
-    def __init__(self, target: ModelRunner, link: SpeculatorLink, plan: SpecPlan, max_model_len: int):
+    def __init__(self, target: ModelRunner, link: SpeculatorLink, plan: SpecPlan, max_model_len: int,
+                 features: TargetFeatures | None = None):
         self.target = target
+        self.features = features  # the target's features for an EAGLE-3 speculator (None: a draft model's)
         self.link: SpeculatorLink | None = link
         self.plan = plan  # what the speculator was told (fan-outs, C, miss strategy)
         self.k = plan.k
@@ -79,8 +83,9 @@ class SSDDecoder(Decoder):
         if ready:
             proposal = self._proposal(ready)
             result = verify_round(self.target, ready, proposal)
-            for seq, k, bonus, tokens in zip(ready, result.num_accepted, result.bonus_tokens, result.output_tokens):
-                outcomes.append(Outcome(seq.seq_id, k, bonus))
+            for b, (seq, k, bonus, tokens) in enumerate(zip(ready, result.num_accepted, result.bonus_tokens,
+                                                             result.output_tokens)):
+                outcomes.append(Outcome(seq.seq_id, k, bonus, self.features.verified(b, k) if self.features else None))
                 out[seq.seq_id] = tokens
                 hits.append(self._record_hit(seq, self.pending.pop(seq.seq_id).hit))
         t1 = time.perf_counter()
@@ -107,6 +112,14 @@ class SSDDecoder(Decoder):
         admissions = [Admission(s.seq_id, s.tokens if end == s.prefill_end else s.tokens[:end], s.params, 0)
                       for s, end in zip(seqs, ends)]
         request = RoundRequest(admissions=admissions, command=CMD_PREFILL)
+        if self.features is None:
+            self._send_prefill(request)
+        else:  # an EAGLE-3 head prefills from the chunk's target features: sent once the target's pass has them
+            self.features.after_next_pass(lambda: self._send_prefill(self.features.attach(request)))
+
+    def _send_prefill(self, request: RoundRequest) -> None:
+        if self.link is None:
+            return
         try:
             self.link.prefill(request)
         except ChannelClosed as e:
@@ -179,10 +192,12 @@ def _seed(seq: Sequence) -> int:
     return int(torch.randint(0, 2**62, (1,), generator=seq.generator))
 
 
-def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel,
+def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel | EagleDraft | str,
                       max_model_len: int) -> SSDDecoder:
     """The verifier side, with the speculator started on ``plan`` (``calibration.resolve.ssd_plan``) over the
     transport Config placed it on (``saguaro.placement``)."""
     opts = SpeculatorOptions.from_config(cfg, plan)
+    # an EAGLE-3 head reads the target's features: tap them before the speculator's first message
+    features = TargetFeatures(target, draft.aux_layers) if isinstance(draft, EagleDraft) else None
     link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
-    return SSDDecoder(target, link, plan, max_model_len)
+    return SSDDecoder(target, link, plan, max_model_len, features)

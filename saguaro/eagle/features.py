@@ -1,0 +1,42 @@
+"""The target's features of one sequence, as an SSD speculator with an EAGLE-3 head keeps them.
+
+Position p's feature g_p is the input of the target's aux layers when it processed token x_p ([A*H_t]). They
+arrive in the messages (``ssd/protocol.py``): a prefill chunk's rows with ``CMD_PREFILL``, a round's verified
+positions with the outcome. The log grows in place (its capacity doubles), so a round appends k+1 rows without
+copying the ones before.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class FeatureLog:
+    """g_0..g_{n-1} of one sequence: the positions the target has processed and sent."""
+
+    def __init__(self, device: torch.device | str = "cpu"):
+        self.device = torch.device(device)
+        self._buf: torch.Tensor | None = None
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def put(self, start: int, rows: torch.Tensor) -> None:
+        """Set positions start..start+len(rows)-1 (dropping any after them): a chunk, a round's verified
+        positions, or a re-prefill from an earlier position."""
+        if not 0 <= start <= self._len:
+            raise RuntimeError(f"target features from position {start} arrive, but only {self._len} are known")
+        end = start + len(rows)
+        if self._buf is None or end > len(self._buf) or self._buf.shape[1] != rows.shape[1]:
+            grown = torch.empty(max(2 * end, 16), rows.shape[1], dtype=rows.dtype, device=self.device)
+            if self._buf is not None and self._buf.shape[1] == rows.shape[1]:
+                grown[:start] = self._buf[:start]
+            self._buf = grown
+        self._buf[start:end] = rows
+        self._len = end
+
+    def rows(self, index: torch.Tensor | list[int]) -> torch.Tensor:
+        """[len(index), A*H_t] the features of the positions in ``index``."""
+        if self._buf is None:
+            raise RuntimeError("no target features have arrived")
+        return self._buf[:self._len][torch.as_tensor(index, dtype=torch.long, device=self.device)]
