@@ -1,0 +1,181 @@
+"""SSD with an EAGLE-3 draft: greedy equal to AR (fp32), the target's features in the messages, the build.
+
+The head is random (tests/eagle_heads.py). Checks:
+  * greedy SSD equals AR token for token through the thread and the process transports, with hits and misses,
+    all misses, a tapered tree and chunked prefill;
+  * with every round a miss, the just-in-time drafts equal SD's drafts round for round: the speculator holds
+    the same target features as SD's proposer (the prompt's, chunk by chunk, and each round's verified ones);
+  * every cached branch equals the head's own chain from the same context, with the target's features up to
+    the verified prefix and self-conditioning after it;
+  * the thread transport hands the features over as the tap made them (no copy); the wire format carries them.
+"""
+import pytest
+import torch
+
+import saguaro.sd.sd as sd_module
+import saguaro.ssd.ssd_decoder as ssd_module
+from saguaro import LLM, SamplingParams
+from saguaro.eagle.runner import EagleDraft, eagle_runner
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.sampling.params import SamplingParams as Params
+from saguaro.ssd.host import SpeculatorOptions
+from saguaro.ssd.in_process import InProcessLink
+from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, pack_request, unpack_request
+from saguaro.ssd.speculator import Speculator
+from saguaro.ssd.target_features import TargetFeatures
+from tests.eagle_heads import random_head_state, write_head
+from tests.tiny import PROMPTS, greedy_tokens, tiny_model
+
+VERIFY_ROUND = sd_module.verify_round  # before any test wraps it
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(seed=3, layers=4, sharpness=3.0)
+
+
+@pytest.fixture(scope="module")
+def head_dir(target, tmp_path_factory):
+    cfg, state = random_head_state(target, draft_vocab=48, seed=1)
+    return str(write_head(tmp_path_factory.mktemp("eagle"), cfg, state, "midlayer"))
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(target):
+    return greedy_tokens(target, PROMPTS, 24)
+
+
+def eagle_ssd(target, head_dir, **kw):
+    options = dict(mode="ssd", num_speculative_tokens=3, block_size=4, worker_timeout_s=60, dtype="float32")
+    options.update(kw)
+    return LLM(target=target, draft=head_dir, **options)
+
+
+@pytest.mark.parametrize("transport, options", [
+    ("thread", dict(fan_out=[2, 2, 2, 4])),
+    ("thread", dict(fan_out=[0, 0, 0, 0])),
+    ("thread", dict(fan_out=[2, 2, 2, 4], branch_steps=1, deep_branches=2, max_prefill_tokens=3)),
+    ("process", dict(fan_out=[2, 2, 2, 4], max_prefill_tokens=3)),
+], ids=["hits-and-misses", "all-misses", "tapered-chunked", "process-chunked"])
+def test_greedy_eagle_ssd_equals_ar(target, head_dir, ar_outputs, transport, options):
+    with eagle_ssd(target, head_dir, speculator_transport=transport, **options) as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
+        metrics = llm.spec_metrics(outs)
+        failure = llm.engine.decoder.failure
+    assert failure is None  # the speculator served every round
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert metrics.drafted_tokens > 0
+    if sum(options["fan_out"]) == 0:
+        assert metrics.cache_hit_rate == 0
+    else:
+        assert metrics.cache_hit_rate > 0
+    assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
+
+
+def recorded_drafts(monkeypatch, llm_factory) -> list[list[list[int]]]:
+    """The drafts each round verified (per sequence), from the verifier's side."""
+    rounds = []
+
+    def recording(target, seqs, proposal):
+        tokens = proposal.tokens if proposal.tokens is not None else \
+            [proposal.device_tokens[b, :n].tolist() for b, n in enumerate(proposal.counts)]
+        rounds.append([list(t) for t in tokens])
+        return VERIFY_ROUND(target, seqs, proposal)
+
+    monkeypatch.setattr(sd_module, "verify_round", recording)
+    monkeypatch.setattr(ssd_module, "verify_round", recording)
+    with llm_factory() as llm:
+        llm.generate(PROMPTS[1], SamplingParams(max_tokens=24))
+    return rounds
+
+
+def test_misses_draft_what_sd_drafts(target, head_dir, monkeypatch):
+    """All misses: each round's just-in-time drafts read the target's features of every verified position, as
+    SD's proposer does, so the drafts match SD's round for round (the prompt prefilled in chunks of 3)."""
+    sd = recorded_drafts(monkeypatch, lambda: LLM(target=target, draft=head_dir, mode="sd", num_speculative_tokens=3,
+                                                  block_size=4, dtype="float32"))
+    ssd = recorded_drafts(monkeypatch, lambda: eagle_ssd(target, head_dir, fan_out=[0, 0, 0, 0],
+                                                         speculator_transport="thread", max_prefill_tokens=3))
+    assert len(sd) > 5 and ssd == sd
+
+
+def test_branches_are_the_heads_own_chains(target, head_dir):
+    """After a build, every cached branch (k, t) holds what the head drafts alone, greedily, after the verified
+    prefix (fed the target's features), d_1..d_k and t (fed its own hidden states)."""
+    runner = ModelRunner(target.model, 64, 4)
+    draft = EagleDraft(head_dir, target.config, target.model.model.embed_tokens.weight)
+    features = TargetFeatures(runner, draft.aux_layers)
+    prompt = PROMPTS[1]
+    table = []
+    runner.blocks.reserve(table, len(prompt))
+    first = int(runner.forward([ForwardItem(prompt, 0, table, "last")])[0].argmax())
+    opts = SpeculatorOptions(plan=SpecPlan.fixed([2, 2, 2, 3]), dtype=torch.float32, device="cpu", cores=None,
+                             threads=1, kv_cache_tokens=256, block_size=4, timeout_s=60)
+    link = InProcessLink(draft, opts)
+    try:
+        link.prefill(RoundRequest(admissions=[Admission(0, prompt, Params(), 0, features.rows[0], 0)],
+                                  command=CMD_PREFILL))
+        link.exchange(RoundRequest(admissions=[Admission(0, prompt + [first], Params(), 0)], order=[0]))
+        speculator: Speculator = link.speculator
+        state = speculator.states[0]
+        assert len(speculator.cache) == 2 + 2 + 2 + 3
+        reference = eagle_runner(draft, 64, 4, "cpu", torch.float32)
+        for (_, k, t), branch in speculator.cache.items():
+            context = state.seq.tokens + state.sent[:k] + [t]
+            chain, ref_table = [], []
+            reference.blocks.reserve(ref_table, len(context) + branch.length)
+            logits = reference.forward([ForwardItem(context, 0, ref_table, "last", features=state.draft.features)])
+            for _ in range(branch.length):
+                chain.append(int(logits[0].argmax()))
+                logits = reference.forward([ForwardItem([chain[-1]], len(context) + len(chain) - 1, ref_table,
+                                                        "last", features=state.draft.features)])
+            reference.blocks.free(ref_table)
+            assert speculator.cache.read_tokens(branch) == chain, (k, t)
+    finally:
+        link.stop()
+
+
+def test_thread_link_passes_features_by_reference(target, head_dir, monkeypatch):
+    """The outcome's features reach the speculator as the same tensor, a view of the tap's output."""
+    sent, received, tapped = [], [], []
+    observe, respond = TargetFeatures._observe, Speculator.respond
+
+    def keep_tap(self, items, feats):
+        tapped.append(feats.untyped_storage().data_ptr())
+        observe(self, items, feats)
+
+    def keep_request(self, req):
+        received.extend(o.features for o in req.outcomes)
+        return respond(self, req)
+
+    monkeypatch.setattr(TargetFeatures, "_observe", keep_tap)
+    monkeypatch.setattr(Speculator, "respond", keep_request)
+    with eagle_ssd(target, head_dir, fan_out=[1, 1, 1, 2], speculator_transport="thread") as llm:
+        exchange = llm.engine.decoder.link.exchange
+
+        def keep_sent(request):
+            sent.extend(o.features for o in request.outcomes)
+            return exchange(request)
+
+        llm.engine.decoder.link.exchange = keep_sent
+        llm.generate(PROMPTS[:2], SamplingParams(max_tokens=12))
+    assert sent and len(sent) == len(received)
+    assert all(a is b for a, b in zip(sent, received))  # not copied on the way
+    assert all(f.untyped_storage().data_ptr() in tapped for f in received)  # views of the target pass's tap
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_wire_format_carries_features(dtype):
+    width = 12
+    rows = [torch.randn(n, width).to(dtype) for n in (1, 4, 5)]
+    req = RoundRequest([Outcome(3, 0, 7, rows[0]), Outcome(4, 3, 2, rows[1]), Outcome(5, 1, 1)],
+                       [Admission(9, [1, 2, 3, 4, 5, 6], Params(temperature=0.5), 11, rows[2], 2)], [1], [3, 4, 5, 9])
+    back = unpack_request(pack_request(req))
+    assert [(o.seq_id, o.num_accepted, o.bonus) for o in back.outcomes] == [(3, 0, 7), (4, 3, 2), (5, 1, 1)]
+    assert torch.equal(back.outcomes[0].features, rows[0]) and torch.equal(back.outcomes[1].features, rows[1])
+    assert back.outcomes[2].features is None
+    adm = back.admissions[0]
+    assert adm.tokens == [1, 2, 3, 4, 5, 6] and adm.features_start == 2 and torch.equal(adm.features, rows[2])
+    assert back.releases == [1] and back.order == [3, 4, 5, 9]
+    assert len(pack_request(RoundRequest([Outcome(1, 0, 0)]))) == 1  # a model draft's request: no features frame
