@@ -35,8 +35,8 @@ class FeatureLog:
         self._buf[start:end] = rows
         self._len = end
 
-    def rows(self, index: torch.Tensor | list[int]) -> torch.Tensor:
-        """[len(index), A*H_t] the features of the positions in ``index``."""
-        if self._buf is None:
-            raise RuntimeError("no target features have arrived")
-        return self._buf[:self._len][torch.as_tensor(index, dtype=torch.long, device=self.device)]
+    def span(self, start: int, end: int) -> torch.Tensor:
+        """[end-start, A*H_t] the features of positions start..end-1 (a view)."""
+        if self._buf is None or not 0 <= start <= end <= self._len:
+            raise RuntimeError(f"target features {start}..{end - 1} requested, {self._len} are known")
+        return self._buf[start:end]

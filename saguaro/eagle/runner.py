@@ -153,21 +153,31 @@ class EagleRunner:
         return list(tree.write_slots), [(0, _Piece(shifted, list(tree.write_slots), targets, parents, log))]
 
     def _run(self, pieces: list[_Piece]) -> None:
-        """One head pass over ``pieces``: their features, then their hidden states into ``hidden``."""
+        """One head pass over ``pieces``: their features (the target's through ``fc``, in one call; the parents'
+        hidden states, in one gather), then their hidden states into ``hidden``."""
         items = [p.item for p in pieces]
         ids = torch.cat([to_device(torch.as_tensor(i.token_ids, dtype=torch.long), self.device) for i in items])
         positions = to_device(torch.tensor([q for i in items for q in i.positions]), self.device)
-        feature = torch.empty(len(ids), self.hidden.shape[1], dtype=self.hidden.dtype, device=self.device)
+        spans, targeted, parents, fed = [], [], [], []
         offset = 0
         for p in pieces:
-            own = [r for r, t in enumerate(p.targets) if t >= 0]
-            if own:
-                feature[offset + torch.tensor(own)] = self.head.project(p.log.rows([p.targets[r] for r in own]))
-            fed = [r for r, t in enumerate(p.targets) if t < 0]
-            if fed:
-                parents = to_device(torch.tensor([p.parents[r] for r in fed]), self.device)
-                feature[offset + torch.tensor(fed)] = self.hidden[parents]
+            for r, (t, parent) in enumerate(zip(p.targets, p.parents)):
+                if t >= 0:  # a piece's target rows are consecutive positions: one view of its log each
+                    if not spans or spans[-1][0] is not p.log or spans[-1][2] != t:
+                        spans.append([p.log, t, t])
+                    spans[-1][2] = t + 1
+                    targeted.append(offset + r)
+                else:
+                    parents.append(parent)
+                    fed.append(offset + r)
             offset += len(p.slots)
+        feature = torch.empty(len(ids), self.hidden.shape[1], dtype=self.hidden.dtype, device=self.device)
+        if targeted:
+            rows = torch.cat([log.span(a, b) for log, a, b in spans])
+            feature[to_device(torch.tensor(targeted), self.device)] = self.head.project(rows)
+        if fed:
+            feature[to_device(torch.tensor(fed), self.device)] = \
+                self.hidden[to_device(torch.tensor(parents), self.device)]
         meta = dense_metadata(items, self.block_size).to(self.device)
         hidden = self.head(ids, positions, feature, self.cache, meta)
         self.hidden[to_device(torch.tensor([s for p in pieces for s in p.slots]), self.device)] = hidden
