@@ -1,10 +1,11 @@
-"""An EAGLE-3 head against the 0.5B draft model in SD, on the demo target and held-out HumanEval prompts.
+"""An EAGLE-3 head against the 0.5B draft model in SD and SSD, on the demo target and held-out HumanEval prompts.
 
 Target Qwen2.5-Coder-1.5B-Instruct (bf16, one core, one thread, batch 1). Drafts: Qwen2.5-Coder-0.5B-Instruct
 (bf16) and an EAGLE-3 head trained by ``saguaro train-head`` (its directory: --head). HumanEval's first items
 are the prompts; the trainer never reads them. Every configuration runs the same prompts in this one run.
 A target with an EAGLE-3 draft runs the eager backend (the head reads layers the eager path keeps); on a CPU
-without AVX512-BF16 every configuration runs eager anyway.
+without AVX512-BF16 every configuration runs eager anyway. The SSD rows run the draft on a second core (fan-out 1
+per depth, 2 at depth K); what moving the head's target features costs there is ``benchmarks.eagle_transport``'s.
 
     python -m benchmarks.bench_eagle                       # defaults: 3 prompts, 48 tokens, K=3, T in 0,1
     saguaro bench eagle --prompts 1 --max-tokens 8          # smoke test
@@ -30,6 +31,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, prompts=3, max_tokens=48, datasets="humaneval")
     p.add_argument("--k", type=int, default=3, help="drafts per round for both drafts (default 3)")
+    p.add_argument("--no-ssd", action="store_true", help="only AR and SD (SSD adds a second core's draft)")
     p.add_argument("--head", type=Path, default=cache_root() / "eagle" / TARGET / "head",
                    help="the EAGLE-3 head directory (default: where saguaro train-head saves it)")
     return p.parse_args(argv)
@@ -37,12 +39,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def plan(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     base = engine_options(args.enforce_eager, threads=1, target_cores=[0])
+    ssd = dict(num_speculative_tokens=args.k, fan_out=[1] * args.k + [2], miss_strategy="jit")
     if not (args.head / "config.json").is_file():
         raise FileNotFoundError(f"no EAGLE-3 head at {args.head}: train one with saguaro train-head --target {TARGET}")
     return [(AR, dict(base, mode="ar")),
             (f"SD 0.5B K={args.k}", dict(base, mode="sd", draft=DRAFT, num_speculative_tokens=args.k)),
             (f"SD EAGLE-3 K={args.k}", dict(base, mode="sd", draft=str(args.head), draft_kind="eagle3",
-                                             num_speculative_tokens=args.k))]
+                                             num_speculative_tokens=args.k))] + ([] if args.no_ssd else [
+            # SSD: the draft on core 1, a fixed fan-out (no calibration profile needed), misses drafted just in time
+            (f"SSD 0.5B K={args.k}", dict(base, mode="ssd", draft=DRAFT, **ssd)),
+            (f"SSD EAGLE-3 K={args.k}", dict(base, mode="ssd", draft=str(args.head), draft_kind="eagle3", **ssd))])
 
 
 def cpu_name() -> str:
@@ -57,7 +63,7 @@ def cpu_name() -> str:
 
 def report(args, labels, summaries, records) -> tuple[dict[str, Any], str]:
     equal = {name: same_tokens(recs, records[AR]) for name, recs in records.items() if name != AR}
-    lines = [f"# EAGLE-3 head vs 0.5B draft in SD: {TARGET} target, bf16, one core, one thread, batch 1", "",
+    lines = [f"# EAGLE-3 head vs 0.5B draft in SD and SSD: {TARGET} target, bf16, one core, one thread, batch 1", "",
              f"CPU: {cpu_name()}, load average {environment()['loadavg']}. {args.prompts} HumanEval prompts "
              f"(held out from the head's training), {args.max_tokens} new tokens, K={args.k}, head {args.head}.", "",
              "tok/s: decode tokens per second, median over prompts; xAR against our AR in this run. acc len: accepted "
