@@ -19,18 +19,20 @@ sequence id (``states``), rolled back by ``commit`` and freed by ``release``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from saguaro.device import to_device
-from saguaro.eagle.features import FeatureLog
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.ranked import RankTable, rank_table
 from saguaro.sampling.sampler import sample
 from saguaro.sd.types import Proposal, Proposer
+
+if TYPE_CHECKING:  # hints only
+    from saguaro.eagle.features import FeatureLog
 
 
 @dataclass

@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
+from saguaro.eagle.features import FeatureLog
 from saguaro.engine.sequence import Sequence
 from saguaro.kv.block_manager import BlockManager
 from saguaro.sampling.ranked import Ranked
@@ -25,6 +28,14 @@ class SeqState:
     ranked: list[Ranked] | None = None  # the draft's ranked ids at each position of it (primary only)
     scratch: list[int] = field(default_factory=list)  # blocks of the last build's branches, until the next respond
     ngram: NgramIndex = field(default_factory=NgramIndex)  # the n-gram backup's index of its tokens
+
+    def take_features(self, start: int, rows: torch.Tensor | None, device: torch.device) -> None:
+        """Record the target's features of positions ``start``.. (an EAGLE-3 speculator's messages carry them)."""
+        if rows is None:
+            return
+        if self.draft.features is None:
+            self.draft.features = FeatureLog(device)
+        self.draft.features.put(start, rows)
 
     def free(self, blocks: BlockManager) -> None:
         """Give back the draft cache and the scratch."""

@@ -26,6 +26,11 @@ cache, and a hit's branch wrote it into the build's scratch, which ``respond`` c
 before freeing the scratch. So only the last drafted token is fed, for the depth-K guesses.
 A backup speculation (n-gram / random) has neither and is glued whole.
 
+An EAGLE-3 head (``eagle/runner.py``) drafts from the target's features, which the messages bring (a prefill
+chunk's, a round's verified positions'), and from its own hidden states past them. So after an outcome its
+cache keeps only the rows built on the target's features, a hit's branch k/v is not adopted, and the glue
+re-feeds the accepted tokens with the features just received.
+
 Fan-outs, the Saguaro sampling constant C and the miss strategy come from a ``SpecPlan`` (per
 temperature, per batch size, and per drafter: the cache for a speculation drafted by the
 primary uses F^p, one drafted by the backup uses F^b). Every token the primary draws for
@@ -43,7 +48,6 @@ from typing import Callable
 import torch
 
 from saguaro.device import read_together, to_device
-from saguaro.eagle.features import FeatureLog
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
@@ -144,7 +148,7 @@ class Speculator:
             if done is None or cached[:len(done)] != done:
                 state = self._fresh(adm.seq_id, SeqState(prefilled=[]))
                 done = []
-            self._take_features(state, adm.features_start, adm.features)
+            state.take_features(adm.features_start, adm.features, self.runner.device)
             state.prefilled = cached
             draft = state.draft
             self.runner.blocks.reserve(draft.block_table, len(cached))
@@ -175,7 +179,7 @@ class Speculator:
             valid = len(seq) if self.conditioned else len(seq) + out.num_accepted
             draft.num_cached = min(draft.num_cached, valid)
             self.runner.blocks.truncate(draft.block_table, draft.num_cached)
-            self._take_features(state, len(seq) - 1, out.features)
+            state.take_features(len(seq) - 1, out.features, self.runner.device)
             seq.output_ids += accepted
             cached = self.cache.get(out.seq_id, out.num_accepted, out.bonus)
             if cached is not None:
@@ -225,14 +229,6 @@ class Speculator:
         self._forget(seq_id)
         self.states[seq_id] = state
         return state
-
-    def _take_features(self, state: SeqState, start: int, rows: torch.Tensor | None) -> None:
-        """Record the target's features of positions ``start``.. (an EAGLE-3 speculator's messages carry them)."""
-        if rows is None:
-            return
-        if state.draft.features is None:
-            state.draft.features = FeatureLog(self.runner.device)
-        state.draft.features.put(start, rows)
 
     def _adopt_kv(self, state: SeqState, cached: CachedBranch) -> None:
         """Copy a hit branch's k/v (its bonus token and every drafted token but the last) from the build's
