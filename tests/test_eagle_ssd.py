@@ -2,7 +2,7 @@
 
 The head is random (tests/eagle_heads.py). Checks:
   * greedy SSD equals AR token for token through the thread and the process transports, with hits and misses,
-    all misses, a tapered tree and chunked prefill;
+    all misses, a tapered tree, chunked prefill and preemption;
   * with every round a miss, the just-in-time drafts equal SD's drafts round for round: the speculator holds
     the same target features as SD's proposer (the prompt's, chunk by chunk, and each round's verified ones);
   * every cached branch equals the head's own chain from the same context, with the target's features up to
@@ -57,12 +57,16 @@ def eagle_ssd(target, head_dir, **kw):
     ("thread", dict(fan_out=[0, 0, 0, 0])),
     ("thread", dict(fan_out=[2, 2, 2, 4], branch_steps=1, deep_branches=2, max_prefill_tokens=3)),
     ("process", dict(fan_out=[2, 2, 2, 4], max_prefill_tokens=3)),
-], ids=["hits-and-misses", "all-misses", "tapered-chunked", "process-chunked"])
+    # preempted requests re-prefill and send their features anew (a narrow tree: the speculator's blocks scale with
+    # the same small kv_cache_tokens)
+    ("thread", dict(fan_out=[1, 1, 1, 1], kv_cache_tokens=96)),
+], ids=["hits-and-misses", "all-misses", "tapered-chunked", "process-chunked", "preempted"])
 def test_greedy_eagle_ssd_equals_ar(target, head_dir, ar_outputs, transport, options):
     with eagle_ssd(target, head_dir, speculator_transport=transport, **options) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
         metrics = llm.spec_metrics(outs)
         failure = llm.engine.decoder.failure
+        preemptions = llm.engine.scheduler.num_preemptions
     assert failure is None  # the speculator served every round
     assert [o.token_ids for o in outs] == ar_outputs
     assert metrics.drafted_tokens > 0
@@ -71,6 +75,7 @@ def test_greedy_eagle_ssd_equals_ar(target, head_dir, ar_outputs, transport, opt
     else:
         assert metrics.cache_hit_rate > 0
     assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
+    assert (preemptions > 0) == ("kv_cache_tokens" in options)
 
 
 def recorded_drafts(monkeypatch, llm_factory) -> list[list[list[int]]]:
