@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from saguaro.device import default_draft_cores, default_target_cores
 from saguaro.models.draft_format import DraftFormat
 from saguaro.placement import check_transport, gpu_index, place_speculator
 from saguaro.ssd_settings import SETTINGS, SSDSettings
@@ -45,8 +46,10 @@ class Config:
     draft_device: str | None = None  # SSD: the draft's device; default the CPU, else the next GPU, else the target's
     speculator_transport: str = "auto"  # SSD: "process", "thread" (in the target's process) or "auto" (placement.py)
     threads: int = 1  # torch threads per process
-    target_cores: list[int] | None = field(default_factory=lambda: [0])  # CPU affinity of the target process
-    draft_cores: list[int] | None = field(default_factory=lambda: [1])  # CPU affinity of the SSD worker
+    # CPU affinity of the target process and of the SSD worker: by default the first two usable cores
+    # (``device.usable_cores``: SAGUARO_CORES, else the cores this process may run on)
+    target_cores: list[int] | None = field(default_factory=default_target_cores)
+    draft_cores: list[int] | None = field(default_factory=default_draft_cores)
     block_size: int = 16
     kv_cache_tokens: int = 32768  # capacity of each model's paged KV cache
     max_num_seqs: int = 16

@@ -9,6 +9,33 @@ import os
 import torch
 
 
+# read at import, before any engine pins this process: a second engine then sees the same cores as the first
+_ALLOWED = tuple(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
+
+
+def usable_cores() -> list[int]:
+    """The CPU cores Saguaro pins its processes to, in order: the target takes the first, an SSD speculator the
+    next. ``SAGUARO_CORES`` ("2,3") sets them, e.g. for a second engine on the same machine; by default they are the
+    cores this process may run on (``taskset``, a container's cpuset), so pinning never leaves that set."""
+    given = os.environ.get("SAGUARO_CORES", "").strip()
+    if given:
+        try:
+            return [int(c) for c in given.split(",")]
+        except ValueError:
+            raise ValueError(f"SAGUARO_CORES must list core numbers, like 2,3: got {given!r}") from None
+    return list(_ALLOWED)
+
+
+def default_target_cores() -> list[int]:
+    return usable_cores()[:1]
+
+
+def default_draft_cores() -> list[int]:
+    """The core after the target's; the target's own on a single core (the two then share it)."""
+    cores = usable_cores()
+    return cores[1:2] or cores[:1]
+
+
 def pin_process(cores: list[int] | None, threads: int) -> None:
     """Pin this process to ``cores`` and use ``threads`` intra-op threads."""
     if cores and hasattr(os, "sched_setaffinity"):

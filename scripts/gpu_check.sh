@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1
 
 collect_gpu_tests() {  # collect_gpu_tests PATH...: the number of gpu-marked tests pytest collects there
     local listing
-    listing=$(python3 -m pytest --collect-only -q -m gpu -p no:cacheprovider "$@" 2>&1)
+    listing=$(python3 -m pytest -o addopts= --collect-only -q -m gpu -p no:cacheprovider "$@" 2>&1)
     local rc=$?
     if [ "$rc" -ne 0 ]; then
         echo "$listing" | tail -40 >&2
@@ -76,7 +76,7 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember a 
 }
 { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
     > "$OUT/machine.txt" 2>&1
-step gpu_tests 170 python3 -m pytest -q -m gpu -p no:cacheprovider -rs tests
+step gpu_tests 170 python3 -m pytest -o addopts= -q -m gpu -p no:cacheprovider -rs tests
 step bench_gpu 110 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b --max-tokens 64 --sd-k 3,4 \
     --out "$OUT"
 # SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), Thm 2 against the

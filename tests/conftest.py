@@ -3,15 +3,36 @@
 The engine survives a dead speculator by finishing its requests with n-gram SD in the target
 process, and that path is exact too. So a bug that crashes the worker would still pass every
 equality and distribution test; this guard makes it visible. Tests that kill the worker on
-purpose are marked ``worker_failure``. Also: ``cpu_tier``, the CPU kernel tiers to test.
+purpose are marked ``worker_failure``. Also: ``cpu_tier``, the CPU kernel tiers to test, and the
+parallel run (pytest-xdist, ``-n auto`` in pyproject.toml): one worker per core while memory allows,
+each with its own core first in ``SAGUARO_CORES``, so that the engines of two workers are pinned apart.
 """
 import logging
+import os
 
 import pytest
 
 from saguaro.backends.cpu_kernels.build import runnable_tiers
 
 FAILURE = "speculator worker failed"
+GB_PER_WORKER = 10  # a worker may hold the real 1.5B target and its draft, and an SSD speculator beside them
+
+
+@pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest runs without xdist too (the GPU check's dry run)
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto``: a worker per usable core, no more than memory holds."""
+    from saguaro.device import usable_cores
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    return max(1, min(len(usable_cores()), int(memory // GB_PER_WORKER)))
+
+
+def pytest_configure(config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER")  # "gw0", "gw1", ...: rotate the cores so each worker has its own
+    if worker and "SAGUARO_CORES" not in os.environ:
+        from saguaro.device import usable_cores
+        cores, i = usable_cores(), int(worker[2:])
+        i %= len(cores)
+        os.environ["SAGUARO_CORES"] = ",".join(map(str, cores[i:] + cores[:i]))
 
 
 @pytest.fixture(scope="module", params=runnable_tiers())

@@ -30,7 +30,7 @@ import torch.multiprocessing as mp
 from saguaro.calibration.bus import pass_bytes
 from saguaro.calibration.profile import BusyDraft, ContentionProbe
 from saguaro.calibration.timer import RowTimer, runner_factory
-from saguaro.device import load_or_place, pin_process
+from saguaro.device import default_draft_cores, default_target_cores, load_or_place, pin_process
 from saguaro.models.draft_format import DraftFormat
 
 
@@ -56,7 +56,7 @@ def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: tor
 
     ``target`` / ``draft``: model names (loaded here and in the busy process) or ``LoadedModel``s. The
     caller's process is pinned to ``target_cores`` with one thread meanwhile, then restored."""
-    target_cores, draft_cores = target_cores or [0], draft_cores or [1]
+    target_cores, draft_cores = target_cores or default_target_cores(), draft_cores or default_draft_cores()
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     threads = torch.get_num_threads()
     pin_process(target_cores, 1)
