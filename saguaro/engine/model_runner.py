@@ -36,15 +36,17 @@ class ModelRunner:
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str = "cpu",
                  enforce_eager: bool = True, weights: str = "bf16", head_ids: torch.Tensor | None = None,
                  backend: str = "auto", graphs: bool = True, max_seq_len: int | None = None):
-        self.model = model
-        self.config = model.config
-        self.device = torch.device(device)
-        dtype = next(model.parameters()).dtype
-        self.cache = KVCache(self.config, num_blocks, block_size, dtype, self.device)
-        self.blocks = BlockManager(num_blocks, block_size)
-        longest = (max_seq_len or self.config.max_position_embeddings) + 64  # + a round's lookahead
-        self.backend = make_backend(model, self.cache, self.device, enforce_eager, weights, head_ids, backend, graphs,
-                                    max_table_blocks=min(num_blocks, -(-longest // block_size)))
+        device = torch.device(device)
+        cache = KVCache(model.config, num_blocks, block_size, next(model.parameters()).dtype, device)
+        longest = (max_seq_len or model.config.max_position_embeddings) + 64  # + a round's lookahead
+        self._attach(model, device, cache, BlockManager(num_blocks, block_size),
+                     make_backend(model, cache, device, enforce_eager, weights, head_ids, backend, graphs,
+                                  max_table_blocks=min(num_blocks, -(-longest // block_size))))
+
+    def _attach(self, model: CausalLM, device: torch.device, cache: KVCache, blocks: BlockManager, backend) -> None:
+        """The runner's state, whoever built its cache and backend (a tensor-parallel rank builds its own)."""
+        self.model, self.config, self.device = model, model.config, device
+        self.cache, self.blocks, self.backend = cache, blocks, backend
         self._observer: Callable[[list[ForwardItem], torch.Tensor], None] | None = None
 
     def tap(self, layers: list[int], observer: Callable[[list[ForwardItem], torch.Tensor], None]) -> None:

@@ -75,11 +75,11 @@ class TPModelRunner(ModelRunner):
 
     def __init__(self, model: TPCausalLM, num_blocks: int, block_size: int, device: torch.device,
                  link: StepLink, describe: Callable[[], str]):
-        self.model, self.config, self.device = model, model.config, torch.device(device)
-        self.cache = shard_cache(model, num_blocks, block_size, self.device)
-        self.blocks = BlockManager(num_blocks, block_size)
-        self.backend = TPBackend(DenseBackend(model, self.device, "eager"), link, describe)
-        self._observer = None  # no taps: an EAGLE-3 head reads whole hidden states, which no rank holds
+        # never taps (no EAGLE-3 head): a head reads whole hidden states, which no rank holds
+        device = torch.device(device)
+        self._attach(model, device, shard_cache(model, num_blocks, block_size, device),
+                     BlockManager(num_blocks, block_size),
+                     TPBackend(DenseBackend(model, device, "eager"), link, describe))
 
 
 @torch.inference_mode()
