@@ -32,24 +32,14 @@ class LLM:
         target = target if target is not None else model
         if target is None:
             raise ValueError("LLM needs a model: LLM('qwen2.5-coder-1.5b') or LLM(target=..., draft=...)")
-        if options.get("dtype", "auto") == "auto":  # the checkpoint's own dtype; a model in memory keeps its own
-            options["dtype"] = checkpoint_dtype(target)
-        cfg = Config(target=_name(target), draft=_name(draft) if draft is not None else None, **options)
-        if cfg.num_speculative_tokens == "auto":  # calibration code is imported only for "auto" settings
-            from saguaro.calibration.resolve import resolve_k
-            cfg = resolve_k(cfg)
-        self.config = cfg
+        self.config = cfg = _config(target, draft, options)
         if cfg.device == "cpu":
             pin_process(cfg.target_cores, cfg.threads)
-        num_blocks = math.ceil(cfg.kv_cache_tokens / cfg.block_size)
         self._eagle = _eagle_head_dir(cfg, draft)  # an EAGLE-3 head drafts from the target's features
-        if self._eagle is not None and cfg.tensor_parallel_size > 1:
-            raise ValueError("an EAGLE-3 draft reads the target's whole hidden states, which no tensor-parallel rank "
-                             "holds: use tensor_parallel_size=1 or a draft model")
         self._tp = None
         if cfg.tensor_parallel_size > 1:  # ranks other than 0 under torchrun serve in here, then exit
             from saguaro.parallel.launch import RankOptions, TensorParallelTarget
-            self._tp = TensorParallelTarget(target, RankOptions.from_config(cfg, num_blocks))
+            self._tp = TensorParallelTarget(target, RankOptions.from_config(cfg, _num_blocks(cfg)))
         self.target = self._tp.loaded if self._tp else _load(target, cfg)
         self.tokenizer = self.target.tokenizer
         self.draft = (_load(draft, cfg, cfg.draft_device or cfg.device, cfg.draft_torch_dtype)
@@ -61,17 +51,22 @@ class LLM:
         self._draft_source = draft if by_name else self.draft
         self.max_model_len = min(cfg.max_model_len or self.target.config.max_position_embeddings,
                                  self.target.config.max_position_embeddings)
-        if self._tp:
-            runner = self._tp.runner
-            num_blocks = runner.blocks.num_blocks  # the smallest count any rank can hold
-        else:
-            runner = ModelRunner(self.target.model, num_blocks, cfg.block_size, cfg.device,
-                                 # an EAGLE head reads layers the eager path keeps
-                                 enforce_eager=cfg.enforce_eager or self._eagle is not None,
-                                 max_seq_len=self.max_model_len)
-            runner.capture_graphs(cfg.graph_rows)  # before any speculator starts: one capture at a time
-        self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, num_blocks),
+        runner = self._target_runner()
+        self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, runner.blocks.num_blocks),
                                 self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
+
+    def _target_runner(self) -> ModelRunner:
+        """Rank 0's runner of a tensor-parallel target (its blocks: the fewest any rank holds), or the target's
+        own, with its graphs captured before any speculator starts (one capture at a time)."""
+        if self._tp:
+            return self._tp.runner
+        cfg = self.config
+        runner = ModelRunner(self.target.model, _num_blocks(cfg), cfg.block_size, cfg.device,
+                             # an EAGLE head reads layers the eager path keeps
+                             enforce_eager=cfg.enforce_eager or self._eagle is not None,
+                             max_seq_len=self.max_model_len)
+        runner.capture_graphs(cfg.graph_rows)
+        return runner
 
     def _decoder(self, runner: ModelRunner, num_blocks: int) -> Decoder:
         cfg = self.config
@@ -155,6 +150,21 @@ class LLM:
         self.close()
 
 
+def _config(target: str | LoadedModel, draft: str | LoadedModel | None, options: dict[str, Any]) -> Config:
+    """The validated Config, with "auto" dtype and K resolved."""
+    if options.get("dtype", "auto") == "auto":  # the checkpoint's own dtype; a model in memory keeps its own
+        options["dtype"] = checkpoint_dtype(target)
+    cfg = Config(target=_name(target), draft=_name(draft) if draft is not None else None, **options)
+    if cfg.num_speculative_tokens == "auto":  # calibration code is imported only for "auto" settings
+        from saguaro.calibration.resolve import resolve_k
+        cfg = resolve_k(cfg)
+    return cfg
+
+
+def _num_blocks(cfg: Config) -> int:
+    return math.ceil(cfg.kv_cache_tokens / cfg.block_size)
+
+
 def _name(model: str | LoadedModel) -> str:
     return model if isinstance(model, str) else model.name
 
@@ -168,6 +178,9 @@ def _eagle_head_dir(cfg: Config, draft: str | LoadedModel | None) -> str | None:
     from saguaro.eagle.checkpoint import is_eagle3_dir
     if cfg.draft_kind == "eagle3" or is_eagle3_dir(draft):
         cfg.check_eagle3(f"the EAGLE-3 head {draft}")
+        if cfg.tensor_parallel_size > 1:
+            raise ValueError("an EAGLE-3 draft reads the target's whole hidden states, which no tensor-parallel "
+                             "rank holds: use tensor_parallel_size=1 or a draft model")
         return draft
     return None
 
