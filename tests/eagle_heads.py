@@ -62,3 +62,9 @@ def write_head(directory: Path, cfg: Eagle3Config, state: dict[str, torch.Tensor
     (directory / "config.json").write_text(json.dumps(raw))
     save_file({n: t.contiguous() for n, t in out.items()}, str(directory / "model.safetensors"))
     return directory
+
+
+def random_head_dir(target, tmp_path_factory, layout: str, **head) -> str:
+    """A random head for ``target`` (``random_head_state``'s keywords) written in ``layout`` to a new directory."""
+    cfg, state = random_head_state(target, **head)
+    return str(write_head(tmp_path_factory.mktemp("eagle"), cfg, state, layout))

@@ -17,7 +17,7 @@ import saguaro.sd.draft_model as draft_model_module
 import saguaro.ssd.speculator as speculator_module
 from saguaro import LLM, SamplingParams
 from tests.dist_harness import measure
-from tests.eagle_heads import random_head_state, write_head
+from tests.eagle_heads import random_head_dir
 from tests.tiny import tiny_model
 
 N = 8_000  # the threshold is derived for this n (about 0.12 over the 256 two-token outcomes)
@@ -27,8 +27,7 @@ N_CONTROL = 2_000  # the shifted ids move the law far (TV near 1): a smaller n (
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     target = tiny_model(seed=5, vocab=16, layers=4, sharpness=2.0)
-    cfg, state = random_head_state(target, draft_vocab=12, seed=7, scale=0.5)
-    return target, str(write_head(tmp_path_factory.mktemp("eagle"), cfg, state, "speculators"))
+    return target, random_head_dir(target, tmp_path_factory, "speculators", draft_vocab=12, seed=7, scale=0.5)
 
 
 def eagle_llm(setup, k):
@@ -68,8 +67,7 @@ N_SSD_CONTROL = 1_000
 @pytest.fixture(scope="module")
 def ssd_setup(tmp_path_factory):
     target = tiny_model(seed=5, vocab=8, layers=4, sharpness=2.0)
-    cfg, state = random_head_state(target, draft_vocab=6, seed=7, scale=0.5)
-    return target, str(write_head(tmp_path_factory.mktemp("eagle-ssd"), cfg, state, "hf"))
+    return target, random_head_dir(target, tmp_path_factory, "hf", draft_vocab=6, seed=7, scale=0.5)
 
 
 def eagle_ssd_run(ssd_setup, n):

@@ -6,7 +6,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.eagle.checkpoint import EagleCheckpointError, load_eagle3
 from saguaro.eagle.head import load_head
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
-from tests.eagle_heads import random_head_state, write_head
+from tests.eagle_heads import random_head_dir, random_head_state, write_head
 from tests.tiny import PROMPTS, greedy_tokens, tiny_model
 
 LAYOUTS = ["midlayer", "hf", "speculators"]
@@ -19,8 +19,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def head_dir(target, tmp_path_factory):
-    cfg, state = random_head_state(target, draft_vocab=48, seed=1)
-    return write_head(tmp_path_factory.mktemp("eagle"), cfg, state, "midlayer")
+    return random_head_dir(target, tmp_path_factory, "midlayer", draft_vocab=48, seed=1)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, pack_request, unpack_request
 from saguaro.ssd.speculator import Speculator
 from saguaro.ssd.target_features import TargetFeatures
-from tests.eagle_heads import random_head_state, write_head
+from tests.eagle_heads import random_head_dir
 from tests.tiny import PROMPTS, greedy_tokens, tiny_model
 
 VERIFY_ROUND = sd_module.verify_round  # before any test wraps it
@@ -37,8 +37,7 @@ def target():
 
 @pytest.fixture(scope="module")
 def head_dir(target, tmp_path_factory):
-    cfg, state = random_head_state(target, draft_vocab=48, seed=1)
-    return str(write_head(tmp_path_factory.mktemp("eagle"), cfg, state, "midlayer"))
+    return random_head_dir(target, tmp_path_factory, "midlayer", draft_vocab=48, seed=1)
 
 
 @pytest.fixture(scope="module")
