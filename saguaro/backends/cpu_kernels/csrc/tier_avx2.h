@@ -12,6 +12,12 @@
 constexpr int MAXMB_BF16 = 2;
 constexpr int MAXMB_Q = 3;  // quantized kernels keep their fp32 sums in memory (L1) and only int16 sums in registers
 
+// Software prefetch distance in bytes ahead of the weight stream. One core of Zen 3 streams ~80% of its bus
+// with the hardware prefetchers alone and ~90% with this; the quantized loops, whose reads jump within a
+// block, stream ~30% without it and ~80% with it (measured, 1 x 1536 by 1536 x 8960). Two blocks ahead was
+// best (one or three: a few points less).
+constexpr int64_t PREFETCH_BF16 = 512, PREFETCH_I8 = 2 * QB * TN, PREFETCH_I4 = 2 * I4_BLOCK;
+
 // acc (fp32 [MB, 64], row stride 64), outputs 8 V0 .. 8 (V0 + NV) += x[0:MB, 2*p0 : 2*p1] . tile pairs p0..p1
 template <int MB, int V0, int NV>
 inline void tile_block(const bf16* __restrict x, int64_t ldx, const bf16* __restrict tile, int64_t p0, int64_t p1,
@@ -26,6 +32,8 @@ inline void tile_block(const bf16* __restrict x, int64_t ldx, const bf16* __rest
   const bf16* w = tile + p0 * TN * 2 + V0 * 16;
 #pragma GCC unroll 1
   for (int64_t p = p0; p < p1; p++, w += TN * 2) {
+    if constexpr (V0 == 0)  // a pair row is 4 cache lines; the V0 > 0 pass reads them again from L1/L2
+      for (int l = 0; l < 4; l++) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_BF16 / 2 + 32 * l), _MM_HINT_T0);
     __m256 xe[MB], xo[MB];
 #pragma GCC unroll 2
     for (int m = 0; m < MB; m++) {
@@ -80,7 +88,11 @@ inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint
     __m256i xb[MB][QB / 4];
     broadcast_quads<MB>(xb, xr, m0, K, b);
     const uint8_t* w = tile + b * QB * TN;
+    __m256 a[MB];
+    for (int m = 0; m < MB; m++) a[m] = _mm256_set1_ps(xr.scale[(m0 + m) * nb + b]);
     for (int64_t h = 0; h < TN / 8; h++) {  // outputs 8h..8h+7
+      for (int l = 0; l < 4; l++)  // 8 x 4 lines: the 2 KB of a block ahead
+        _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_I8 + h * QB * TN / 8 + l * 64), _MM_HINT_T0);
       __m256i dot[MB];
 #pragma GCC unroll 3
       for (int m = 0; m < MB; m++) dot[m] = _mm256_setzero_si256();
@@ -96,8 +108,7 @@ inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint
 #pragma GCC unroll 3
       for (int m = 0; m < MB; m++) {
         float* o = acc_io + m * TN + h * 8;
-        const __m256 a = _mm256_set1_ps(xr.scale[(m0 + m) * nb + b]);
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), a, _mm256_loadu_ps(o)));
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[m]), a[m], _mm256_loadu_ps(o)));
       }
     }
   }
@@ -115,7 +126,14 @@ inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint
     broadcast_quads<MB>(xb, xr, m0, K, b);
     const uint8_t* w = tile + b * I4_BLOCK;
     const uint8_t* sz = w + QB * TN / 2;
+    float a[MB], qsum[MB];  // hoisted: the compiler cannot, acc_io might alias xr
+    for (int m = 0; m < MB; m++) {
+      a[m] = xr.scale[(m0 + m) * nb + b];
+      qsum[m] = xr.bias[(m0 + m) * nb + b] / -128.f;
+    }
     for (int64_t h = 0; h < TN / 8; h++) {  // outputs 8h..8h+7: half h % 2 of code vector h / 2
+      for (int l = 0; l < 3; l++)  // 8 x 3 lines cover the I4_BLOCK (20 lines) of a block ahead
+        _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_I4 + h * I4_BLOCK / 8 + l * 64), _MM_HINT_T0);
       __m256i dot[MB];
 #pragma GCC unroll 3
       for (int m = 0; m < MB; m++) dot[m] = _mm256_setzero_si256();
@@ -133,9 +151,8 @@ inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint
 #pragma GCC unroll 3
       for (int m = 0; m < MB; m++) {
         float* o = acc_io + m * TN + h * 8;
-        const float a = xr.scale[(m0 + m) * nb + b], qsum = xr.bias[(m0 + m) * nb + b] / -128.f;
         const __m256 d = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_madd_epi16(dot[m], ones)), s);
-        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_fmadd_ps(z, _mm256_set1_ps(qsum), d), _mm256_set1_ps(a),
+        _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_fmadd_ps(z, _mm256_set1_ps(qsum[m]), d), _mm256_set1_ps(a[m]),
                                             _mm256_loadu_ps(o)));
       }
     }
