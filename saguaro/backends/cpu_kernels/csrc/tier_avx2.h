@@ -55,6 +55,63 @@ inline void tile_block(const bf16* __restrict x, int64_t ldx, const bf16* __rest
     for (int m = 0; m < MB; m++) _mm256_storeu_ps(acc_io + m * TN + (V0 + v) * 8, acc[v][m]);
 }
 
+// One row against two tiles at once, 32 outputs of each per pass (4 accumulators per tile). The gemm pairs
+// tile t with tile t + T/2, so the weights are read as two long streams: one core keeps more reads in flight
+// over two streams than over one (measured on Zen 3: ~97% of its bus against ~87% for one stream). Each
+// chunk of pairs is taken in two passes, the first prefetching the whole pair rows, the second reading them
+// from L1.
+template <int V0>
+inline void two_tiles_pass(const bf16* __restrict x, const bf16* __restrict tile0, const bf16* __restrict tile1,
+                           int64_t p0, int64_t p1, __m256 (&acc)[2][8]) {
+  const __m256i high = _mm256_set1_epi32((int)0xffff0000);
+  __m256 a0[4], a1[4];
+  for (int v = 0; v < 4; v++) {
+    a0[v] = acc[0][V0 + v];
+    a1[v] = acc[1][V0 + v];
+  }
+  const bf16* w0 = tile0 + p0 * TN * 2 + V0 * 16;
+  const bf16* w1 = tile1 + p0 * TN * 2 + V0 * 16;
+#pragma GCC unroll 1
+  for (int64_t p = p0; p < p1; p++, w0 += TN * 2, w1 += TN * 2) {
+    if constexpr (V0 == 0)
+      for (int l = 0; l < 4; l++) {
+        _mm_prefetch(reinterpret_cast<const char*>(w0 + PREFETCH_BF16 / 2 + 32 * l), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w1 + PREFETCH_BF16 / 2 + 32 * l), _MM_HINT_T0);
+      }
+    const __m256 xe = _mm256_set1_ps(float(x[2 * p])), xo = _mm256_set1_ps(float(x[2 * p + 1]));
+#pragma GCC unroll 4
+    for (int v = 0; v < 4; v++) {
+      const __m256i r0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w0 + v * 16));
+      a0[v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(r0, high)), xo,
+                              _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(r0, 16)), xe, a0[v]));
+      const __m256i r1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w1 + v * 16));
+      a1[v] = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(r1, high)), xo,
+                              _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(r1, 16)), xe, a1[v]));
+    }
+  }
+  for (int v = 0; v < 4; v++) {
+    acc[0][V0 + v] = a0[v];
+    acc[1][V0 + v] = a1[v];
+  }
+}
+
+// acc0 / acc1 (fp32 [64]) = x[0, 0:2P] . tile0 / tile1 (all P pairs)
+#define SAGUARO_BF16_ROW_TWO_TILES
+void bf16_row_two_tiles(const bf16* x, const bf16* tile0, const bf16* tile1, int64_t P, float* acc0, float* acc1) {
+  constexpr int64_t CHUNK = 32;  // 2 x 32 pair rows of 256 bytes: 16 KB, still in L1 for the second pass
+  __m256 acc[2][8];
+  for (int v = 0; v < 8; v++) acc[0][v] = acc[1][v] = _mm256_setzero_ps();
+  for (int64_t c = 0; c < P; c += CHUNK) {
+    const int64_t e = std::min(P, c + CHUNK);
+    two_tiles_pass<0>(x, tile0, tile1, c, e, acc);
+    two_tiles_pass<4>(x, tile0, tile1, c, e, acc);
+  }
+  for (int v = 0; v < 8; v++) {
+    _mm256_storeu_ps(acc0 + v * 8, acc[0][v]);
+    _mm256_storeu_ps(acc1 + v * 8, acc[1][v]);
+  }
+}
+
 void bf16_rows(int mb, const bf16* x, int64_t ldx, const bf16* tile, int64_t p0, int64_t p1, float* acc, bool first) {
   if (mb == 1) return tile_block<1, 0, 8>(x, ldx, tile, p0, p1, acc, first);
   tile_block<2, 0, 4>(x, ldx, tile, p0, p1, acc, first);
