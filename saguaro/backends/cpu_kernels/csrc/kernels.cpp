@@ -259,18 +259,10 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   if (int8 || int4) xr = quantize_rows(xp, ldx, M, K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(M * TN);
-#ifdef SAGUARO_BF16_ROW_TWO_TILES  // one bf16 row: tiles t and t + half of this range side by side (tier_avx2.h)
-    if (M == 1 && !int4 && !int8) {
-      const int64_t half = (t1 - t0) / 2;
-      const bf16* tiles = static_cast<const bf16*>(wp);
-      std::vector<float> acc1(TN);
-      for (int64_t t = t0; t < t0 + half; t++) {
-        bf16_row_two_tiles(xp, tiles + t * P * TN * 2, tiles + (t + half) * P * TN * 2, P, acc.data(), acc1.data());
-        finish_tile(acc.data(), M, t, n, n_out, epilogue, out_fp32, bp, rp, ldr, op);
-        finish_tile(acc1.data(), M, t + half, n, n_out, epilogue, out_fp32, bp, rp, ldr, op);
-      }
-      t0 += 2 * half;  // an odd tile left: below
-    }
+#ifdef SAGUARO_ROW_TWO_TILES  // one bf16 / int4 row: two tiles side by side (tier_avx2.h); an odd one left below
+    if (M == 1 && !int8)
+      t0 = row_two_tiles(int4, xp, xr, K, wp, t0, t1, [&](float* a, int64_t t) {
+        finish_tile(a, M, t, n, n_out, epilogue, out_fp32, bp, rp, ldr, op); });
 #endif
     for (int64_t t = t0; t < t1; t++) {
       if (int4) {

@@ -96,7 +96,6 @@ inline void two_tiles_pass(const bf16* __restrict x, const bf16* __restrict tile
 }
 
 // acc0 / acc1 (fp32 [64]) = x[0, 0:2P] . tile0 / tile1 (all P pairs)
-#define SAGUARO_BF16_ROW_TWO_TILES
 void bf16_row_two_tiles(const bf16* x, const bf16* tile0, const bf16* tile1, int64_t P, float* acc0, float* acc1) {
   constexpr int64_t CHUNK = 32;  // 2 x 32 pair rows of 256 bytes: 16 KB, still in L1 for the second pass
   __m256 acc[2][8];
@@ -214,6 +213,37 @@ inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint
       }
     }
   }
+}
+
+// acc0 / acc1 = x[0] . int4 tile0 / tile1 (all K / QB blocks), taking a block of each in turn: two streams, as
+// bf16_row_two_tiles (~85% of the bus against ~78% for one, same shape)
+void i4_row_two_tiles(const QuantRows& xr, int64_t K, const uint8_t* tile0, const uint8_t* tile1, float* acc0,
+                      float* acc1) {
+  for (int64_t b = 0; b < K / QB; b++) {
+    tile_block_i4<1>(xr, 0, K, tile0, b, b + 1, acc0, b == 0);
+    tile_block_i4<1>(xr, 0, K, tile1, b, b + 1, acc1, b == 0);
+  }
+}
+
+#define SAGUARO_ROW_TWO_TILES
+// One row against tiles t0..t1 of a bf16 or int4 matrix: tile t with tile t + half, so the weights are read as
+// two long streams. finish(acc, t) takes each tile's sums; returns the first tile not done (an odd one).
+template <typename Finish>
+int64_t row_two_tiles(bool int4, const bf16* x, const QuantRows& xr, int64_t K, const void* w, int64_t t0, int64_t t1,
+                      Finish finish) {
+  const int64_t half = (t1 - t0) / 2, bytes = int4 ? (K / QB) * I4_BLOCK : K * TN * 2;
+  const uint8_t* tiles = static_cast<const uint8_t*>(w);
+  float acc0[TN], acc1[TN];
+  for (int64_t t = t0; t < t0 + half; t++) {
+    const uint8_t *a = tiles + t * bytes, *b = tiles + (t + half) * bytes;
+    if (int4)
+      i4_row_two_tiles(xr, K, a, b, acc0, acc1);
+    else
+      bf16_row_two_tiles(x, reinterpret_cast<const bf16*>(a), reinterpret_cast<const bf16*>(b), K / 2, acc0, acc1);
+    finish(acc0, t);
+    finish(acc1, t + half);
+  }
+  return t0 + 2 * half;
 }
 
 QuantRows quantize_rows(const bf16* x, int64_t ldx, int64_t M, int64_t K) { return quantize_rows_scalar(x, ldx, M, K); }
