@@ -41,4 +41,10 @@ inline float f32_bits(uint32_t bits) {
   return f;
 }
 
+inline uint32_t bits_f32(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
 void pack(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilogue);

@@ -259,6 +259,11 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   if (int8 || int4) xr = quantize_rows(xp, ldx, M, K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(M * TN);
+#ifdef SAGUARO_ROW_TWO_TILES  // one bf16 / int4 row: two tiles side by side (tier_avx2.h); an odd one left below
+    if (M == 1 && !int8)
+      t0 = row_two_tiles(int4, xp, xr, K, wp, t0, t1, [&](float* a, int64_t t) {
+        finish_tile(a, M, t, n, n_out, epilogue, out_fp32, bp, rp, ldr, op); });
+#endif
     for (int64_t t = t0; t < t1; t++) {
       if (int4) {
         const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (K / QB) * I4_BLOCK;
