@@ -8,6 +8,7 @@ dies or hangs mid-generation fails every request with a clear error in bounded t
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -150,7 +151,10 @@ def test_torchrun_gives_the_same_tokens(tmp_path, reference, pair):
     script.write_text(TORCHRUN_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",
            str(free_port()), str(script), str(directory), json.dumps(PROMPTS), str(MAX_TOKENS)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # the script lives in tmp_path: it finds this checkout's saguaro whether or not the package is installed
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
     assert json.loads(line.removeprefix("TOKENS ")) == reference
