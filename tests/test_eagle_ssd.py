@@ -24,28 +24,13 @@ from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, pack_request, unpack_request
 from saguaro.ssd.speculator import Speculator
 from saguaro.ssd.target_features import TargetFeatures
-from tests.eagle_heads import random_head_dir
-from tests.tiny import PROMPTS, greedy_tokens, tiny_model
+from tests.test_eagle import ar_outputs, head_dir, target  # noqa: F401 (fixtures: the same target and head)
+from tests.tiny import PROMPTS
 
 VERIFY_ROUND = sd_module.verify_round  # before any test wraps it
 
 
-@pytest.fixture(scope="module")
-def target():
-    return tiny_model(seed=3, layers=4, sharpness=3.0)
-
-
-@pytest.fixture(scope="module")
-def head_dir(target, tmp_path_factory):
-    return random_head_dir(target, tmp_path_factory, "midlayer", draft_vocab=48, seed=1)
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(target):
-    return greedy_tokens(target, PROMPTS, 24)
-
-
-def eagle_ssd(target, head_dir, **kw):
+def eagle_ssd(target, head_dir, **kw):  # noqa: F811
     options = dict(mode="ssd", num_speculative_tokens=3, block_size=4, worker_timeout_s=60, dtype="float32")
     options.update(kw)
     return LLM(target=target, draft=head_dir, **options)
@@ -60,7 +45,7 @@ def eagle_ssd(target, head_dir, **kw):
     # the same small kv_cache_tokens)
     ("thread", dict(fan_out=[1, 1, 1, 1], kv_cache_tokens=96)),
 ], ids=["hits-and-misses", "all-misses", "tapered-chunked", "process-chunked", "preempted"])
-def test_greedy_eagle_ssd_equals_ar(target, head_dir, ar_outputs, transport, options):
+def test_greedy_eagle_ssd_equals_ar(target, head_dir, ar_outputs, transport, options):  # noqa: F811
     with eagle_ssd(target, head_dir, speculator_transport=transport, **options) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
         metrics = llm.spec_metrics(outs)
@@ -81,11 +66,11 @@ def recorded_drafts(monkeypatch, llm_factory) -> list[list[list[int]]]:
     """The drafts each round verified (per sequence), from the verifier's side."""
     rounds = []
 
-    def recording(target, seqs, proposal):
+    def recording(runner, seqs, proposal):
         tokens = proposal.tokens if proposal.tokens is not None else \
             [proposal.device_tokens[b, :n].tolist() for b, n in enumerate(proposal.counts)]
         rounds.append([list(t) for t in tokens])
-        return VERIFY_ROUND(target, seqs, proposal)
+        return VERIFY_ROUND(runner, seqs, proposal)
 
     monkeypatch.setattr(sd_module, "verify_round", recording)
     monkeypatch.setattr(ssd_module, "verify_round", recording)
@@ -94,7 +79,7 @@ def recorded_drafts(monkeypatch, llm_factory) -> list[list[list[int]]]:
     return rounds
 
 
-def test_misses_draft_what_sd_drafts(target, head_dir, monkeypatch):
+def test_misses_draft_what_sd_drafts(target, head_dir, monkeypatch):  # noqa: F811
     """All misses: each round's just-in-time drafts read the target's features of every verified position, as
     SD's proposer does, so the drafts match SD's round for round (the prompt prefilled in chunks of 3)."""
     sd = recorded_drafts(monkeypatch, lambda: LLM(target=target, draft=head_dir, mode="sd", num_speculative_tokens=3,
@@ -104,7 +89,7 @@ def test_misses_draft_what_sd_drafts(target, head_dir, monkeypatch):
     assert len(sd) > 5 and ssd == sd
 
 
-def test_branches_are_the_heads_own_chains(target, head_dir):
+def test_branches_are_the_heads_own_chains(target, head_dir):  # noqa: F811
     """After a build, every cached branch (k, t) holds what the head drafts alone, greedily, after the verified
     prefix (fed the target's features), d_1..d_k and t (fed its own hidden states)."""
     runner = ModelRunner(target.model, 64, 4)
@@ -140,7 +125,7 @@ def test_branches_are_the_heads_own_chains(target, head_dir):
         link.stop()
 
 
-def test_thread_link_passes_features_by_reference(target, head_dir, monkeypatch):
+def test_thread_link_passes_features_by_reference(target, head_dir, monkeypatch):  # noqa: F811
     """The outcome's features reach the speculator as the same tensor, a view of the tap's output."""
     sent, received, tapped = [], [], []
     observe, respond = TargetFeatures._observe, Speculator.respond
