@@ -76,7 +76,7 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember a 
 }
 { nvidia-smi; python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } \
     > "$OUT/machine.txt" 2>&1
-step gpu_tests 170 python3 -m pytest -o addopts= -q -m gpu -p no:cacheprovider -rs tests
+step gpu_tests 170 python3 -m pytest -o addopts= -o faulthandler_timeout=45 -q -m gpu -p no:cacheprovider -rs tests
 step bench_gpu 110 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b --max-tokens 64 --sd-k 3,4 \
     --out "$OUT"
 # SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), Thm 2 against the
