@@ -45,9 +45,25 @@ def test_no_green_context_without_its_stream_class(monkeypatch, caplog):
 
 def test_a_green_context_where_torch_has_its_stream_class(monkeypatch):
     _with_green_contexts(monkeypatch, _GreenWithStream)
+    monkeypatch.setattr(thread_link, "_GREEN_CONTEXTS", {})
     green = thread_link._green_context(torch.device("cuda:0"), 16)
     assert isinstance(green, _GreenWithStream) and _GreenWithStream.created == [16]
     assert thread_link._green_context(torch.device("cuda:0"), None) is None  # not asked for
+
+
+def test_green_contexts_are_made_once_per_share_and_kept(monkeypatch):
+    """torch's GreenContext destructor aborts the process when the driver refuses to destroy it (its streams
+    outlive it), so a lane's context is kept for the process's life and reused by later lanes of the same share."""
+    _with_green_contexts(monkeypatch, _GreenWithStream)
+    monkeypatch.setattr(thread_link, "_GREEN_CONTEXTS", {})
+    first = thread_link._green_context(torch.device("cuda:0"), 16)
+    assert thread_link._green_context(torch.device("cuda:0"), 16) is first
+    assert thread_link._green_context(torch.device("cuda:0"), 32) is not first
+    assert _GreenWithStream.created == [16, 32]
+    del first
+    kept = thread_link._GREEN_CONTEXTS[(0, 16)]
+    thread_link._GREEN_CONTEXTS.clear()
+    assert sys.getrefcount(kept) == 3  # this name, getrefcount's argument, and the one taken at creation
 
 
 def test_attention_splits_follow_the_lanes_sm_count():

@@ -26,6 +26,7 @@ finish as a daemon.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 import queue
@@ -166,16 +167,32 @@ def _lane(opts: SpeculatorOptions, sms: int | None) -> Iterator[Any]:
             green.pop_context()
 
 
+# One green context per (device, SMs), made on first use and never destroyed. torch's GreenContext destructor
+# calls cuGreenCtxDestroy inside a noexcept destructor: on torch 2.11 (H200) a lane's green context collected
+# after its SSD run aborted the whole process, since the side streams torch made for it (and never destroys),
+# and the graphs and events recorded on them, outlive it. Kept alive here like those streams; the extra
+# reference taken at creation keeps interpreter shutdown from destroying it too.
+_GREEN_CONTEXTS: dict[tuple[int, int], Any] = {}
+_GREEN_LOCK = threading.Lock()
+
+
 def _green_context(device: torch.device, sms: int | None) -> Any:
     """GPU: a green context holding ``sms`` SMs, made current for this thread; None if not asked for, unavailable,
-    or without ``GreenContext.Stream`` (some torch releases): the lane then shares all SMs, on its own stream."""
+    or without ``GreenContext.Stream`` (some torch releases): the lane then shares all SMs, on its own stream.
+    Lanes asking for the same share get the same context (each takes a stream of its own from it)."""
     if not sms:
         return None
     try:
         from torch.cuda.green_contexts import GreenContext
         if not hasattr(GreenContext, "Stream"):
             raise AttributeError(f"torch {torch.__version__} has no GreenContext.Stream")
-        green = GreenContext.create(num_sms=sms, device_id=device.index or 0)
+        key = (device.index or 0, sms)
+        with _GREEN_LOCK:
+            green = _GREEN_CONTEXTS.get(key)
+            if green is None:
+                green = GreenContext.create(num_sms=sms, device_id=key[0])
+                ctypes.pythonapi.Py_IncRef(ctypes.py_object(green))  # immortal: never reaches the destructor
+                _GREEN_CONTEXTS[key] = green
         green.set_context()
         return green
     except (ImportError, RuntimeError, TypeError, AttributeError) as e:
