@@ -6,6 +6,7 @@ Every case runs through both transports: the speculator process and the speculat
 import itertools
 import os
 import signal
+import sys
 import threading
 
 import pytest
@@ -40,8 +41,11 @@ def ssd(pair, **kw):
     ([2, 2, 2, 4], "jit", dict(branch_steps=1, deep_branches=2)),  # tapered tree: hits of 1 and 3 tokens
 ])
 def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper, transport):
+    switch = sys.getswitchinterval()
     with ssd(pair, fan_out=fan_out, miss_strategy=fallback, speculator_transport=transport, **taper) as llm:
         link = llm.engine.decoder.link
+        if transport == "thread":  # the target gets the interpreter lock back from the build within 0.2 ms
+            assert sys.getswitchinterval() == pytest.approx(min(switch, thread_link.SWITCH_INTERVAL_S))
         single = llm.generate(PROMPTS[1], SamplingParams(max_tokens=24))[0]
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
         metrics = llm.spec_metrics(outs)
@@ -58,6 +62,7 @@ def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper, transp
     assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
     if transport == "thread":
         assert not link.thread.is_alive()  # close() stopped and joined it
+    assert sys.getswitchinterval() == switch  # restored once the last thread link closed
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
@@ -147,8 +152,10 @@ def test_speculator_thread_start_up_failure(pair, monkeypatch):
     def broken(draft, opts, recorder=None):
         raise RuntimeError("no draft here")
     monkeypatch.setattr(thread_link, "start_speculator", broken)
+    switch = sys.getswitchinterval()
     with pytest.raises(RuntimeError, match="speculator thread failed during start-up.*no draft here"):
         ssd(pair, speculator_transport="thread")
+    assert sys.getswitchinterval() == switch
 
 
 @pytest.mark.parametrize("bad, message", [

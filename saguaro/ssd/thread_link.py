@@ -30,6 +30,7 @@ import ctypes
 import logging
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -46,6 +47,13 @@ from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse
 log = logging.getLogger("saguaro.ssd")
 
 STOP_GRACE_S = 10.0  # how long ``stop`` waits for a build to notice the stop request and the thread to close
+
+# The interpreter's switch interval while a speculator thread runs. A thread that wants the interpreter lock
+# waits this long before asking the holder to yield it; at Python's default (5 ms) the target, coming back from
+# each GPU sync of a verification, waits behind the speculator's Python build for up to 5 ms: a verification
+# beside the build took 2.2x its time alone on an H200. SAGUARO_SWITCH_INTERVAL_S overrides it (0: leave
+# the interpreter's own).
+SWITCH_INTERVAL_S = float(os.environ.get("SAGUARO_SWITCH_INTERVAL_S", "0.0002"))
 
 
 @dataclass
@@ -64,6 +72,7 @@ class ThreadLink:
         self.requests: queue.SimpleQueue[RoundRequest] = queue.SimpleQueue()
         self.replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
         self.stopping = threading.Event()  # set by stop/kill: builds end at their next step, the loop exits
+        self._switch = _SwitchInterval.hold()
         self.thread = threading.Thread(target=self._serve, args=(draft, sms), daemon=True,
                                        name="saguaro-speculator")
         self.thread.start()
@@ -88,6 +97,7 @@ class ThreadLink:
         self.stopping.set()
         self.requests.put(RoundRequest(command=CMD_STOP))
         self.thread.join(timeout=STOP_GRACE_S)
+        self._switch.release()
         if self.thread.is_alive():
             log.warning("speculator thread did not stop within %.0f s; left to finish as a daemon", STOP_GRACE_S)
 
@@ -95,6 +105,7 @@ class ThreadLink:
         """Give up on the thread without waiting for it: it stops at its next step or request."""
         self.stopping.set()
         self.requests.put(RoundRequest(command=CMD_STOP))
+        self._switch.release()
 
     def _check_alive(self) -> None:
         if self.stopping.is_set():
@@ -139,6 +150,36 @@ class ThreadLink:
     def _next_request(self) -> RoundRequest | None:
         req = self.requests.get()
         return None if self.stopping.is_set() else req
+
+
+class _SwitchInterval:
+    """The interpreter's switch interval lowered to ``SWITCH_INTERVAL_S`` while any thread link holds it, and
+    restored when the last one releases it (the setting is process-wide)."""
+    _lock = threading.Lock()
+    _holders = 0
+    _saved = 0.0
+
+    def __init__(self) -> None:
+        self.held = True
+
+    @classmethod
+    def hold(cls) -> _SwitchInterval:
+        with cls._lock:
+            if cls._holders == 0:
+                cls._saved = sys.getswitchinterval()
+                if 0 < SWITCH_INTERVAL_S < cls._saved:
+                    sys.setswitchinterval(SWITCH_INTERVAL_S)
+            cls._holders += 1
+        return cls()
+
+    def release(self) -> None:
+        with self._lock:
+            if not self.held:
+                return  # stop after kill, or twice
+            self.held = False
+            type(self)._holders -= 1
+            if self._holders == 0:
+                sys.setswitchinterval(self._saved)
 
 
 @contextmanager
