@@ -170,6 +170,22 @@ def test_row_uniforms_streams():
     assert u[2].tolist() == ref_own.tolist()
 
 
+def test_rows_sharing_a_generator_take_its_numbers_in_row_order():
+    """A sequence's branches share its generator (one draw for all of them): row b still gets what drawing its
+    own counts[b] numbers, row by row, would give, interleaved with other generators and the shared stream."""
+    counts = [1, 2, 0, 1, 3, 1, 2]
+    owner = [0, None, 0, 1, 0, None, 1]
+    gens = [torch.Generator().manual_seed(10), torch.Generator().manual_seed(11)]
+    u = row_uniforms(counts, [None if o is None else gens[o] for o in owner],
+                     shared_generator=torch.Generator().manual_seed(12))
+    refs = [torch.Generator().manual_seed(10), torch.Generator().manual_seed(11)]
+    shared = torch.Generator().manual_seed(12)
+    for b, (c, o) in enumerate(zip(counts, owner)):
+        if c:
+            expected = torch.rand(c, generator=shared if o is None else refs[o], dtype=torch.float64)
+            assert u[b, :c].tolist() == expected.tolist(), b
+
+
 def test_seeded_row_independent_of_batch_composition():
     gen = torch.Generator().manual_seed(2)
     vocab = 50

@@ -41,37 +41,61 @@ def dense_metadata(items: list[ForwardItem], block_size: int) -> AttentionMetada
     Causal items read their block table up to their last new token. A tree item reads its table up to
     its widest row's fork, then every row's extra slots, arranged so that the context ends with the rows'
     write slots in row order (``build_metadata`` takes the last slots as the ones written)."""
-    contexts, masks, causal = [], [], True
-    for item in items:
-        if item.tree is None:
-            contexts.append(slots_for(item.block_table, 0, item.start + len(item.token_ids), block_size))
-            masks.append(None)
+    if all(item.tree is None for item in items):
+        contexts = [slots_for(i.block_table, 0, i.start + len(i.token_ids), block_size) for i in items]
+        return build_metadata(contexts, [len(i.token_ids) for i in items])
+    contexts, rows = [], _RowSight()
+    for s, item in enumerate(items):
+        n = len(item.token_ids)
+        if item.tree is None:  # a causal item beside tree items: row i sees its context up to its own slot
+            length = item.start + n
+            contexts.append(slots_for(item.block_table, 0, length, block_size))
+            rows.add(s, range(length - n + 1, length + 1), [0] * n, [0] * n, [-1] * n)
             continue
-        causal = False
-        context, mask = _tree_context(item, block_size)
-        contexts.append(context)
-        masks.append(mask)
+        tree = item.tree
+        prefix = max(tree.visible)
+        flat: list[int] = []  # every row's earlier steps, row after row, then every row's write slot
+        starts, ends = [], []
+        for extra in tree.extra_slots:
+            starts.append(prefix + len(flat))
+            flat.extend(extra[:-1])
+            ends.append(prefix + len(flat))
+        contexts.append(slots_for(item.block_table, 0, prefix, block_size) + flat + list(tree.write_slots))
+        own = prefix + len(flat)
+        rows.add(s, tree.visible, starts, ends, range(own, own + n))
     q_lens = [len(i.token_ids) for i in items]
-    if causal:
-        return build_metadata(contexts, q_lens)
-    for s, (item, mask) in enumerate(zip(items, masks)):
-        if mask is None:  # a causal item beside tree items: its causal mask, spelled out
-            n, length = q_lens[s], len(contexts[s])
-            masks[s] = torch.arange(length)[None, :] <= (length - n + torch.arange(n))[:, None]
-    return build_metadata(contexts, q_lens, masks)
+    return build_metadata(contexts, q_lens, padded_mask=rows.mask(len(items), max(q_lens),
+                                                                   max(len(c) for c in contexts)))
 
 
-def _tree_context(item: ForwardItem, block_size: int) -> tuple[list[int], torch.Tensor]:
-    tree = item.tree
-    n = len(tree.positions)
-    prefix = max(tree.visible)
-    earlier = [e[:-1] for e in tree.extra_slots]  # each row's earlier steps, then every row's write slot
-    flat = [slot for e in earlier for slot in e]
-    context = slots_for(item.block_table, 0, prefix, block_size) + flat + list(tree.write_slots)
-    rows = torch.arange(n)
-    owner = torch.repeat_interleave(rows, torch.tensor([len(e) for e in earlier], dtype=torch.long))
-    mask = torch.zeros(n, len(context), dtype=torch.bool)
-    mask[:, :prefix] = torch.arange(prefix)[None, :] < torch.tensor(tree.visible)[:, None]
-    mask[:, prefix:prefix + len(flat)] = owner[None, :] == rows[:, None]
-    mask[rows, prefix + len(flat) + rows] = True
-    return context, mask
+class _RowSight:
+    """What each query row of a pass sees, as columns of its group's context: the first ``visible`` ones, the
+    run [start, end) (a tree row's earlier steps) and column ``own`` (its write slot; -1: none). Collected
+    row by row as plain lists, then turned into the [S, Q, L] mask with a few tensor ops for the whole pass
+    (a build step of the speculator has thousands of tree items)."""
+
+    def __init__(self) -> None:
+        self.group: list[int] = []
+        self.index: list[int] = []
+        self.visible: list[int] = []
+        self.start: list[int] = []
+        self.end: list[int] = []
+        self.own: list[int] = []
+
+    def add(self, group: int, visible, start, end, own) -> None:
+        n = len(start)
+        self.group += [group] * n
+        self.index += range(n)
+        self.visible += visible
+        self.start += start
+        self.end += end
+        self.own += own
+
+    def mask(self, groups: int, max_q: int, max_l: int) -> torch.Tensor:
+        col = torch.arange(max_l)[None, :]
+        visible, start, end, own = (torch.tensor(x, dtype=torch.long)[:, None]
+                                    for x in (self.visible, self.start, self.end, self.own))
+        sight = (col < visible) | ((col >= start) & (col < end)) | (col == own)  # [rows, L]
+        mask = torch.zeros(groups, max_q, max_l, dtype=torch.bool)
+        mask[torch.tensor(self.group), torch.tensor(self.index)] = sight
+        return mask

@@ -20,7 +20,7 @@ from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata
 from saguaro.models.model_config import ModelConfig
 from saguaro.models.rope import RotaryEmbedding
-from saguaro.models.transformer import MLP, Attention, CausalLM, RMSNorm
+from saguaro.models.transformer import MLP, Attention, CausalLM, RMSNorm, embedding
 
 
 def layer_config(cfg: Eagle3Config, width: int | None = None) -> ModelConfig:
@@ -61,7 +61,7 @@ class Eagle3Head(nn.Module):
         # (``to(dtype)`` and ``state_dict`` leave the target's table alone)
         self.shared_embed = (embed_tokens,) if embed_tokens is not None else None
         if embed_tokens is None:
-            self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+            self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)

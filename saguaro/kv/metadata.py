@@ -29,12 +29,15 @@ class AttentionMetadata:
 
 
 def build_metadata(context_slots: list[list[int]], query_lens: list[int],
-                   masks: list[torch.Tensor] | None = None) -> AttentionMetadata:
+                   masks: list[torch.Tensor] | None = None,
+                   padded_mask: torch.Tensor | None = None) -> AttentionMetadata:
     """Group metadata for sequences whose new tokens sit at the end of their context.
 
     ``context_slots[s]`` lists every slot group ``s`` reads, ending with the slots of its
     ``query_lens[s]`` new tokens (so new tokens write exactly those last slots). Without
     ``masks`` attention is causal; with them ``masks[s]`` is a ``[Q_s, L_s]`` bool tensor.
+    ``padded_mask`` gives every group's mask at once, [S, max Q, max L], False outside each group's
+    Q_s x L_s (it is written to: padding rows get column 0).
     Built with a handful of batched tensor ops: this runs once per forward pass, for
     batches of thousands of sequences in the distribution tests.
     """
@@ -53,7 +56,11 @@ def build_metadata(context_slots: list[list[int]], query_lens: list[int],
     query_valid = q_idx[None, :] < q_lens[:, None]
     starts = torch.cumsum(q_lens, 0) - q_lens
     query_index = starts[:, None] + torch.where(query_valid, q_idx[None, :], 0)
-    if masks is None:
+    if padded_mask is not None:
+        if tuple(padded_mask.shape) != (len(query_lens), max_q, max_l):
+            raise ValueError(f"padded mask shape {tuple(padded_mask.shape)} != {(len(query_lens), max_q, max_l)}")
+        mask = padded_mask
+    elif masks is None:
         # query i of group s sits at context position L_s - Q_s + i and sees everything up to it
         last_visible = (l_lens - q_lens)[:, None] + q_idx[None, :]
         mask = torch.arange(max_l)[None, None, :] <= last_visible[:, :, None]

@@ -12,7 +12,8 @@ import torch
 
 
 def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    # on the CPU whatever the default device: on the meta device arange imports torch's compiler stack (2-3 s)
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64, device="cpu") / head_dim))
     if scaling is None:
         return inv_freq.float()
     kind = scaling.get("rope_type", scaling.get("type"))
@@ -35,7 +36,9 @@ def inverse_frequencies(head_dim: int, theta: float, scaling: dict[str, Any] | N
 class RotaryEmbedding(torch.nn.Module):
     def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
-        self.register_buffer("inv_freq", inverse_frequencies(head_dim, theta, scaling), persistent=False)
+        freqs = inverse_frequencies(head_dim, theta, scaling)
+        default = torch.empty(0).device  # a model built on meta (to be loaded) gets its rotary rebuilt anyway
+        self.register_buffer("inv_freq", freqs if default.type == "meta" else freqs.to(default), persistent=False)
 
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]

@@ -102,10 +102,18 @@ class DecoderLayer(nn.Module):
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
+def embedding(vocab: int, hidden: int) -> nn.Embedding:
+    """An embedding table; built on the meta device (to be loaded), its random initialisation is skipped: a
+    normal draw on meta tensors imports torch's compiler stack, 2-3 s in every process that loads a model."""
+    if torch.empty(0).device.type == "meta":
+        return nn.Embedding(vocab, hidden, _weight=torch.empty(vocab, hidden))
+    return nn.Embedding(vocab, hidden)
+
+
 class Backbone(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 

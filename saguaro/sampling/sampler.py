@@ -68,11 +68,29 @@ def row_uniforms(
         flat = torch.rand(total, generator=shared_generator, dtype=torch.float64, device=shared_device)
         out[shared_mask] = flat.cpu()  # boolean-mask assignment fills in row-major order
     if generators is not None:
-        own_draws = [torch.rand(counts[b], generator=g, dtype=torch.float64, device=g.device).cpu()
-                     for b, g in enumerate(generators) if g is not None and counts[b] > 0]
-        if own_draws:  # one assignment for every row with its own generator, in row order as drawn
-            out[drawn & own.unsqueeze(1)] = torch.cat(own_draws)
+        _fill_own_streams(out, counts, counts_t, generators)
     return out if device is None else to_device(out, torch.device(device))
+
+
+def _fill_own_streams(out: torch.Tensor, counts: Sequence[int], counts_t: torch.Tensor,
+                      generators: Sequence[torch.Generator | None]) -> None:
+    """Rows with their own generator: one draw per generator for all of its rows (a sequence's branches share
+    its generator), its numbers handed to those rows in row order. Drawing n numbers at once gives the same
+    numbers as n draws of one, so every row gets exactly what a draw of its own would give."""
+    rows_of: dict[int, tuple[torch.Generator, list[int]]] = {}
+    for b, g in enumerate(generators):
+        if g is not None and counts[b] > 0:
+            rows_of.setdefault(id(g), (g, []))[1].append(b)
+    if not rows_of:
+        return
+    draws = [torch.rand(sum(counts[b] for b in rows), generator=g, dtype=torch.float64, device=g.device).cpu()
+             for g, rows in rows_of.values()]
+    order = torch.tensor([b for _, rows in rows_of.values() for b in rows], dtype=torch.int64)  # as drawn
+    n_each = counts_t[order]
+    row = order.repeat_interleave(n_each)
+    first = (torch.cumsum(n_each, 0) - n_each).repeat_interleave(n_each)  # each row's first draw, per draw
+    col = torch.arange(len(row)) - first
+    out[row, col] = torch.cat(draws)
 
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:

@@ -361,9 +361,10 @@ class Speculator:
         self.cache.fill([rows_of[b] for b in branches], [d.drawn for d in steps],
                         RankTable.cat([d.ranks for d in steps]) if steps else None, self.k, self.runner.device)
         probs = self._branch_probs(seqs, rows_of, [d.probs for d in steps if d.probs is not None])
+        offsets = {i: layouts[i].step_offsets(len(steps)) for i in live}
         for b, (i, q) in enumerate(branches):
             lay, rows = layouts[i], rows_of[i, q]
-            kv_slots = [lay.scratch_slots[lay.offset(j) + q] for j in range(len(rows))]  # the root, then tokens[:-1]
+            kv_slots = [lay.scratch_slots[o + q] for o in offsets[i][:len(rows)]]  # the root, then tokens[:-1]
             self.cache.put(seqs[i].seq_id, lay.fork_depths[q], lay.roots[q],
                            CachedBranch(b, len(rows), probs.get((i, q)), rows, kv_slots))
         return BuildStats(steps=len(steps), branches=len(branches))

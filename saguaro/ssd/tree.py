@@ -53,6 +53,10 @@ class BranchLayout:
         listed = min(step, len(self.widths))
         return self._starts[listed] + (step - listed) * self.num_branches
 
+    def step_offsets(self, steps: int) -> list[int]:
+        """``offset(j)`` for j < ``steps``: branch q's slot of step j is ``scratch_slots[offsets[j] + q]``."""
+        return [self.offset(j) for j in range(steps)]
+
     def scratch_size(self, steps: int) -> int:
         return self.offset(steps)
 
@@ -77,6 +81,7 @@ class BranchLayout:
         if len(tokens) != n:
             raise ValueError(f"step {step} decodes {n} branches, got {len(tokens)} tokens")
         forks = [self.verified_len + k for k in self.fork_depths[:n]]
-        own = [[self.scratch_slots[self.offset(j) + q] for j in range(step + 1)] for q in range(n)]
+        offsets, slots = self.step_offsets(step + 1), self.scratch_slots
+        own = [[slots[o + q] for o in offsets] for q in range(n)]
         rows = TreeRows([f + step for f in forks], [slots[-1] for slots in own], forks, own)
         return ForwardItem(tokens, self.verified_len, self.block_table, "all", tree=rows)
