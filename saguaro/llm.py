@@ -62,8 +62,9 @@ class LLM:
             return self._tp.runner
         cfg = self.config
         runner = ModelRunner(self.target.model, _num_blocks(cfg), cfg.block_size, cfg.device,
-                             # an EAGLE head reads layers the eager path keeps
-                             enforce_eager=cfg.enforce_eager or self._eagle is not None,
+                             # an EAGLE head reads layers that the GPU's graphs never leave
+                             enforce_eager=cfg.enforce_eager or (self._eagle is not None
+                                                                 and str(cfg.device).startswith("cuda")),
                              max_seq_len=self.max_model_len)
         runner.capture_graphs(cfg.graph_rows)
         return runner

@@ -164,7 +164,7 @@ class EagleProposer(Proposer):
 
 
 def build_eagle_decoder(cfg, target: ModelRunner, head_dir: str, num_blocks: int, max_len: int) -> SDDecoder:
-    """SD with the EAGLE-3 head in ``head_dir`` drafting for ``target`` (which must run the eager backend)."""
+    """SD with the EAGLE-3 head in ``head_dir`` drafting for ``target`` (its runner must tap: eager or CPU kernels)."""
     from saguaro.eagle.head import load_head
     head = load_head(head_dir, target.model, target.device)
     return SDDecoder(target, EagleProposer(head, target, num_blocks, cfg.block_size), cfg.num_speculative_tokens,

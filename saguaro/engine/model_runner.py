@@ -52,10 +52,11 @@ class ModelRunner:
     def tap(self, layers: list[int], observer: Callable[[list[ForwardItem], torch.Tensor], None]) -> None:
         """After every pass, hand ``observer(items, features)`` the input hidden states of ``layers``
         (features [N, len(layers) * hidden], rows in item order): an EAGLE-3 draft's target features. The
-        eager backend only (the others never leave their kernels between layers)."""
-        if self.backend.name != "eager":
-            raise ValueError(f"target features need the eager backend, not {self.backend.name!r}")
-        self.model.taps = tuple(layers)
+        eager and CPU-kernel backends (the CPU kernels split their one call of every layer at the taps); the
+        paged GPU path's graphs never leave their kernels between layers."""
+        if self.backend.name not in ("eager", "cpu_kernels"):
+            raise ValueError(f"target features need the eager or CPU-kernel backend, not {self.backend.name!r}")
+        self.net.taps = tuple(layers)
         self._observer = observer
 
     @property
@@ -95,7 +96,7 @@ class ModelRunner:
         logits = self.backend.run(self._input_ids(items), torch.tensor(positions, dtype=torch.long), meta,
                                   self.cache, torch.tensor(rows, dtype=torch.long))
         if self._observer is not None:
-            self._observer(items, self.model.tapped)
+            self._observer(items, self.net.tapped)
         return logits, counts
 
     def _input_ids(self, items: list[ForwardItem]) -> torch.Tensor:

@@ -144,8 +144,11 @@ class FastCausalLM:
     kernel tier (default: ``build.chosen_tier()``).
     """
 
+    taps: tuple[int, ...] = ()  # as CausalLM's: layers whose input a pass keeps in ``tapped``
+
     def __init__(self, model: CausalLM, weights: str = "bf16", head_ids: torch.Tensor | None = None,
                  tier: str | None = None):
+        self.tapped: torch.Tensor | None = None
         reason = unsupported_reason(model, weights)
         if reason:
             raise ValueError(reason)
@@ -211,9 +214,20 @@ class FastCausalLM:
         cfg = self.config
         x = F.embedding(input_ids, self.embed)
         cos, sin = self.rotary(positions, torch.bfloat16)
-        x = self.ops.forward_layers(x, cos.contiguous(), sin.contiguous(), cache.data, *_metadata_tensors(meta),
-                                    self.flat_weights, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim,
-                                    cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
+        cos, sin, meta_tensors = cos.contiguous(), sin.contiguous(), _metadata_tensors(meta)
+
+        def layers(x: torch.Tensor, start: int, end: int) -> torch.Tensor:  # layers [start, end) in one call
+            return self.ops.forward_layers(x, cos, sin, cache.data[start:end], *meta_tensors,
+                                           self.flat_weights[9 * start:9 * end], cfg.num_heads, cfg.num_kv_heads,
+                                           cfg.head_dim, cfg.intermediate_size, cfg.rms_norm_eps, self.scale)
+
+        start, kept = 0, {}
+        for tap in sorted(set(self.taps)):  # an EAGLE-3 draft's features: stop at each tapped layer's input
+            x = kept[tap] = layers(x, start, tap) if tap > start else x
+            start = tap
+        x = layers(x, start, cfg.num_layers)
+        if self.taps:
+            self.tapped = torch.cat([kept[i] for i in self.taps], -1)
         return self.ops.rms_norm(x, self.norm, cfg.rms_norm_eps)
 
     @torch.inference_mode()
