@@ -128,3 +128,22 @@ def test_ssd_process_on_the_targets_gpu_is_refused():
 def test_ssd_over_nccl_on_two_gpus_matches_cpu():
     """The paper's setting: the draft on the next GPU, in its own process, over NCCL."""
     assert _ssd_on_cuda(speculator_transport="process") == _cpu_reference()
+
+
+@pytest.mark.parametrize("mode, options", [
+    ("sd", {}),
+    ("ssd", dict(draft_device="cuda:0", fan_out=[1, 1, 1, 2])),
+], ids=["sd", "ssd-thread"])
+def test_eagle_head_on_cuda_matches_cpu(tmp_path_factory, mode, options):
+    """An EAGLE-3 head drafting on the GPU: the target runs eagerly there (its features come from the tap), the
+    head beside it; SSD hands the features to the speculator thread on the same GPU."""
+    from tests.eagle_heads import random_head_dir
+    target = tiny_model(seed=3, layers=4, sharpness=3.0)
+    head = random_head_dir(target, tmp_path_factory, "midlayer", draft_vocab=48, seed=1)
+    with LLM(target, block_size=4) as llm:
+        expected = _outputs(llm, PROMPTS[:3])
+    with LLM(target=target, draft=str(head), mode=mode, device="cuda:0", num_speculative_tokens=3, block_size=4,
+             dtype="float32", **options) as llm:
+        assert llm.engine.target.backend.name == "eager"
+        assert _outputs(llm, PROMPTS[:3]) == expected
+        assert getattr(llm.engine.decoder, "failure", None) is None
