@@ -27,7 +27,7 @@ def _int_list(text: str) -> list[int]:
 
 def _engine_options(args: argparse.Namespace) -> dict:
     opts = dict(mode=args.mode, dtype=args.dtype, threads=args.threads, enforce_eager=args.enforce_eager,
-                draft_weights=args.draft_weights, draft_vocab=args.draft_vocab,
+                draft_weights=args.draft_weights, draft_vocab=args.draft_vocab, target_weights=args.target_weights,
                 calibration_workload=args.calibration_workload, tensor_parallel_size=args.tensor_parallel_size)
     if getattr(args, "draft_kind", "auto") != "auto":
         opts["draft_kind"] = args.draft_kind
@@ -192,6 +192,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="draft weight format; int8/int4 cut the draft's step cost and stay lossless")
     p.add_argument("--draft-vocab", type=int, help="the draft head keeps token ids below this (plus special tokens)")
+    p.add_argument("--target-weights", choices=WEIGHT_FORMATS, default="bf16",
+                   help="target weight format on the CPU: int8/int4 quantize the target itself (a smaller model, "
+                        "as a Q8/Q4 GGUF is; SD and SSD stay exact to it)")
     p.add_argument("--calibration-workload", choices=WORKLOADS, default="mixed",
                    help="which calibration profile the 'auto' settings read (saguaro calibrate --workload)")
 

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from saguaro.device import default_draft_cores, default_target_cores
-from saguaro.models.draft_format import DraftFormat
+from saguaro.models.draft_format import WEIGHT_FORMATS, DraftFormat
 from saguaro.placement import check_transport, gpu_index, place_speculator
 from saguaro.ssd_settings import SETTINGS, SSDSettings
 
@@ -59,6 +59,9 @@ class Config:
     compile: bool | None = None  # deprecated alias: compile=True is the default, compile=False is enforce_eager
     speculator: str | None = None  # deprecated alias of proposer ("speculator" names the SSD draft side)
     draft_weights: str = "bf16"  # "int8"/"int4": the draft runs W8A8/W4A8 on the fast path (cheaper, still lossless)
+    # "int8"/"int4": the target itself quantized on the CPU kernels, a smaller model as a Q8/Q4 GGUF is; AR, SD
+    # and SSD then all give that model's output (SD and SSD exact to it)
+    target_weights: str = "bf16"
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
     worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
@@ -112,6 +115,7 @@ class Config:
         if k != "auto":
             self.ssd.check_k(k)
         self.draft_format  # validates draft_weights / draft_vocab
+        self._check_target_weights()
         check_device(self.device)
         if self.draft_device is not None:
             check_device(self.draft_device)
@@ -121,6 +125,20 @@ class Config:
                 bad = [c for c in cores if not 0 <= c < (os.cpu_count() or 1)]
                 if bad:
                     raise ValueError(f"CPU cores {bad} do not exist (this machine has {os.cpu_count()})")
+
+    def _check_target_weights(self) -> None:
+        """A quantized target exists only as CPU kernels, on one device."""
+        if self.target_weights not in WEIGHT_FORMATS:
+            raise ValueError(f"target_weights must be one of {WEIGHT_FORMATS}, got {self.target_weights!r}")
+        if self.target_weights == "bf16":
+            return
+        if gpu_index(self.device) is not None:
+            raise ValueError(f"target_weights={self.target_weights!r} runs on the CPU kernels: use device='cpu'")
+        if self.tensor_parallel_size > 1:
+            raise ValueError(f"target_weights={self.target_weights!r} is not sharded: use tensor_parallel_size=1")
+        if self.enforce_eager:
+            raise ValueError(f"target_weights={self.target_weights!r} exists only on the CPU kernels, and "
+                             "enforce_eager=True runs the eager reference")
 
     def check_eagle3(self, head: str = "an EAGLE-3 draft") -> None:
         """Refuse what an EAGLE-3 head cannot do (``head`` names it in the message)."""
@@ -166,6 +184,11 @@ class Config:
             raise ValueError('dtype "auto" is resolved from the checkpoint when the engine loads it; '
                              "name a dtype to use this Config on its own")
         return DTYPES[self.dtype]
+
+    @property
+    def target_torch_dtype(self) -> torch.dtype:
+        """The target's dtype: the engine's, or bf16 for an int8 / int4 target (packed from bf16 weights)."""
+        return self.torch_dtype if self.target_weights == "bf16" else torch.bfloat16
 
     @property
     def draft_format(self) -> DraftFormat:

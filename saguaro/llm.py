@@ -40,7 +40,7 @@ class LLM:
         if cfg.tensor_parallel_size > 1:  # ranks other than 0 under torchrun serve in here, then exit
             from saguaro.parallel.launch import RankOptions, TensorParallelTarget
             self._tp = TensorParallelTarget(target, RankOptions.from_config(cfg, _num_blocks(cfg)))
-        self.target = self._tp.loaded if self._tp else _load(target, cfg)
+        self.target = self._tp.loaded if self._tp else _load(target, cfg, dtype=cfg.target_torch_dtype)
         self.tokenizer = self.target.tokenizer
         self.draft = (_load(draft, cfg, cfg.draft_device or cfg.device, cfg.draft_torch_dtype)
                       if draft is not None and cfg.mode != "ar" and self._eagle is None else None)
@@ -65,7 +65,7 @@ class LLM:
                              # an EAGLE head reads layers that the GPU's graphs never leave
                              enforce_eager=cfg.enforce_eager or (self._eagle is not None
                                                                  and str(cfg.device).startswith("cuda")),
-                             max_seq_len=self.max_model_len)
+                             weights=cfg.target_weights, max_seq_len=self.max_model_len)
         runner.capture_graphs(cfg.graph_rows)
         return runner
 
