@@ -10,7 +10,9 @@ cores. Rows (``--only`` takes their keys, or ``llama.cpp`` / ``saguaro``):
   BF16 and Q4_K_M, AR on the 0.5B Q4_K_M (the draft alone), and ``llama-speculative-simple`` with the
   BF16 pair and the Q4_K_M pair (draft and target take turns on the same threads).
   Saguaro: AR (bf16 target), SD (bf16 target, int4 draft with a reduced head, collocated) and SSD
-  (the same draft in a speculator process on the next cores: the extra hardware SSD uses).
+  (the same draft in a speculator process on the next cores: the extra hardware SSD uses); then the
+  same three with the target in Saguaro's int4 (``target_weights="int4"``: a quantized model of its
+  own, as llama.cpp's Q4_K_M file is; SD and SSD exact to it).
 
 Reported: decode tok/s (median over prompts) with the ratio to the fastest llama.cpp row that decodes
 the 1.5B target and to Saguaro's AR of this run, acceptance, the prompt token counts each side saw.
@@ -58,10 +60,14 @@ ROWS = (
     Row("saguaro-ar", SAGUARO, "Saguaro AR, 1.5B bf16"),
     Row("saguaro-sd", SAGUARO, "Saguaro SD, bf16 target, int4 draft"),
     Row("saguaro-ssd", SAGUARO, "Saguaro SSD, bf16 target, int4 draft (+ speculator cores)"),
+    # the target itself in Saguaro's int4 (groups of 32): a quantized model, as llama.cpp's Q4_K_M file is
+    Row("saguaro-q4-ar", SAGUARO, "Saguaro AR, 1.5B int4"),
+    Row("saguaro-q4-sd", SAGUARO, "Saguaro SD, int4 target, int4 draft"),
+    Row("saguaro-q4-ssd", SAGUARO, "Saguaro SSD, int4 target, int4 draft (+ speculator cores)"),
 )
 
-RUN_ORDER = ("saguaro-ar", "llama-bf16-ar", "llama-q4-ar", "saguaro-sd", "llama-q4-spec", "saguaro-ssd",
-             "llama-bf16-spec", "llama-draft-q4-ar")
+RUN_ORDER = ("saguaro-ar", "llama-bf16-ar", "llama-q4-ar", "saguaro-q4-ar", "saguaro-sd", "llama-q4-spec",
+             "saguaro-ssd", "saguaro-q4-sd", "saguaro-q4-ssd", "llama-bf16-spec", "llama-draft-q4-ar")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -182,20 +188,23 @@ def saguaro_options(row: Row, args: argparse.Namespace) -> dict[str, Any]:
     cores = list(range(args.threads))
     spare = [(c + args.threads) % (os.cpu_count() or 1) for c in cores]  # the speculator's cores
     base = engine_options(args.enforce_eager, threads=args.threads, target_cores=cores, draft_cores=spare)
-    if row.key == "saguaro-ar":
+    if row.key.startswith("saguaro-q4-"):
+        base["target_weights"] = "int4"
+    if row.key.endswith("-ar"):
         return dict(base, mode="ar")
-    if row.key == "saguaro-sd":
+    if row.key.endswith("-sd"):
         return dict(base, mode="sd", draft=DRAFT, num_speculative_tokens=args.k, **draft_options(args))
     return dict(base, mode="ssd", draft=DRAFT, num_speculative_tokens=len(args.fan_out) - 1, fan_out=args.fan_out,
                 branch_steps=args.branch_steps, **draft_options(args))
 
 
 def saguaro_label(row: Row, args: argparse.Namespace) -> str:
-    if row.key == "saguaro-sd":
-        return f"Saguaro SD K={args.k}, bf16 target, int4 draft"
-    if row.key == "saguaro-ssd":
+    target = "int4 target" if row.key.startswith("saguaro-q4-") else "bf16 target"
+    if row.key.endswith("-sd"):
+        return f"Saguaro SD K={args.k}, {target}, int4 draft"
+    if row.key.endswith("-ssd"):
         return (f"Saguaro SSD K={len(args.fan_out) - 1} F=[{','.join(map(str, args.fan_out))}] tapered "
-                f"{args.branch_steps}, int4 draft (speculator on its own cores)")
+                f"{args.branch_steps}, {target}, int4 draft (speculator on its own cores)")
     return row.label
 
 

@@ -119,7 +119,8 @@ def test_skip_build_without_a_build_says_so(tmp_path, monkeypatch, capsys):
 
 
 def test_only_takes_row_keys_and_engine_groups():
-    assert bp.parse_args(["--only", "saguaro"]).only == ["saguaro-ar", "saguaro-sd", "saguaro-ssd"]
+    assert bp.parse_args(["--only", "saguaro"]).only == ["saguaro-ar", "saguaro-sd", "saguaro-ssd", "saguaro-q4-ar",
+                                                         "saguaro-q4-sd", "saguaro-q4-ssd"]
     assert bp.parse_args(["--only", "saguaro-ar,llama-q4-ar"]).only == ["llama-q4-ar", "saguaro-ar"]
     with pytest.raises(SystemExit):
         bp.parse_args(["--only", "vllm"])
@@ -201,3 +202,15 @@ def test_a_saguaro_row_this_cpu_cannot_run_is_reported_and_the_run_goes_on(tmp_p
     payload = json.loads((tmp_path / "bench_peers.json").read_text())
     assert set(payload["rows_failed"]) == {"saguaro-sd", "saguaro-ssd"} and payload["summary"] == {}
     assert "Not run here: Saguaro SD K=4" in (tmp_path / "bench_peers.md").read_text()
+
+
+def test_int4_target_rows_quantize_the_target_only():
+    args = bp.parse_args([])
+    rows = {r.key: r for r in bp.ROWS}
+    for key, mode in (("saguaro-q4-ar", "ar"), ("saguaro-q4-sd", "sd"), ("saguaro-q4-ssd", "ssd")):
+        options = bp.saguaro_options(rows[key], args)
+        assert options["mode"] == mode and options["target_weights"] == "int4"
+        assert "int4 target" in bp.saguaro_label(rows[key], args) or key.endswith("-ar")
+        plain = bp.saguaro_options(rows[key.replace("-q4", "")], args)
+        assert "target_weights" not in plain and plain["mode"] == mode
+    assert bp.saguaro_options(rows["saguaro-q4-sd"], args)["draft_weights"] == "int4"
