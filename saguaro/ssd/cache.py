@@ -26,8 +26,16 @@ class CachedBranch:
     # rows of the build's rank table: the draft's most likely ids at the position each token was drawn for
     # (the next build's outcome guesses at depth j, so that build need not re-run these positions)
     rank_rows: list[int]
-    # scratch KV slots of the bonus token and tokens[:-1] (what the next build's glue would recompute)
-    kv_slots: list[int]
+    # where its k/v sits: step j's slot is scratch[offsets[j] + index] (the build's lists, shared by its branches;
+    # only a hit reads them, so no branch spells its slots out)
+    scratch: list[int]
+    offsets: list[int]
+    index: int
+
+    @property
+    def kv_slots(self) -> list[int]:
+        """Scratch KV slots of the bonus token and tokens[:-1] (what the next build's glue would recompute)."""
+        return [self.scratch[o + self.index] for o in self.offsets[:self.length]]
 
 
 class SpeculationCache:

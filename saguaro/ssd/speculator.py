@@ -364,9 +364,8 @@ class Speculator:
         offsets = {i: layouts[i].step_offsets(len(steps)) for i in live}
         for b, (i, q) in enumerate(branches):
             lay, rows = layouts[i], rows_of[i, q]
-            kv_slots = [lay.scratch_slots[o + q] for o in offsets[i][:len(rows)]]  # the root, then tokens[:-1]
             self.cache.put(seqs[i].seq_id, lay.fork_depths[q], lay.roots[q],
-                           CachedBranch(b, len(rows), probs.get((i, q)), rows, kv_slots))
+                           CachedBranch(b, len(rows), probs.get((i, q)), rows, lay.scratch_slots, offsets[i], q))
         return BuildStats(steps=len(steps), branches=len(branches))
 
     def _draft_step(self, step: int, live: list[int], layouts: list[BranchLayout], seqs: list[Sequence],
