@@ -263,8 +263,10 @@ def report(args, rows, labels, summaries, llama_runs, commands, files, cpu, vers
               f"{args.draft_vocab or 'full'}-token head."]
     loads = [s["loadavg_1m_after"] for s in summaries.values() if s.get("loadavg_1m_after") is not None]
     if loads:
+        shared = ("above 1 per core: other work shared the cores and slowed the rows" if max(loads) > cpu["cores"]
+                  else "at most 1 per core: nothing else competed for the cores")
         lines += ["", f"1-minute load average after each row: {min(loads):.1f}-{max(loads):.1f} on "
-                  f"{cpu['cores']} cores (above 1 per core, other work shared the cores and slowed every row)."]
+                  f"{cpu['cores']} cores ({shared})."]
     counted = {k: ", ".join(f"{r['prompt_tokens']}/{r['prompt_tokens_ours']}" for r in runs)
                for k, runs in llama_runs.items()}
     if counted:

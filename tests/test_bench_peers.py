@@ -188,6 +188,8 @@ def test_a_run_with_stand_in_programs_writes_the_table(tmp_path, monkeypatch):
     assert "--spec-draft-n-max 4" in payload["commands"]["llama-q4-spec"]
     md = (out / "bench_peers.md").read_text()
     assert "llama.cpp speculative, Q4_K_M pair, draft 4" in md and "x llama.cpp fastest" in md
+    busy = max(s["loadavg_1m_after"] for s in payload["summary"].values()) > payload["cpu"]["cores"]
+    assert ("above 1 per core" in md) == busy and ("at most 1 per core" in md) == (not busy)  # says what it saw
 
 
 def test_a_saguaro_row_this_cpu_cannot_run_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
