@@ -62,12 +62,17 @@ class LLM:
             return self._tp.runner
         cfg = self.config
         runner = ModelRunner(self.target.model, _num_blocks(cfg), cfg.block_size, cfg.device,
-                             # an EAGLE head reads layers that the GPU's graphs never leave
-                             enforce_eager=cfg.enforce_eager or (self._eagle is not None
-                                                                 and str(cfg.device).startswith("cuda")),
-                             weights=cfg.target_weights, max_seq_len=self.max_model_len)
-        runner.capture_graphs(cfg.graph_rows)
+                             enforce_eager=cfg.enforce_eager, weights=cfg.target_weights,
+                             max_seq_len=self.max_model_len)
+        runner.capture_graphs(cfg.graph_rows, taps=self._eagle_taps())
         return runner
+
+    def _eagle_taps(self) -> tuple[int, ...]:
+        """The target layers an EAGLE-3 head reads (its graphs copy their inputs out), or none."""
+        if self._eagle is None:
+            return ()
+        from saguaro.eagle.checkpoint import load_eagle3_config
+        return tuple(load_eagle3_config(self._eagle).layers_for(self.target.config.num_layers))
 
     def _decoder(self, runner: ModelRunner, num_blocks: int) -> Decoder:
         cfg = self.config

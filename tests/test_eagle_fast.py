@@ -1,4 +1,4 @@
-"""EAGLE-3 target features from the CPU kernels: a bf16 target keeps its fast path under an EAGLE-3 draft.
+"""EAGLE-3 target features from every backend: a target keeps its fast path under an EAGLE-3 draft.
 
 The CPU kernels run every decoder layer in one C++ call; with taps the call is split at each tapped layer, so
 the tapped inputs come out between the parts. Checks:
@@ -6,7 +6,8 @@ the tapped inputs come out between the parts. Checks:
   * the features are the eager model's within bf16 rounding (as the rest of the fast path is);
   * greedy SD and SSD (thread and process) with a random head on a bf16 target running the CPU kernels equal
     that target's AR token for token;
-  * a backend that cannot tap (the paged GPU path) is refused with a message that says which can.
+  * the paged path's graphs (their CPU stand-in here) copy the features out; EAGLE SD and SSD on it equal AR;
+    taps other than the ones its graphs were captured with are refused.
 """
 import pytest
 import torch
@@ -88,10 +89,48 @@ def test_greedy_eagle_on_cpu_kernels_equals_ar(target, head_dir, bf16_ar, mode, 
     assert metrics.drafted_tokens > 0
 
 
-def test_a_backend_that_cannot_tap_is_refused(target):
-    runner = ModelRunner(target.model, 16, 4, backend="paged")  # on the CPU: torch reference ops
-    with pytest.raises(ValueError, match="eager or CPU-kernel backend, not 'paged'"):
-        runner.tap([1, 3], lambda items, features: None)
+def _causal_pass(runner, n=5):
     table: list[int] = []
-    runner.blocks.reserve(table, 3)
-    runner.forward([ForwardItem([1, 2, 3], 0, table, "all")])  # and it still runs untapped
+    runner.blocks.reserve(table, n)
+    runner.forward([ForwardItem(list(range(1, n + 1)), 0, table, "all")])
+
+
+def test_paged_graphs_copy_the_tapped_features_out(target):
+    """The paged path's graphs (the CPU stand-in here) copy the tapped layers' inputs into a buffer of their own;
+    each pass hands out a copy, which the next replay leaves alone. Taps other than the captured ones are refused."""
+    seen: list[torch.Tensor] = []
+    eager = ModelRunner(target.model, 16, 4)
+    eager.tap([3, 1], lambda items, features: seen.append(features))
+    try:
+        _causal_pass(eager)
+    finally:
+        target.model.taps = ()
+    paged = ModelRunner(target.model, 16, 4, backend="paged")
+    paged.capture_graphs(8, taps=(3, 1))
+    with pytest.raises(ValueError, match="captured tapping layers \\[3, 1\\], not \\[1, 3\\]"):
+        paged.tap([1, 3], lambda items, features: None)
+    paged.tap([3, 1], lambda items, features: seen.append(features))
+    _causal_pass(paged)  # 5 rows: bucket 8's graph
+    assert paged.backend.replays == 1
+    torch.testing.assert_close(seen[1], seen[0], rtol=1e-3, atol=1e-3)  # fp32, fused ops: rounding only
+    kept = seen[1].clone()
+    _causal_pass(paged, 3)
+    assert torch.equal(seen[1], kept) and seen[2].shape == (3, 2 * target.config.hidden_size)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_greedy_eagle_on_the_paged_path_equals_ar(target, head_dir, mode, monkeypatch):
+    """Every runner on the paged backend with graphs (the CPU stand-in): the target's graphs carry the head's taps."""
+    from tests.test_backends import use_paged_backend
+    with LLM(target, block_size=4, enforce_eager=True) as llm:
+        expected = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=16))]
+    use_paged_backend(monkeypatch)
+    options = dict(fan_out=[1, 1, 1, 2], speculator_transport="thread") if mode == "ssd" else {}
+    with LLM(target=target, draft=str(head_dir), mode=mode, num_speculative_tokens=3, block_size=4,
+             dtype="float32", **options) as llm:
+        runner = llm.engine.target
+        assert runner.backend.name == "paged" and runner.net.taps
+        outs = [o.token_ids for o in llm.generate(PROMPTS, SamplingParams(max_tokens=16))]
+        assert runner.backend.replays > 0
+        assert getattr(llm.engine.decoder, "failure", None) is None
+    assert outs == expected

@@ -135,8 +135,8 @@ def test_ssd_over_nccl_on_two_gpus_matches_cpu():
     ("ssd", dict(draft_device="cuda:0", fan_out=[1, 1, 1, 2])),
 ], ids=["sd", "ssd-thread"])
 def test_eagle_head_on_cuda_matches_cpu(tmp_path_factory, mode, options):
-    """An EAGLE-3 head drafting on the GPU: the target runs eagerly there (its features come from the tap), the
-    head beside it; SSD hands the features to the speculator thread on the same GPU."""
+    """An EAGLE-3 head drafting on the GPU: the target's CUDA graphs copy the tapped layers' inputs out, the head
+    runs beside it; SSD hands the features to the speculator thread on the same GPU."""
     from tests.eagle_heads import random_head_dir
     target = tiny_model(seed=3, layers=4, sharpness=3.0)
     head = random_head_dir(target, tmp_path_factory, "midlayer", draft_vocab=48, seed=1)
@@ -144,6 +144,8 @@ def test_eagle_head_on_cuda_matches_cpu(tmp_path_factory, mode, options):
         expected = _outputs(llm, PROMPTS[:3])
     with LLM(target=target, draft=str(head), mode=mode, device="cuda:0", num_speculative_tokens=3, block_size=4,
              dtype="float32", **options) as llm:
-        assert llm.engine.target.backend.name == "eager"
+        backend = llm.engine.target.backend
+        assert backend.name == "paged" and llm.engine.target.net.taps
         assert _outputs(llm, PROMPTS[:3]) == expected
+        assert backend.replays > 0 and backend.graphs.uncaptured == 0
         assert getattr(llm.engine.decoder, "failure", None) is None

@@ -48,15 +48,18 @@ class ModelRunner:
         self.model, self.config, self.device = model, model.config, device
         self.cache, self.blocks, self.backend = cache, blocks, backend
         self._observer: Callable[[list[ForwardItem], torch.Tensor], None] | None = None
+        self._captured_taps: tuple[int, ...] | None = None  # the taps in the backend's graphs, once captured
 
     def tap(self, layers: list[int], observer: Callable[[list[ForwardItem], torch.Tensor], None]) -> None:
         """After every pass, hand ``observer(items, features)`` the input hidden states of ``layers``
-        (features [N, len(layers) * hidden], rows in item order): an EAGLE-3 draft's target features. The
-        eager and CPU-kernel backends (the CPU kernels split their one call of every layer at the taps); the
-        paged GPU path's graphs never leave their kernels between layers."""
-        if self.backend.name not in ("eager", "cpu_kernels"):
-            raise ValueError(f"target features need the eager or CPU-kernel backend, not {self.backend.name!r}")
-        self.net.taps = tuple(layers)
+        (features [N, len(layers) * hidden], rows in item order): an EAGLE-3 draft's target features. Every
+        backend: the CPU kernels split their one call of every layer at the taps, and the paged GPU path's
+        graphs copy them out, so its graphs must be captured with these taps (``capture_graphs(taps=...)``)."""
+        layers = tuple(layers)
+        if self._captured_taps is not None and layers != self._captured_taps:
+            raise ValueError(f"the target's graphs were captured tapping layers {list(self._captured_taps)}, not "
+                             f"{list(layers)}: capture them with the taps the draft reads")
+        self.net.taps = layers
         self._observer = observer
 
     @property
@@ -108,9 +111,14 @@ class ModelRunner:
                                     else torch.tensor(item.token_ids, dtype=torch.long), self.device)
                           for item in items])
 
-    def capture_graphs(self, max_rows: int | None = None, extras: tuple[int, ...] = (0,)) -> None:
-        """Capture the backend's graphs now, at start-up (``Backend.capture``), so no round ever captures."""
+    def capture_graphs(self, max_rows: int | None = None, extras: tuple[int, ...] = (0,),
+                       taps: tuple[int, ...] = ()) -> None:
+        """Capture the backend's graphs now, at start-up (``Backend.capture``), so no round ever captures.
+        ``taps``: the layers whose inputs a later ``tap`` reads (an EAGLE-3 head's), captured into the graphs."""
+        self.net.taps = tuple(taps)
         self.backend.capture(max_rows, extras)
+        if getattr(self.backend, "graphs", None) is not None:
+            self._captured_taps = tuple(taps)
 
     def close(self) -> None:
         self.backend.close()

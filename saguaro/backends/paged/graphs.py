@@ -108,6 +108,7 @@ class _Graph:
     copied: object  # GPU: an event after the last copy out of ``host`` (the next pack waits for it)
     logits: torch.Tensor  # [B, V] float32, written by each replay
     replay: Callable[[], None]
+    features: torch.Tensor | None = None  # [B, len(taps) * hidden]: the tapped layers' inputs, when the net taps
 
 
 class GraphRunner:
@@ -172,15 +173,21 @@ class GraphRunner:
         layout = StagingLayout(rows, extras, self.max_table_blocks)
         host = torch.zeros(layout.size, dtype=long, pin_memory=dev.type == "cuda")
         staged = host.to(dev, copy=True)  # starts all ghosts: the capture writes no cache slot
+        taps = getattr(self.net, "taps", ())
+        features = torch.zeros(rows, len(taps) * self.net.config.hidden_size, dtype=self.net.embed.dtype,
+                               device=dev) if taps else None  # an EAGLE-3 draft's target features, captured too
 
         def step() -> torch.Tensor:
             layout.unpack(staged, positions, meta)
-            return self.net.logits(self.net(ids, positions, self.cache, meta))
+            logits = self.net.logits(self.net(ids, positions, self.cache, meta))
+            if features is not None:
+                features.copy_(self.net.tapped)
+            return logits
 
         with torch.inference_mode():
             replay, logits = self.capture(step)
         log.debug("captured a forward graph for %d rows, %d extra slots", rows, extras)
-        return _Graph(layout, ids, positions, meta, staged, host, None, logits, replay)
+        return _Graph(layout, ids, positions, meta, staged, host, None, logits, replay, features)
 
     @torch.inference_mode()
     def replay(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: PagedMetadata) -> torch.Tensor | None:
@@ -204,6 +211,8 @@ class GraphRunner:
             g.ids[:n].copy_(input_ids)
             g.ids[n:].zero_()
         g.replay()
+        if g.features is not None:  # copied out: the next replay overwrites the graph's buffer
+            self.net.tapped = g.features[:n].clone()
         return g.logits[:n]
 
     def close(self) -> None:

@@ -70,8 +70,10 @@ def _fuse(modules: list[nn.Linear], attr: str) -> torch.Tensor | None:
 
 class PagedCausalLM:
     """``forward``/``logits`` with the signatures of ``CausalLM``, over ``PagedMetadata``."""
+    taps: tuple[int, ...] = ()  # as CausalLM's: layers whose input a pass keeps in ``tapped``
 
     def __init__(self, model: CausalLM, ops: PagedOps):
+        self.tapped: torch.Tensor | None = None
         self.config = cfg = model.config
         self.model = model
         self.ops = ops
@@ -104,9 +106,11 @@ class PagedCausalLM:
         cfg, ops = self.config, self.ops
         eps, n = cfg.rms_norm_eps, input_ids.shape[0]
         x = F.embedding(input_ids, self.embed)
-        residual = None
+        residual, kept = None, {}
         for i, layer in enumerate(self.layers):
             h, residual = ops.rms_norm(x, layer.ln1, eps, residual)
+            if i in self.taps:  # the stream entering layer i (a copy: the fused norms may reuse its buffer)
+                kept[i] = residual.clone()
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             k_cache, v_cache = cache.layer(i)
             q = ops.rope_and_store(qkv, positions, self.inv_freq, k_cache, v_cache, meta.slot_mapping,
@@ -116,6 +120,8 @@ class PagedCausalLM:
             x = F.linear(attn.reshape(n, -1), layer.o)
             h, residual = ops.rms_norm(x, layer.ln2, eps, residual)
             x = F.linear(ops.silu_mul(F.linear(h, layer.gate_up)), layer.down)
+        if self.taps:
+            self.tapped = torch.cat([kept[i] for i in self.taps], -1)
         return ops.rms_norm(x, self.norm, eps, residual)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
