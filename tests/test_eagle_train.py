@@ -40,8 +40,11 @@ def test_training_lowers_the_loss_and_resumes(tmp_path):
     assert torch.load(tmp_path / "trainer.pt", weights_only=False)["step"] == 12
     after = evaluate(resumed, examples, 2)
     assert sum(after["per_step_agreement"]) > sum(before["per_step_agreement"])
-    # the saved head drafts in SD, and greedy SD still equals AR
+    # the saved head drafts in SD and in SSD, and greedy SD and SSD still equal AR
     prompts = [[1, 2, 3], [5, 9, 13, 17]]
-    with LLM(target=target, draft=str(tmp_path / "head"), mode="sd", num_speculative_tokens=2, block_size=4) as llm:
-        outs = llm.generate(prompts, SamplingParams(max_tokens=10))
-    assert [o.token_ids for o in outs] == greedy_tokens(target, prompts, 10)
+    expected = greedy_tokens(target, prompts, 10)
+    for mode, options in (("sd", {}), ("ssd", dict(fan_out=[1, 1, 2], speculator_transport="thread"))):
+        with LLM(target=target, draft=str(tmp_path / "head"), mode=mode, num_speculative_tokens=2, block_size=4,
+                 **options) as llm:
+            outs = llm.generate(prompts, SamplingParams(max_tokens=10))
+        assert [o.token_ids for o in outs] == expected, mode
