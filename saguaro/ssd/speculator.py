@@ -170,6 +170,7 @@ class Speculator:
             self._admit(adm)
         self._set_batch(len(req.order))
         hits: dict[int, CachedBranch] = {}
+        adopted: tuple[list[int], list[int]] = ([], [])  # the hits' branch k/v: scratch slots -> cache slots
         for out in req.outcomes:
             state = self.states[out.seq_id]
             seq, draft = state.seq, state.draft
@@ -185,8 +186,10 @@ class Speculator:
             if cached is not None:
                 hits[out.seq_id] = cached
                 if not self.conditioned:  # a head's branch k/v read its own features: the glue recomputes them
-                    self._adopt_kv(state, cached)
+                    self._adopt_kv(state, cached, adopted)
             self._verified(state, out, cached is not None)
+        if adopted[0]:
+            self.runner.cache.copy_slots(*adopted)  # every hit's at once
         order = [self.states[i] for i in req.order]
         hit_states = [s for s in order if s.seq.seq_id in hits]
         hit_list = [hits[s.seq.seq_id] for s in hit_states]
@@ -230,16 +233,18 @@ class Speculator:
         self.states[seq_id] = state
         return state
 
-    def _adopt_kv(self, state: SeqState, cached: CachedBranch) -> None:
-        """Copy a hit branch's k/v (its bonus token and every drafted token but the last) from the build's
+    def _adopt_kv(self, state: SeqState, cached: CachedBranch, adopted: tuple[list[int], list[int]]) -> None:
+        """Take a hit branch's k/v (its bonus token and every drafted token but the last) from the build's
         scratch into the sequence's draft cache, right after the verified prefix, where the glue would
-        otherwise recompute it."""
+        otherwise recompute it: its slots join ``adopted`` (source, destination), copied once for all hits."""
         draft = state.draft
-        if not cached.kv_slots or draft.num_cached != len(state.seq) - 1:
+        slots = cached.kv_slots
+        if not slots or draft.num_cached != len(state.seq) - 1:
             return
-        end = draft.num_cached + len(cached.kv_slots)
+        end = draft.num_cached + len(slots)
         self.runner.blocks.reserve(draft.block_table, end)
-        self.runner.cache.copy_slots(cached.kv_slots, self.runner.slots(draft.block_table, draft.num_cached, end))
+        adopted[0].extend(slots)
+        adopted[1].extend(self.runner.slots(draft.block_table, draft.num_cached, end))
         draft.num_cached = end
 
     def _free_scratch(self) -> None:
