@@ -94,3 +94,23 @@ class SpeculationCache:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+
+def branch_probs(sampled: list[bool], rows_of: dict[tuple[int, int], list[int]],
+                 all_probs: list[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
+    """[len(tokens), V] distributions of every branch (i, q) of a sampled sequence i (``sampled[i]``), from the
+    build's steps' rows (``all_probs``, numbered across the steps as ``rows_of`` numbers them): one gather per
+    branch length."""
+    by_length: dict[int, list[tuple[int, int]]] = {}
+    for (i, q), rows in rows_of.items():
+        if sampled[i]:
+            by_length.setdefault(len(rows), []).append((i, q))
+    if not by_length:
+        return {}
+    flat = torch.cat(all_probs)
+    out = {}
+    for members in by_length.values():
+        index = to_device(torch.tensor([rows_of[m] for m in members]), flat.device)
+        gathered = flat[index]  # [branches, length, V]
+        out.update(zip(members, gathered))
+    return out

@@ -54,7 +54,7 @@ from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.ranked import RankTable, rank_positions, rank_table, ranked_rows
 from saguaro.sampling.sampler import sample
 from saguaro.sd.draft_model import DraftModelProposer
-from saguaro.ssd.cache import CachedBranch, SpeculationCache
+from saguaro.ssd.cache import CachedBranch, SpeculationCache, branch_probs
 from saguaro.ssd.miss_drafts import MissDrafts
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
@@ -365,7 +365,8 @@ class Speculator:
             done += len(drafted.rows)
         self.cache.fill([rows_of[b] for b in branches], [d.drawn for d in steps],
                         RankTable.cat([d.ranks for d in steps]) if steps else None, self.k, self.runner.device)
-        probs = self._branch_probs(seqs, rows_of, [d.probs for d in steps if d.probs is not None])
+        probs = branch_probs([not s.params.greedy for s in seqs], rows_of,
+                             [d.probs for d in steps if d.probs is not None])
         offsets = {i: layouts[i].step_offsets(len(steps)) for i in live}
         for b, (i, q) in enumerate(branches):
             lay, rows = layouts[i], rows_of[i, q]
@@ -399,24 +400,6 @@ class Speculator:
             probs = self.saguaro_sampling.apply(probs, step, row_seqs)  # Def. 14 for index ``step``
         greedy = torch.tensor([s.params.greedy for s in row_seqs])
         return DraftStep(rows, sample(probs, [s.generator for s in row_seqs], greedy), ranks, probs)
-
-    @staticmethod
-    def _branch_probs(seqs: list[Sequence], rows_of: dict[tuple[int, int], list[int]],
-                      all_probs: list[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
-        """[len(tokens), V] distributions of every sampled (non-greedy) branch: one gather per branch length."""
-        by_length: dict[int, list[tuple[int, int]]] = {}
-        for (i, q), rows in rows_of.items():
-            if not seqs[i].params.greedy:
-                by_length.setdefault(len(rows), []).append((i, q))
-        if not by_length:
-            return {}
-        flat = torch.cat(all_probs)
-        out = {}
-        for members in by_length.values():
-            index = to_device(torch.tensor([rows_of[m] for m in members]), flat.device)
-            gathered = flat[index]  # [branches, length, V]
-            out.update(zip(members, gathered))
-        return out
 
     def close(self) -> None:
         for seq_id in list(self.states):
