@@ -26,10 +26,11 @@ def target():
     return tiny_model(seed=3, layers=4, sharpness=3.0)
 
 
-@pytest.fixture(scope="module")
-def bf16_net(target):
+@pytest.fixture
+def bf16_net(cpu_tier):
+    """The bf16 model and its CPU kernels on each tier this machine executes."""
     model = tiny_model(seed=3, layers=4, sharpness=3.0).model.to(torch.bfloat16)
-    return model, FastCausalLM(model)
+    return model, FastCausalLM(model, tier=cpu_tier)
 
 
 def _pass(net, taps):

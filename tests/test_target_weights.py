@@ -55,6 +55,17 @@ def test_greedy_sd_and_ssd_equal_the_quantized_targets_ar(target, ar, weights, m
     assert metrics.drafted_tokens > 0
 
 
+def test_int4_target_sd_equals_its_ar_on_every_tier(target, cpu_tier, monkeypatch):
+    """The same check through each CPU kernel tier this machine executes (its int4 GEMM differs per tier)."""
+    monkeypatch.setenv("SAGUARO_CPU_TIER", cpu_tier)
+    with LLM(target, block_size=4, target_weights="int4") as llm:
+        assert llm.engine.target.net.tier == cpu_tier
+        expected = _generate(llm, PROMPTS)
+    with LLM(target=target, draft=truncated(target, 2), mode="sd", num_speculative_tokens=3, block_size=4,
+             target_weights="int4", draft_weights="int4") as llm:
+        assert _generate(llm, PROMPTS) == expected
+
+
 @pytest.mark.parametrize("options, message", [
     (dict(device="cuda:0"), "use device='cpu'"),
     (dict(tensor_parallel_size=2), "tensor_parallel_size=1"),

@@ -80,7 +80,11 @@ def _fill_own_streams(out: torch.Tensor, counts: Sequence[int], counts_t: torch.
     rows_of: dict[int, tuple[torch.Generator, list[int]]] = {}
     for b, g in enumerate(generators):
         if g is not None and counts[b] > 0:
-            rows_of.setdefault(id(g), (g, []))[1].append(b)
+            entry = rows_of.get(id(g))
+            if entry is None:
+                rows_of[id(g)] = (g, [b])
+            else:
+                entry[1].append(b)
     if not rows_of:
         return
     draws = [torch.rand(sum(counts[b] for b in rows), generator=g, dtype=torch.float64, device=g.device).cpu()

@@ -109,8 +109,8 @@ class PagedCausalLM:
         residual, kept = None, {}
         for i, layer in enumerate(self.layers):
             h, residual = ops.rms_norm(x, layer.ln1, eps, residual)
-            if i in self.taps:  # the stream entering layer i (a copy: the fused norms may reuse its buffer)
-                kept[i] = residual.clone()
+            if i in self.taps:  # the stream entering layer i (both ops' norms return it fresh, never reused)
+                kept[i] = residual
             qkv = F.linear(h, layer.qkv, layer.qkv_bias)
             k_cache, v_cache = cache.layer(i)
             q = ops.rope_and_store(qkv, positions, self.inv_freq, k_cache, v_cache, meta.slot_mapping,
