@@ -95,7 +95,7 @@ def read_together(tensors: list[torch.Tensor]) -> list[list]:
         values = flat[start:start + t.numel()]
         start += t.numel()
         if not t.is_floating_point():
-            values = [int(v) for v in values]
+            values = list(map(int, values))
         out.append(_nest(values, tuple(t.shape)))
     return out
 
@@ -104,4 +104,5 @@ def _nest(values: list, shape: tuple[int, ...]) -> list:
     if len(shape) <= 1:
         return values
     step = math.prod(shape[1:])
-    return [_nest(values[i * step:(i + 1) * step], shape[1:]) for i in range(shape[0])]
+    rows = [values[i * step:(i + 1) * step] for i in range(shape[0])]  # a [rows, width] table: no recursion
+    return rows if len(shape) == 2 else [_nest(row, shape[1:]) for row in rows]

@@ -66,4 +66,8 @@ class BlockManager:
 
 def slots_for(table: list[int], start: int, end: int, block_size: int) -> list[int]:
     """Cache slots of token positions ``start..end-1`` under a block table."""
-    return [table[p // block_size] * block_size + p % block_size for p in range(start, end)]
+    out: list[int] = []
+    for b in range(start // block_size, -(-end // block_size)):  # a run of consecutive slots per block
+        base = table[b] * block_size - b * block_size
+        out.extend(range(base + max(start, b * block_size), base + min(end, (b + 1) * block_size)))
+    return out

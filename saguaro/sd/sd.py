@@ -35,9 +35,9 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
     counts = proposal.num_drafts()
     k_max = max(counts, default=0)
     if proposal.tokens is not None:
-        draft_tokens = torch.zeros(len(seqs), max(k_max, 1), dtype=torch.long)
-        for b, drafts in enumerate(proposal.tokens):
-            draft_tokens[b, :len(drafts)] = torch.tensor(drafts, dtype=torch.long)
+        width = max(k_max, 1)
+        draft_tokens = torch.tensor([[*d, *[0] * (width - len(d))] for d in proposal.tokens], dtype=torch.long)
+        draft_tokens = draft_tokens.view(len(seqs), width)  # also for an empty batch
         items = [ForwardItem([seq.last_token] + drafts, seq.num_cached, seq.block_table, "all")
                  for seq, drafts in zip(seqs, proposal.tokens)]
     else:

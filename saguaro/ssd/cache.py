@@ -18,65 +18,89 @@ from saguaro.sampling.ranked import RankTable
 
 
 @dataclass
+class BranchGroup:
+    """One sequence's branches in a build, branch q being its q-th likeliest outcome. What a branch needs is
+    spelled out only when it is looked up (``CachedBranch``): a build at batch 1,024 holds thousands of
+    branches and a round hits at most one per sequence."""
+    first_row: int  # the token table's row of branch 0 (branch q's is first_row + q)
+    branches: int  # how many (the table's rows first_row .. first_row + branches - 1)
+    step_rows: list[int]  # the pass row (numbered across the build's steps) of branch 0 at each step decoded
+    widths: list[int]  # branches decoded at each of those steps, non-increasing
+    sampled: bool  # its draws keep their distributions (a sampled sequence)
+    scratch: list[int]  # the build's scratch slots: step j of branch q wrote its k/v to scratch[offsets[j] + q]
+    offsets: list[int]
+
+    def branch(self, q: int) -> CachedBranch:
+        length = sum(w > q for w in self.widths)  # widths never grow: branch q is decoded at steps 0..length-1
+        return CachedBranch(self.first_row + q, length, [r + q for r in self.step_rows[:length]],
+                            [self.scratch[o + q] for o in self.offsets[:length]], self.sampled)
+
+
+@dataclass
 class CachedBranch:
     """One branch of a build: the speculation prepared for one outcome (k, t*), its tokens in the table."""
     row: int  # row of the build's token table
     length: int  # tokens drafted after the outcome's bonus token (fewer than K if the build was cut short)
-    probs: torch.Tensor | None  # [length, V] distributions they were drawn from; None for greedy rows
-    # rows of the build's rank table: the draft's most likely ids at the position each token was drawn for
-    # (the next build's outcome guesses at depth j, so that build need not re-run these positions)
+    # rows of the build's rank table (and of its distributions): the draft's most likely ids at the position each
+    # token was drawn for (the next build's outcome guesses at depth j, so that build need not re-run these)
     rank_rows: list[int]
-    # where its k/v sits: step j's slot is scratch[offsets[j] + index] (the build's lists, shared by its branches;
-    # only a hit reads them, so no branch spells its slots out)
-    scratch: list[int]
-    offsets: list[int]
-    index: int
-
-    @property
-    def kv_slots(self) -> list[int]:
-        """Scratch KV slots of the bonus token and tokens[:-1] (what the next build's glue would recompute)."""
-        return [self.scratch[o + self.index] for o in self.offsets[:self.length]]
+    kv_slots: list[int]  # scratch KV slots of the bonus token and tokens[:-1] (what the next glue would recompute)
+    sampled: bool  # its tokens were drawn from distributions, which ``gather`` hands out
 
 
 class SpeculationCache:
     """One build's speculations: host keys, device token table; cleared every round."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, int, int], CachedBranch] = {}
+        # sequence id -> (its branches, outcome (k, t*) -> branch q): a dict per sequence, made in one call
+        self._entries: dict[int, tuple[BranchGroup, dict[tuple[int, int], int]]] = {}
         self.tokens: torch.Tensor | None = None  # [R, K] long on the draft's device; -1 past a row's length
         self.ranks: RankTable | None = None  # every position of every branch, ranked
+        self.probs: torch.Tensor | None = None  # [rows, V] every pass row's distribution; None if all greedy
 
-    def fill(self, branch_rows: list[list[int]], drawn: list[torch.Tensor], ranks: RankTable | None, k: int,
-             device: torch.device) -> None:
-        """Start a build's cache (entries follow with ``put``): its rank table, and its [R, K] token table
-        scattered on ``device`` from the steps' drawn tokens in one write.
+    def fill(self, groups: list[BranchGroup], drawn: list[torch.Tensor], ranks: RankTable | None,
+             probs: torch.Tensor | None, k: int, device: torch.device) -> None:
+        """Start a build's cache (entries follow with ``put``): its rank table and distributions, and its [R, K]
+        token table scattered on ``device`` from the steps' drawn tokens in one write.
 
-        ``drawn[j]``: the tokens of step j's pass, a row each; ``branch_rows[b]``: the pass rows (numbered
-        across the steps, in order) that drew branch b's tokens, one per step it was decoded."""
-        table = torch.full((len(branch_rows), k), -1, dtype=torch.long, device=device)
-        if drawn:  # pass row r of step j -> cell (b, j)
-            cell = [0] * sum(len(d) for d in drawn)
-            for b, rows in enumerate(branch_rows):
-                for j, r in enumerate(rows):
-                    cell[r] = b * k + j
-            flat = to_device(torch.tensor(cell, dtype=torch.long), device)
-            table.view(-1)[flat] = torch.cat(drawn).to(device)
+        ``drawn[j]``: the tokens of step j's pass, a row per decoded branch, ``groups`` in order (each its first
+        ``widths[j]`` branches); ``groups``' ``first_row``s number the table's rows in the same order."""
+        table = torch.full((sum(g.branches for g in groups), k), -1, dtype=torch.long, device=device)
+        if drawn:  # pass row r of step j, branch q of group g -> cell (first_row + q, j)
+            widths = torch.tensor([[g.widths[j] for g in groups] for j in range(len(drawn))], dtype=torch.long)
+            first = torch.tensor([g.first_row for g in groups], dtype=torch.long).expand_as(widths)
+            step = torch.arange(len(drawn)).unsqueeze(1).expand_as(widths)
+            n = widths.reshape(-1)
+            q = torch.arange(int(n.sum())) - (n.cumsum(0) - n).repeat_interleave(n)
+            cell = (first.reshape(-1).repeat_interleave(n) + q) * k + step.reshape(-1).repeat_interleave(n)
+            table.view(-1)[to_device(cell, device)] = torch.cat(drawn).to(device)
         self._entries.clear()
-        self.tokens, self.ranks = table, ranks
+        self.tokens, self.ranks, self.probs = table, ranks, probs
 
-    def put(self, seq_id: int, k: int, token: int, branch: CachedBranch) -> None:
-        self._entries[(seq_id, k, token)] = branch
+    def put(self, seq_id: int, keys: list[tuple[int, int]], group: BranchGroup) -> None:
+        """Enter a sequence's branches: ``keys[q]`` = (k, t*), the outcome branch q was prepared for."""
+        self._entries[seq_id] = (group, dict(zip(keys, range(len(keys)))))
 
     def get(self, seq_id: int, k: int, token: int) -> CachedBranch | None:
-        return self._entries.get((seq_id, k, token))
+        group, index = self._entries.get(seq_id, (None, {}))
+        q = index.get((k, token))
+        return None if q is None else group.branch(q)
 
-    def gather(self, hits: list[CachedBranch]) -> list[torch.Tensor]:
+    def gather(self, hits: list[CachedBranch]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
         """[tokens [H, K], rank ids [N, W], rank probs [N, W]] of ``hits`` on the device, for one read
-        (``read_together``); the rank rows are every hit's ``rank_rows`` in order."""
+        (``read_together``; the rank rows are every hit's ``rank_rows`` in order), and each hit's [length, V]
+        distributions (None for a greedy one), gathered on the device in one index."""
         device = self.tokens.device
         rows = to_device(torch.tensor([h.row for h in hits], dtype=torch.long), device)
         ranks = self.ranks.take([r for h in hits for r in h.rank_rows])
-        return [self.tokens[rows]] + ranks
+        probs: list[torch.Tensor | None] = [None] * len(hits)
+        sampled = [b for b, h in enumerate(hits) if h.sampled]
+        if sampled:
+            index = torch.tensor([r for b in sampled for r in hits[b].rank_rows], dtype=torch.long)
+            blocks = self.probs[to_device(index, self.probs.device)].split([hits[b].length for b in sampled])
+            for b, block in zip(sampled, blocks):
+                probs[b] = block
+        return [self.tokens[rows]] + ranks, probs
 
     def read_tokens(self, branch: CachedBranch) -> list[int]:
         """One entry's tokens (a read of its own; the engine reads hits through ``gather``)."""
@@ -84,33 +108,14 @@ class SpeculationCache:
 
     def clear(self) -> None:
         self._entries.clear()
-        self.tokens = self.ranks = None
+        self.tokens = self.ranks = self.probs = None
 
     def keys(self) -> list[tuple[int, int, int]]:
-        return list(self._entries)
+        return [(seq_id, k, t) for seq_id, (_, index) in self._entries.items() for k, t in index]
 
     def items(self) -> list[tuple[tuple[int, int, int], CachedBranch]]:
-        return list(self._entries.items())
+        return [((seq_id, k, t), group.branch(q)) for seq_id, (group, index) in self._entries.items()
+                for (k, t), q in index.items()]
 
     def __len__(self) -> int:
-        return len(self._entries)
-
-
-def branch_probs(sampled: list[bool], rows_of: dict[tuple[int, int], list[int]],
-                 all_probs: list[torch.Tensor]) -> dict[tuple[int, int], torch.Tensor]:
-    """[len(tokens), V] distributions of every branch (i, q) of a sampled sequence i (``sampled[i]``), from the
-    build's steps' rows (``all_probs``, numbered across the steps as ``rows_of`` numbers them): one gather per
-    branch length."""
-    by_length: dict[int, list[tuple[int, int]]] = {}
-    for (i, q), rows in rows_of.items():
-        if sampled[i]:
-            by_length.setdefault(len(rows), []).append((i, q))
-    if not by_length:
-        return {}
-    flat = torch.cat(all_probs)
-    out = {}
-    for members in by_length.values():
-        index = to_device(torch.tensor([rows_of[m] for m in members]), flat.device)
-        gathered = flat[index]  # [branches, length, V]
-        out.update(zip(members, gathered))
-    return out
+        return sum(len(index) for _, index in self._entries.values())

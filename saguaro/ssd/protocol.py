@@ -32,6 +32,7 @@ the verifier: it truncates each speculation to the request's budget before verif
 """
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
 
@@ -110,11 +111,14 @@ class RowColumns(IntEnum):
 
 def _bits(x: float) -> int:
     """A float64 carried exactly in an int64 field."""
-    return int(torch.tensor([x], dtype=torch.float64).view(torch.int64))
+    return _INT64.unpack(_FLOAT64.pack(x))[0]
 
 
 def _float(bits: int) -> float:
-    return float(torch.tensor([bits], dtype=torch.int64).view(torch.float64))
+    return _FLOAT64.unpack(_INT64.pack(bits))[0]
+
+
+_INT64, _FLOAT64 = struct.Struct("<q"), struct.Struct("<d")  # one word, read as either
 
 
 # -- request ------------------------------------------------------------------------
@@ -189,24 +193,20 @@ _HEAD = 6
 def pack_response(resp: RoundResponse, k: int) -> list[torch.Tensor]:
     blocks = [row.probs for row in resp.rows if row.probs is not None]
     vocab = blocks[0].shape[-1] if blocks else 0
-    meta = torch.zeros(len(resp.rows), RowColumns.TOKENS + k, dtype=torch.int64)
-    probs = torch.zeros(len(blocks), k, vocab, dtype=torch.float32)
-    b = 0
+    meta = []
     for r, row in enumerate(resp.rows):
         n = len(row.tokens)
         if n > k:
             raise ValueError(f"row {r} holds {n} tokens, more than K = {k}")
-        meta[r, RowColumns.HIT] = int(row.hit)
-        meta[r, RowColumns.POINT_MASS] = int(row.point_mass)
-        meta[r, RowColumns.HAS_PROBS] = int(row.probs is not None)
-        meta[r, RowColumns.NUM_TOKENS] = n
-        meta[r, RowColumns.TOKENS:RowColumns.TOKENS + n] = torch.tensor(row.tokens, dtype=torch.int64)
-        if row.probs is not None:
-            probs[b, :n] = row.probs
-            b += 1
-    head = torch.tensor([_bits(resp.build_s), _bits(resp.respond_s), resp.build_steps, len(resp.rows), k, vocab],
-                        dtype=torch.int64)
-    return [torch.cat([head, meta.reshape(-1)]), probs.reshape(-1)]
+        meta += [int(row.hit), int(row.point_mass), int(row.probs is not None), n, *row.tokens, *[0] * (k - n)]
+    if blocks and all(len(b) == k for b in blocks):  # the usual case: one copy
+        probs = torch.stack(blocks).to(device="cpu", dtype=torch.float32)
+    else:
+        probs = torch.zeros(len(blocks), k, vocab, dtype=torch.float32)
+        for b, block in enumerate(blocks):
+            probs[b, :len(block)] = block
+    head = [_bits(resp.build_s), _bits(resp.respond_s), resp.build_steps, len(resp.rows), k, vocab]
+    return [torch.tensor(head + meta, dtype=torch.int64), probs.reshape(-1)]
 
 
 def unpack_response(frames: list[torch.Tensor], k: int, vocab: int) -> RoundResponse:

@@ -43,6 +43,7 @@ from __future__ import annotations
 import random
 import time
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Callable
 
 import torch
@@ -54,7 +55,7 @@ from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.ranked import RankTable, rank_positions, rank_table, ranked_rows
 from saguaro.sampling.sampler import sample
 from saguaro.sd.draft_model import DraftModelProposer
-from saguaro.ssd.cache import CachedBranch, SpeculationCache, branch_probs
+from saguaro.ssd.cache import BranchGroup, CachedBranch, SpeculationCache
 from saguaro.ssd.miss_drafts import MissDrafts
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
@@ -76,8 +77,7 @@ class BuildStats:
 
 @dataclass
 class DraftStep:
-    """One build step's pass: a row per decoded branch."""
-    rows: list[tuple[int, int]]  # (sequence index, branch q) of each pass row
+    """One build step's pass: a row per decoded branch, each sequence's in turn (its likeliest first)."""
     drawn: torch.Tensor  # [rows] the tokens drawn, on the draft's device
     ranks: RankTable  # the draft's likeliest ids at each row
     probs: torch.Tensor | None  # [rows, V] what they were drawn from; None when every row is greedy
@@ -193,7 +193,7 @@ class Speculator:
         order = [self.states[i] for i in req.order]
         hit_states = [s for s in order if s.seq.seq_id in hits]
         hit_list = [hits[s.seq.seq_id] for s in hit_states]
-        pieces = self.cache.gather(hit_list) if hit_list else []  # [tokens, rank ids, rank probs], on the device
+        pieces, hit_probs = self.cache.gather(hit_list) if hit_list else ([], [])  # on the device
         self.cache.clear()
         self._free_scratch()
         misses = [s for s in order if s.seq.seq_id not in hits]
@@ -202,9 +202,9 @@ class Speculator:
         rows = dict(drafts.answer(misses, values[len(pieces):]))
         if hit_list:
             tokens, ranked = values[0], iter(ranked_rows(values[1], values[2]))
-            for state, hit, row in zip(hit_states, hit_list, tokens):
+            for state, hit, row, probs in zip(hit_states, hit_list, tokens, hit_probs):
                 state.ranked = [next(ranked) for _ in hit.rank_rows]
-                rows[state.seq.seq_id] = SpecRow(True, row[:hit.length], hit.probs)
+                rows[state.seq.seq_id] = SpecRow(True, row[:hit.length], probs)
         for state in order:
             row = rows[state.seq.seq_id]
             state.sent = row.tokens
@@ -351,55 +351,57 @@ class Speculator:
             layouts[i].scratch_slots = self.runner.slots(states[i].scratch, 0, size)
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
         greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro_sampling is None
+        widths = [[layouts[i].width(j) for i in live] for j in range(self.k)]  # [step][live sequence]
+        starts = [list(accumulate(w, initial=0))[:-1] for w in widths]  # each one's first row in the step's pass
         steps: list[DraftStep] = []
         for step in range(self.k):
             if step > 0 and interrupted():
                 break
-            steps.append(self._draft_step(step, live, layouts, seqs, steps[-1] if steps else None, greedy_only))
-        branches = [(i, q) for i in live for q in range(layouts[i].num_branches)]  # token table rows, in order
-        rows_of: dict[tuple[int, int], list[int]] = {branch: [] for branch in branches}  # pass rows, all steps
-        done = 0
-        for drafted in steps:
-            for r, branch in enumerate(drafted.rows):
-                rows_of[branch].append(done + r)
-            done += len(drafted.rows)
-        self.cache.fill([rows_of[b] for b in branches], [d.drawn for d in steps],
-                        RankTable.cat([d.ranks for d in steps]) if steps else None, self.k, self.runner.device)
-        probs = branch_probs([not s.params.greedy for s in seqs], rows_of,
-                             [d.probs for d in steps if d.probs is not None])
-        offsets = {i: layouts[i].step_offsets(len(steps)) for i in live}
-        for b, (i, q) in enumerate(branches):
-            lay, rows = layouts[i], rows_of[i, q]
-            self.cache.put(seqs[i].seq_id, lay.fork_depths[q], lay.roots[q],
-                           CachedBranch(b, len(rows), probs.get((i, q)), rows, lay.scratch_slots, offsets[i], q))
-        return BuildStats(steps=len(steps), branches=len(branches))
+            steps.append(self._draft_step(step, live, layouts, seqs, widths, starts,
+                                          steps[-1] if steps else None, greedy_only))
+        done = list(accumulate((len(d.drawn) for d in steps), initial=0))  # pass rows before each step
+        groups, first_row = [], 0
+        for n, i in enumerate(live):
+            lay = layouts[i]
+            groups.append(BranchGroup(first_row, lay.num_branches, [done[j] + starts[j][n] for j in range(len(steps))],
+                                      [widths[j][n] for j in range(len(steps))], not seqs[i].params.greedy,
+                                      lay.scratch_slots, lay.step_offsets(len(steps))))
+            first_row += lay.num_branches
+        probs = [d.probs for d in steps if d.probs is not None]
+        self.cache.fill(groups, [d.drawn for d in steps], RankTable.cat([d.ranks for d in steps]) if steps else None,
+                        torch.cat(probs) if probs else None, self.k, self.runner.device)
+        for i, group in zip(live, groups):
+            lay = layouts[i]
+            self.cache.put(seqs[i].seq_id, list(zip(lay.fork_depths, lay.roots)), group)
+        return BuildStats(steps=len(steps), branches=first_row)
 
     def _draft_step(self, step: int, live: list[int], layouts: list[BranchLayout], seqs: list[Sequence],
-                    last: DraftStep | None, greedy_only: bool) -> DraftStep:
+                    widths: list[list[int]], starts: list[list[int]], last: DraftStep | None,
+                    greedy_only: bool) -> DraftStep:
         """One build step: every decoded branch's input (its root at step 0, else what ``last`` drew for it:
         widths never grow, so ``last`` decoded every branch of this step) -> one tree-masked pass -> the
-        tokens drawn, left on the draft's device to feed the next step and fill the token table there."""
-        rows = [(i, q) for i in live for q in range(layouts[i].width(step))]
-        row_seqs = [seqs[i] for i, _ in rows]
+        tokens drawn, left on the draft's device to feed the next step and fill the token table there.
+        ``widths[j][n]``: branches of ``live[n]`` decoded at step j; ``starts[j][n]``: the first one's pass row."""
+        width = widths[step]
+        row_seqs = [seqs[i] for i, w in zip(live, width) for _ in range(w)]
         if last is None:
-            inputs = torch.tensor([layouts[i].roots[q] for i, q in rows], dtype=torch.long)
-        else:
-            where = {row: r for r, row in enumerate(last.rows)}
-            inputs = last.drawn[to_device(torch.tensor([where[row] for row in rows]), last.drawn.device)]
+            inputs = torch.tensor([r for i, w in zip(live, width) for r in layouts[i].roots[:w]], dtype=torch.long)
+        else:  # branch q of live[n] was row starts[step - 1][n] + q of the last pass
+            where = [f + q for f, w in zip(starts[step - 1], width) for q in range(w)]
+            inputs = last.drawn[to_device(torch.tensor(where), last.drawn.device)]
         items, first = [], 0
-        for i in live:
-            width = layouts[i].width(step)
-            items.append(layouts[i].step_item(step, inputs[first:first + width]))
-            first += width
+        for i, w in zip(live, width):
+            items.append(layouts[i].step_item(step, inputs[first:first + w]))
+            first += w
         logits = self.runner.forward_flat(items)[0]
         ranks = rank_table(logits, self.width)
         if greedy_only:
-            return DraftStep(rows, logits.argmax(dim=-1), ranks, None)
+            return DraftStep(logits.argmax(dim=-1), ranks, None)
         probs = processed_probs(logits, row_seqs)
         if self.saguaro_sampling is not None:
             probs = self.saguaro_sampling.apply(probs, step, row_seqs)  # Def. 14 for index ``step``
         greedy = torch.tensor([s.params.greedy for s in row_seqs])
-        return DraftStep(rows, sample(probs, [s.generator for s in row_seqs], greedy), ranks, probs)
+        return DraftStep(sample(probs, [s.generator for s in row_seqs], greedy), ranks, probs)
 
     def close(self) -> None:
         for seq_id in list(self.states):

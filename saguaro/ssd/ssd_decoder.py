@@ -89,7 +89,8 @@ class SSDDecoder(Decoder):
                 out[seq.seq_id] = tokens
                 hits.append(self._record_hit(seq, self.pending.pop(seq.seq_id).hit))
         t1 = time.perf_counter()
-        admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s not in ready]
+        verified = {s.seq_id for s in ready}
+        admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s.seq_id not in verified]
         request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs])
         self.released = []
         try:
@@ -144,10 +145,15 @@ class SSDDecoder(Decoder):
         if any(r.probs is not None for r in rows):
             # on the target's device: a colocated speculator's rows arrive there already, and a CPU speculator's
             # are copied in without the host waiting on the GPU
-            probs = torch.zeros(len(rows), max(max(budgets), 1), vocab, device=self.target.device)
-            for b, (r, n) in enumerate(zip(rows, budgets)):
-                if r.probs is not None and n:
-                    probs[b, :n] = to_device(r.probs[:n], self.target.device)
+            blocks = [r.probs[:n] if r.probs is not None else r.probs for r, n in zip(rows, budgets)]
+            k = max(max(budgets), 1)
+            if all(b is not None and len(b) == k for b in blocks):  # every row sampled and in full: one copy
+                probs = to_device(torch.stack(blocks).float(), self.target.device)
+            else:
+                probs = torch.zeros(len(rows), k, vocab, device=self.target.device)
+                for b, block in enumerate(blocks):
+                    if block is not None and len(block):
+                        probs[b, :len(block)] = to_device(block, self.target.device)
         point_mass = torch.tensor([r.point_mass or r.probs is None for r in rows])
         return Proposal(tokens, probs, point_mass)
 
