@@ -32,3 +32,28 @@ def test_rank_table_rows_read_once_and_equal_the_rows(rows, monkeypatch):
     assert [r.ids for r in ranked] == table.ids[index].tolist()
     assert [r.probs for r in ranked] == table.probs[index].tolist()
     assert RankTable.empty(3).rows() == []
+
+
+def test_saguaro_cores_none_pins_nothing(monkeypatch):
+    import os
+
+    from saguaro import LLM
+    from saguaro.device import default_draft_cores, default_target_cores, usable_cores
+    from tests.tiny import tiny_model
+    monkeypatch.setenv("SAGUARO_CORES", "2,3")
+    assert (default_target_cores(), default_draft_cores()) == ([2], [3])
+    monkeypatch.setenv("SAGUARO_CORES", "none")
+    assert default_target_cores() is None and default_draft_cores() is None
+    assert default_target_cores(True) == usable_cores()[:1]  # a probe of two cores still gets them
+    monkeypatch.delenv("SAGUARO_CORES")
+    allowed = usable_cores()
+    monkeypatch.setenv("SAGUARO_CORES", "none")
+    assert usable_cores() == allowed
+    affinity = os.sched_getaffinity(0)
+    with LLM(tiny_model(seed=3, vocab=16, layers=1)) as llm:
+        assert llm.config.target_cores is None and llm.config.draft_cores is None
+        llm.generate([[1, 2]], None)
+    assert os.sched_getaffinity(0) == affinity
+    monkeypatch.setenv("SAGUARO_CORES", "two")
+    with pytest.raises(ValueError, match="or be none"):
+        usable_cores()

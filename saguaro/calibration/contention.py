@@ -56,7 +56,7 @@ def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: tor
 
     ``target`` / ``draft``: model names (loaded here and in the busy process) or ``LoadedModel``s. The
     caller's process is pinned to ``target_cores`` with one thread meanwhile, then restored."""
-    target_cores, draft_cores = target_cores or default_target_cores(), draft_cores or default_draft_cores()
+    target_cores, draft_cores = target_cores or default_target_cores(True), draft_cores or default_draft_cores(True)
     affinity = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
     threads = torch.get_num_threads()
     pin_process(target_cores, 1)
