@@ -66,14 +66,12 @@ class SpeculationCache:
         ``drawn[j]``: the tokens of step j's pass, a row per decoded branch, ``groups`` in order (each its first
         ``widths[j]`` branches); ``groups``' ``first_row``s number the table's rows in the same order."""
         table = torch.full((sum(g.branches for g in groups), k), -1, dtype=torch.long, device=device)
-        if drawn:  # pass row r of step j, branch q of group g -> cell (first_row + q, j)
-            widths = torch.tensor([[g.widths[j] for g in groups] for j in range(len(drawn))], dtype=torch.long)
-            first = torch.tensor([g.first_row for g in groups], dtype=torch.long).expand_as(widths)
-            step = torch.arange(len(drawn)).unsqueeze(1).expand_as(widths)
-            n = widths.reshape(-1)
-            q = torch.arange(int(n.sum())) - (n.cumsum(0) - n).repeat_interleave(n)
-            cell = (first.reshape(-1).repeat_interleave(n) + q) * k + step.reshape(-1).repeat_interleave(n)
-            table.view(-1)[to_device(cell, device)] = torch.cat(drawn).to(device)
+        if drawn:  # pass row r of step j, branch q of group g -> cell (first_row + q, j): a run per group and step
+            cell: list[int] = []
+            for j in range(len(drawn)):
+                for g in groups:
+                    cell.extend(range(g.first_row * k + j, (g.first_row + g.widths[j]) * k + j, k))
+            table.view(-1)[to_device(torch.tensor(cell, dtype=torch.long), device)] = torch.cat(drawn).to(device)
         self._entries.clear()
         self.tokens, self.ranks, self.probs = table, ranks, probs
 
