@@ -122,3 +122,15 @@ def measure_mixed(llm: LLM, target, classes: list[tuple[SamplingParams, list[int
 def greedy_reference(target, prompt: list[int], length: int) -> list[int]:
     with LLM(target, block_size=4) as llm:
         return llm.generate([prompt], SamplingParams(max_tokens=length, ignore_eos=True))[0].token_ids
+
+
+def in_process(llm: LLM) -> LLM:
+    """Serve ``llm``'s SSD rounds synchronously in this process, so that every build completes before the next
+    round. Beside the target, a speculator that finds the next request already waiting skips its build (the
+    round then misses), so hit rates there depend on how the OS schedules the two; and a monkeypatch made here
+    reaches the speculator's code only in this process."""
+    from saguaro.ssd.in_process import InProcessLink
+    worker = llm.engine.decoder.link
+    worker.stop()
+    llm.engine.decoder.link = InProcessLink(llm.draft, worker.opts)
+    return llm

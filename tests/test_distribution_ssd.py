@@ -19,7 +19,7 @@ import pytest
 
 import saguaro.sd.sd as sd_module
 from saguaro import LLM, SamplingParams
-from tests.dist_harness import measure
+from tests.dist_harness import in_process, measure
 from tests.test_distribution_sd import wrong_verifier
 from tests.tiny import perturbed, tiny_model
 
@@ -68,7 +68,8 @@ def test_tapered_tree_distribution(pair):
 
 def test_all_hits_after_the_first_round(pair):
     """With every outcome cached, only each request's first verified round can miss."""
-    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[8, 8], block_size=4)
+    llm = in_process(LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[8, 8],
+                         block_size=4))  # every build completes: no round misses for want of time
     with llm:
         outs = llm.generate([[3, 7, 1]] * 8, [SamplingParams(temperature=1.0, seed=i, max_tokens=12) for i in range(8)])
         metrics = llm.spec_metrics(outs)

@@ -9,7 +9,7 @@ drafts) or random tokens. Fan-out [1, 2] gives hits and misses in every batch.
 import pytest
 
 from saguaro import LLM, SamplingParams
-from tests.dist_harness import measure
+from tests.dist_harness import in_process, measure
 from tests.test_distribution_ssd import POSITIONS, pair  # noqa: F401  (fixture)
 
 
@@ -33,7 +33,6 @@ def test_negative_control_recording_p_instead_of_q_fails(pair, monkeypatch):  # 
     import saguaro.sd.draft_model as draft_module
     import saguaro.ssd.speculator as speculator_module
     from saguaro.ssd.saguaro_sampling import saguaro_reweight
-    from saguaro.ssd.in_process import InProcessLink
 
     real = speculator_module.sample
 
@@ -43,12 +42,9 @@ def test_negative_control_recording_p_instead_of_q_fails(pair, monkeypatch):  # 
 
     monkeypatch.setattr(speculator_module, "sample", biased)
     monkeypatch.setattr(draft_module, "sample", biased)
-    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[1, 2],
-              block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
+    llm = in_process(LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[1, 2],
+                         block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16))  # the patch lives here
     try:
-        worker = llm.engine.decoder.link
-        worker.stop()
-        llm.engine.decoder.link = InProcessLink(pair[1], worker.opts)  # the patch lives in this process
         tv, threshold = measure(llm, pair[0], SamplingParams(temperature=1.0), POSITIONS, n=20_000)
     finally:
         llm.close()
