@@ -83,6 +83,18 @@ def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
+def stack_padded(blocks: list[torch.Tensor | None], width: int, columns: int, device: torch.device) -> torch.Tensor:
+    """[len(blocks), width, columns] float32 on ``device``: block b ([n_b <= width, columns]; None: none) in row b,
+    zeros past it. One stack and one copy when every block is full (a batch's speculations usually are)."""
+    if blocks and all(b is not None and len(b) == width for b in blocks):
+        return to_device(torch.stack(blocks).float(), device)
+    out = torch.zeros(len(blocks), width, columns, device=device)
+    for i, block in enumerate(blocks):
+        if block is not None and len(block):
+            out[i, :len(block)] = to_device(block, device)
+    return out
+
+
 def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
     """``dst.copy_(src)`` that does not block the host when ``src`` is host data bound for a GPU."""
     if dst.device.type == "cuda" and src.device.type == "cpu":

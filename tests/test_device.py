@@ -57,3 +57,16 @@ def test_saguaro_cores_none_pins_nothing(monkeypatch):
     monkeypatch.setenv("SAGUARO_CORES", "two")
     with pytest.raises(ValueError, match="or be none"):
         usable_cores()
+
+
+def test_stack_padded_puts_each_block_in_its_row_and_zeros_past_it():
+    from saguaro.device import stack_padded
+    full = [torch.rand(3, 5), torch.rand(3, 5)]
+    got = stack_padded(full, 3, 5, torch.device("cpu"))
+    assert got.dtype == torch.float32 and torch.equal(got, torch.stack(full))
+    ragged = [torch.rand(2, 5), None, torch.rand(0, 5), torch.rand(3, 5, dtype=torch.float64)]
+    got = stack_padded(ragged, 3, 5, torch.device("cpu"))
+    assert got.shape == (4, 3, 5) and got.dtype == torch.float32
+    assert torch.equal(got[0, :2], ragged[0]) and not got[0, 2:].any() and not got[1:3].any()
+    assert torch.equal(got[3], ragged[3].float())
+    assert stack_padded([], 2, 5, torch.device("cpu")).shape == (0, 2, 5)

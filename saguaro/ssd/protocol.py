@@ -38,6 +38,7 @@ from enum import IntEnum
 
 import torch
 
+from saguaro.device import stack_padded
 from saguaro.sampling.params import SamplingParams
 
 CMD_ROUND, CMD_STOP = 1, 2
@@ -109,6 +110,9 @@ class RowColumns(IntEnum):
     TOKENS = 4  # K columns, zero padded past NUM_TOKENS
 
 
+_INT64, _FLOAT64 = struct.Struct("<q"), struct.Struct("<d")  # one word, read as either
+
+
 def _bits(x: float) -> int:
     """A float64 carried exactly in an int64 field."""
     return _INT64.unpack(_FLOAT64.pack(x))[0]
@@ -117,8 +121,6 @@ def _bits(x: float) -> int:
 def _float(bits: int) -> float:
     return _FLOAT64.unpack(_INT64.pack(bits))[0]
 
-
-_INT64, _FLOAT64 = struct.Struct("<q"), struct.Struct("<d")  # one word, read as either
 
 
 # -- request ------------------------------------------------------------------------
@@ -199,12 +201,7 @@ def pack_response(resp: RoundResponse, k: int) -> list[torch.Tensor]:
         if n > k:
             raise ValueError(f"row {r} holds {n} tokens, more than K = {k}")
         meta += [int(row.hit), int(row.point_mass), int(row.probs is not None), n, *row.tokens, *[0] * (k - n)]
-    if blocks and all(len(b) == k for b in blocks):  # the usual case: one copy
-        probs = torch.stack(blocks).to(device="cpu", dtype=torch.float32)
-    else:
-        probs = torch.zeros(len(blocks), k, vocab, dtype=torch.float32)
-        for b, block in enumerate(blocks):
-            probs[b, :len(block)] = block
+    probs = stack_padded(blocks, k, vocab, torch.device("cpu"))
     head = [_bits(resp.build_s), _bits(resp.respond_s), resp.build_steps, len(resp.rows), k, vocab]
     return [torch.tensor(head + meta, dtype=torch.int64), probs.reshape(-1)]
 

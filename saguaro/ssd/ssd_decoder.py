@@ -20,7 +20,7 @@ import torch
 from saguaro.config import Config
 from saguaro.eagle.runner import EagleDraft
 from saguaro.engine.decoder import Decoder
-from saguaro.device import to_device
+from saguaro.device import stack_padded
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
@@ -145,15 +145,8 @@ class SSDDecoder(Decoder):
         if any(r.probs is not None for r in rows):
             # on the target's device: a colocated speculator's rows arrive there already, and a CPU speculator's
             # are copied in without the host waiting on the GPU
-            blocks = [r.probs[:n] if r.probs is not None else r.probs for r, n in zip(rows, budgets)]
-            k = max(max(budgets), 1)
-            if all(b is not None and len(b) == k for b in blocks):  # every row sampled and in full: one copy
-                probs = to_device(torch.stack(blocks).float(), self.target.device)
-            else:
-                probs = torch.zeros(len(rows), k, vocab, device=self.target.device)
-                for b, block in enumerate(blocks):
-                    if block is not None and len(block):
-                        probs[b, :len(block)] = to_device(block, self.target.device)
+            probs = stack_padded([None if r.probs is None else r.probs[:n] for r, n in zip(rows, budgets)],
+                                 max(max(budgets), 1), vocab, self.target.device)
         point_mass = torch.tensor([r.point_mass or r.probs is None for r in rows])
         return Proposal(tokens, probs, point_mass)
 
