@@ -1,6 +1,6 @@
 """The README and docs/ stay true to the repository: links resolve, commands parse, named files exist.
 
-Checked in README.md and every docs/*.md:
+Checked in README.md and every docs/*.md (and the files docs/glossary.md names under saguaro/):
   * every relative Markdown link points at a file that exists (and, with ``#anchor``, at a heading of it);
   * every ``saguaro ...`` / ``python -m saguaro.cli ...`` command in a bash code block parses with the CLI's
     own parser (parsed, never run), and ``saguaro bench NAME`` names a script in benchmarks/;
@@ -110,3 +110,15 @@ def test_ci_runs_the_readme_test_command():
     blocks = CODE_BLOCK.findall(README.read_text())
     commands = [line.split("#")[0].strip() for block in blocks for line in block.splitlines()]
     assert ci in commands, f".ci/run runs {ci!r}, which the README's commands do not show"
+
+
+def _glossary_files() -> list[str]:
+    """The files and folders the glossary's "where" column names (paths under saguaro/)."""
+    rows = [line.split("|") for line in (ROOT / "docs" / "glossary.md").read_text().splitlines()
+            if line.startswith("| ") and not line.startswith("| word")]
+    return sorted({m for row in rows for m in re.findall(r"`([\w/]+(?:\.py|/))`", row[3])})
+
+
+@pytest.mark.parametrize("path", _glossary_files())
+def test_glossary_files_exist(path):
+    assert (ROOT / "saguaro" / path).exists(), f"docs/glossary.md names saguaro/{path}, which does not exist"
