@@ -5,10 +5,10 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
 from saguaro.config import WORKLOADS
 from saguaro.models.draft_format import WEIGHT_FORMATS
+from saguaro.removed import add_removed_flags
 from saguaro.sampling.params import SamplingParams
 from saguaro.ssd_settings import MissStrategy
 
@@ -148,15 +148,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _deprecated(new: str) -> type[argparse.Action]:
-    """An action for a deprecated spelling of ``new``: stores the value where ``new`` does, with a warning."""
-    class Deprecated(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None) -> None:
-            warnings.warn(f"{option_string} is deprecated: use {new}", DeprecationWarning, stacklevel=2)
-            setattr(namespace, self.dest, values)
-    return Deprecated
-
-
 def cmd_train_head(args: argparse.Namespace) -> int:
     from saguaro.eagle.command import run
     return run(args)
@@ -166,16 +157,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
     p.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=4,
                    help="speculative tokens per round (K), or 'auto' (from the calibration profile)")
-    p.add_argument("--proposer", "--speculator", dest="proposer", choices=["draft", "ngram"], default="draft",
-                   help="SD proposer: the draft model or the n-gram matcher (--speculator: deprecated spelling)")
+    p.add_argument("--proposer", choices=["draft", "ngram"], default="draft",
+                   help="SD proposer: the draft model or the n-gram matcher")
     p.add_argument("--draft-kind", choices=["auto", "model", "eagle3"], default="auto",
                    help="the draft: a model or an EAGLE-3 head directory (SD, SSD); auto tells them apart")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--miss-strategy", choices=[m.value for m in MissStrategy],
                    help="SSD: how a cache miss is drafted: jit (the draft, just in time), ngram, random, or auto "
                         "(jit below the critical batch size, n-gram from there)")
-    p.add_argument("--fallback", dest="miss_strategy", choices=[m.value for m in MissStrategy],
-                   action=_deprecated("--miss-strategy"), help=argparse.SUPPRESS)
     p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")
     p.add_argument("--branch-steps",
                    help="SSD: build steps that decode every branch (default K); past them only the likeliest "
@@ -188,7 +177,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the exact eager reference instead of the device's fast path (CUDA graphs on a GPU, "
                         "the bf16 kernels on a CPU)")
-    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # deprecated: the fast path is default
+    add_removed_flags(p, "--compile", "--speculator", "--fallback")
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="draft weight format; int8/int4 cut the draft's step cost and stay lossless")
     p.add_argument("--draft-vocab", type=int, help="the draft head keeps token ids below this (plus special tokens)")
