@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import environment, log, table, write_results
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.ssd.channel import Channel, MessageCounters, free_port
 from saguaro.ssd.launch import WorkerProcess
 from saguaro.ssd.protocol import CMD_STOP, Outcome, RoundRequest, pack_request, unpack_request

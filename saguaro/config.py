@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from saguaro.device import default_draft_cores, default_target_cores
+from saguaro.cores import default_draft_cores, default_target_cores
 from saguaro.models.draft_format import WEIGHT_FORMATS, DraftFormat
 from saguaro.placement import check_transport, gpu_index, place_speculator
 from saguaro.removed import refuse_options
@@ -47,7 +47,7 @@ class Config:
     speculator_transport: str = "auto"  # SSD: "process", "thread" (in the target's process) or "auto" (placement.py)
     threads: int = 1  # torch threads per process
     # CPU affinity of the target process and of the SSD worker: by default the first two usable cores
-    # (``device.usable_cores``: SAGUARO_CORES, else the cores this process may run on)
+    # (``cores.usable_cores``: SAGUARO_CORES, else the cores this process may run on)
     target_cores: list[int] | None = field(default_factory=default_target_cores)
     draft_cores: list[int] | None = field(default_factory=default_draft_cores)
     block_size: int = 16

@@ -13,7 +13,8 @@ from typing import Any
 from saguaro.config import Config
 from saguaro.engine.decoder import ARDecoder, Decoder
 from saguaro.engine.detokenizer import StreamText
-from saguaro.device import load_or_place, pin_process
+from saguaro.cores import pin_process
+from saguaro.loading.place import load_or_place
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner

@@ -7,7 +7,7 @@ import math
 
 from saguaro.calibration.store import load_profile, profile_path, save_profile
 from saguaro.config import DTYPES, WORKLOADS
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.loading import check_shared_vocabulary, load_model
 from saguaro.models.draft_format import WEIGHT_FORMATS
 from saguaro.models.draft_format import DraftFormat

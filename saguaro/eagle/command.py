@@ -38,7 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from saguaro.config import DTYPES
-    from saguaro.device import load_or_place
+    from saguaro.loading.place import load_or_place
     from saguaro.eagle.checkpoint import default_aux_layers
     from saguaro.eagle.data import EVAL_ITEMS, chunk_texts, label, training_texts
     from saguaro.eagle.head import Eagle3Head

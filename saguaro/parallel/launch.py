@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from saguaro.config import Config
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.loading import LoadedModel
 from saguaro.parallel.groups import (TensorParallelError, connect, env_store, host_store, torchrun_rank,
                                      under_torchrun)

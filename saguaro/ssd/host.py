@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from saguaro.config import Config
-from saguaro.device import load_or_place
+from saguaro.loading.place import load_or_place
 from saguaro.eagle.runner import EagleDraft, eagle_runner
 from saguaro.engine.model_runner import draft_runner
 from saguaro.models.draft_format import DraftFormat

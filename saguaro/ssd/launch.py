@@ -72,7 +72,7 @@ class DraftSource:
         """In the worker: the draft as a ``LoadedModel`` on ``device`` / ``dtype`` (an ``EagleDraft`` as it came)."""
         from pathlib import Path
 
-        from saguaro.device import load_or_place
+        from saguaro.loading.place import load_or_place
         from saguaro.loading import LoadedModel
         from saguaro.loading.model_builder import build_model
         if self.name is not None:

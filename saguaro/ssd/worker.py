@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.ssd.channel import Channel, ChannelClosed, MessageCounters, free_port
 from saguaro.ssd.host import SpeculatorOptions, serve, start_speculator
 from saguaro.ssd.launch import DraftSource, WorkerProcess, parent_alive
