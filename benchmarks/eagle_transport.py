@@ -5,7 +5,7 @@ every draft is accepted). The process link packs them into one frame of the targ
 Gloo; the thread link hands the tensor over (no copy, no bytes). This times the process link's whole request
 path -- ``pack_request``, ``Channel.send``, the speculator's ``recv`` and ``unpack_request`` -- against the same
 request without features, with a one-word reply, the two processes on their own cores (the engine's pinning).
-Shapes default to Qwen2.5-Coder-1.5B (H_t 1536, 3 aux layers, bf16), K=3.
+Shapes default to Qwen2.5-Coder-1.5B (H_t 1536, 3 taps, bf16), K=3.
 
     python -m benchmarks.eagle_transport                     # batch 1, 4, 16 and 64
 """
@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.eagle_transport", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     p.add_argument("--k", type=int, default=3)
-    p.add_argument("--width", type=int, default=3 * 1536, help="A*H_t (default: 3 aux layers of the 1.5B)")
+    p.add_argument("--width", type=int, default=3 * 1536, help="A*H_t (default: 3 taps of the 1.5B)")
     p.add_argument("--dtype", type=lambda s: getattr(torch, s), default=torch.bfloat16)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("results"))

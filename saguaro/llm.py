@@ -73,7 +73,7 @@ class LLM:
         if self._eagle is None:
             return ()
         from saguaro.eagle.checkpoint import load_eagle3_config
-        return tuple(load_eagle3_config(self._eagle).layers_for(self.target.config.num_layers))
+        return tuple(load_eagle3_config(self._eagle).taps_for(self.target.config.num_layers))
 
     def _decoder(self, runner: ModelRunner, num_blocks: int) -> Decoder:
         cfg = self.config

@@ -94,7 +94,7 @@ def test_branches_are_the_heads_own_chains(target, head_dir):  # noqa: F811
     prefix (fed the target's features), d_1..d_k and t (fed its own hidden states)."""
     runner = ModelRunner(target.model, 64, 4)
     draft = EagleDraft(head_dir, target.config, target.model.model.embed_tokens.weight)
-    features = TargetFeatures(runner, draft.aux_layers)
+    features = TargetFeatures(runner, draft.taps)
     prompt = PROMPTS[1]
     table = []
     runner.blocks.reserve(table, len(prompt))

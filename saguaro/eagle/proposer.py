@@ -55,7 +55,7 @@ class EagleProposer(Proposer):
         self.blocks = BlockManager(num_blocks, block_size)
         self.states: dict[int, HeadState] = {}
         self._next_pass: tuple[str, list[Sequence]] | None = None  # what the target's next pass is for
-        target.tap(head.aux_layers, self._observe)
+        target.tap(head.taps, self._observe)
 
     # -- the target's features ------------------------------------------------------
     def prefill(self, seqs: list[Sequence], ends: list[int] | None = None) -> None:

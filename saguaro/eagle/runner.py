@@ -37,14 +37,14 @@ from saguaro.models.model_config import ModelConfig
 @dataclass
 class EagleDraft:
     """An EAGLE-3 head as SSD's draft: its directory, and what it reads of the target (the layer count and width
-    that fix its aux layers and ``fc``; the embedding table, which a head without its own shares)."""
+    that fix its taps and ``fc``; the embedding table, which a head without its own shares)."""
     head_dir: str
     target_config: ModelConfig
     embed: torch.Tensor  # [V, H_t] the target's token embeddings
 
     @property
-    def aux_layers(self) -> list[int]:
-        return load_eagle3_config(self.head_dir).layers_for(self.target_config.num_layers)
+    def taps(self) -> list[int]:
+        return load_eagle3_config(self.head_dir).taps_for(self.target_config.num_layers)
 
 
 @dataclass

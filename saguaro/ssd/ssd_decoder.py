@@ -197,6 +197,6 @@ def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: L
     transport Config placed it on (``saguaro.placement``)."""
     opts = SpeculatorOptions.from_config(cfg, plan)
     # an EAGLE-3 head reads the target's features: tap them before the speculator's first message
-    features = TargetFeatures(target, draft.aux_layers) if isinstance(draft, EagleDraft) else None
+    features = TargetFeatures(target, draft.taps) if isinstance(draft, EagleDraft) else None
     link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
     return SSDDecoder(target, link, plan, max_model_len, features)
