@@ -22,8 +22,9 @@ import torch
 
 from benchmarks.common import environment, log, table, write_results
 from saguaro.cores import pin_process
-from saguaro.ssd.channel import Channel, MessageCounters, free_port
-from saguaro.ssd.launch import WorkerProcess
+from saguaro.ssd.channel import Channel, MessageCounters
+from saguaro.workers.process import free_port
+from saguaro.workers.process import WorkerProcess
 from saguaro.ssd.protocol import CMD_STOP, Outcome, RoundRequest, pack_request, unpack_request
 
 
@@ -45,7 +46,7 @@ def measure(batches: list[int], k: int, width: int, dtype: torch.dtype, rounds: 
     from benchmarks import eagle_transport  # by its module name, never __main__: the child imports it
     port, counters = free_port(), MessageCounters()
     child = WorkerProcess(eagle_transport._speculator_side, (port, counters, 1), [counters.file],
-                          role="transport echo")
+                          role="transport echo", hint="fix the error above")
     pin_process([0], 1)
     try:
         channel = child.expect("connecting", lambda: Channel(0, port, counters, "gloo", "cpu", 120), 120)

@@ -61,7 +61,8 @@ class Config:
     # and SSD then all give that model's output (SD and SSD exact to it)
     target_weights: str = "bf16"
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
-    worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
+    # a worker (the SSD speculator, a process or thread; a tensor-parallel rank) silent this long is declared dead
+    worker_timeout_s: float = 60.0
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
     tensor_parallel_size: int = 1  # the target's devices (ranks): >1 shards it with torch.distributed (parallel/)
     draft_kind: str = "auto"  # the draft: a model, an EAGLE-3 head directory (SD, SSD), or "auto" to tell them apart

@@ -87,7 +87,7 @@ def serve_in_process(llm: LLM, head_dir: str | None) -> None:
     link.stop()
     draft = llm.draft
     if head_dir is not None:
-        from saguaro.eagle.runner import EagleDraft
+        from saguaro.eagle.draft import EagleDraft
         draft = EagleDraft(head_dir, llm.target.config, llm.target.model.model.embed_tokens.weight)
     llm.engine.decoder.link = InProcessLink(draft, link.opts)
 
