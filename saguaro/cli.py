@@ -188,9 +188,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="which calibration profile the 'auto' settings read (saguaro calibrate --workload)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="saguaro", description="Lossless speculative speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--model")
     g.add_argument("--target")
@@ -207,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
     _add_engine_flags(g)
     g.set_defaults(func=cmd_generate)
-    m = sub.add_parser("models", help="list registered models and whether they are installed")
-    m.set_defaults(func=cmd_models)
+
+
+def _add_demo_and_info(sub) -> None:
     d = sub.add_parser("demo", help="SSD vs SD vs AR on the default Qwen pair")
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--prompts", type=int, default=2, help="HumanEval prompts to run")
@@ -219,14 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ssd-branch-steps", type=int, default=DEMO_BRANCH_STEPS,
                    help=f"SSD build steps that decode every branch; then only the likeliest goes on to K "
                         f"(default {DEMO_BRANCH_STEPS}; 0: every branch K steps)")
-    d.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
-    d.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     d.add_argument("--enforce-eager", action="store_true", help="the exact eager reference (slow)")
     d.set_defaults(func=cmd_demo)
     i = sub.add_parser("info", help="CPU features, the kernel tier of each model of the demo pair, its memory floor")
-    i.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
-    i.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     i.set_defaults(func=cmd_info)
+    for p in (d, i):
+        p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
+        p.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
+
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--model")
     s.add_argument("--target")
@@ -249,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/health answers 503 once the engine has completed no step this long while requests wait")
     _add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
+
+
+def _add_tools(sub) -> None:
+    """bench, calibrate and train-head: commands whose flags live beside their code."""
     b = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
     b.add_argument("name", help="ar, sd, ssd, gpu or peers")
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -261,6 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
     from saguaro.eagle.command import add_arguments as add_train_arguments
     add_train_arguments(t)
     t.set_defaults(func=cmd_train_head)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="saguaro", description="Lossless speculative speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    sub.add_parser("models", help="list registered models and whether they are installed").set_defaults(func=cmd_models)
+    _add_demo_and_info(sub)
+    _add_serve(sub)
+    _add_tools(sub)
     return parser
 
 
