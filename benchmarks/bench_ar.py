@@ -43,7 +43,7 @@ import torch
 
 from benchmarks.common import (DRAFT, TARGET, Prompt, dataset_labels, environment, fmt, int_list, log, median,
                                prepare_prompts, settings, str_list, table, write_results)
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.sampling.params import SamplingParams
 
 CONTEXT = 256  # context length of the step-cost measurements

@@ -28,7 +28,7 @@ import torch
 from benchmarks.common import DRAFT, TARGET, environment, log, table, write_results
 from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.backends.cpu_kernels.model import FastCausalLM, matrix_bytes, pass_bytes
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.info import cpu_name
 
 FORMATS = ("bf16", "int8", "int4")

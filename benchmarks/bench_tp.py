@@ -68,7 +68,7 @@ def run(mode: str, size: int, prompts, args: argparse.Namespace) -> dict[str, An
     with LLM(args.target, **options(mode, size, args)) as llm:
         records = run_requests(llm, f"{mode}-tp{size}", prompts, [0.0], args.max_tokens, 0)
         weights = sum(p.numel() * p.element_size() for p in llm.target.model.parameters())
-        ranks = [os.getpid()] + ([w.pid for w in llm._tp.workers] if llm._tp else [])
+        ranks = [os.getpid()] + [w.pid for w in llm._target.workers]
         backend = llm.engine.target.backend
         clock = getattr(getattr(backend, "link", None), "groups", None)
         per_pass = clock.clock.seconds / backend.passes * 1e3 if clock and backend.passes else None

@@ -5,7 +5,7 @@ every draft is accepted). The process link packs them into one frame of the targ
 Gloo; the thread link hands the tensor over (no copy, no bytes). This times the process link's whole request
 path -- ``pack_request``, ``Channel.send``, the speculator's ``recv`` and ``unpack_request`` -- against the same
 request without features, with a one-word reply, the two processes on their own cores (the engine's pinning).
-Shapes default to Qwen2.5-Coder-1.5B (H_t 1536, 3 aux layers, bf16), K=3.
+Shapes default to Qwen2.5-Coder-1.5B (H_t 1536, 3 taps, bf16), K=3.
 
     python -m benchmarks.eagle_transport                     # batch 1, 4, 16 and 64
 """
@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from benchmarks.common import environment, log, table, write_results
-from saguaro.device import pin_process
-from saguaro.ssd.channel import Channel, MessageCounters, free_port
-from saguaro.ssd.launch import WorkerProcess
+from saguaro.cores import pin_process
+from saguaro.ssd.channel import Channel, MessageCounters
+from saguaro.workers.process import free_port
+from saguaro.workers.process import WorkerProcess
 from saguaro.ssd.protocol import CMD_STOP, Outcome, RoundRequest, pack_request, unpack_request
 
 
@@ -45,7 +46,7 @@ def measure(batches: list[int], k: int, width: int, dtype: torch.dtype, rounds: 
     from benchmarks import eagle_transport  # by its module name, never __main__: the child imports it
     port, counters = free_port(), MessageCounters()
     child = WorkerProcess(eagle_transport._speculator_side, (port, counters, 1), [counters.file],
-                          role="transport echo")
+                          role="transport echo", hint="fix the error above")
     pin_process([0], 1)
     try:
         channel = child.expect("connecting", lambda: Channel(0, port, counters, "gloo", "cpu", 120), 120)
@@ -92,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m benchmarks.eagle_transport", description=__doc__.split("\n\n")[0])
     p.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4, 16, 64])
     p.add_argument("--k", type=int, default=3)
-    p.add_argument("--width", type=int, default=3 * 1536, help="A*H_t (default: 3 aux layers of the 1.5B)")
+    p.add_argument("--width", type=int, default=3 * 1536, help="A*H_t (default: 3 taps of the 1.5B)")
     p.add_argument("--dtype", type=lambda s: getattr(torch, s), default=torch.bfloat16)
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--out", type=Path, default=Path("results"))

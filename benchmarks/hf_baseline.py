@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from benchmarks.common import Prompt, Record, log
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 
 
 def qwen2_config(cfg: Any) -> Any:

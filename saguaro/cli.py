@@ -5,10 +5,10 @@ import argparse
 import json
 import os
 import sys
-import warnings
 
 from saguaro.config import WORKLOADS
 from saguaro.models.draft_format import WEIGHT_FORMATS
+from saguaro.removed import add_removed_flags
 from saguaro.sampling.params import SamplingParams
 from saguaro.ssd_settings import MissStrategy
 
@@ -148,15 +148,6 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _deprecated(new: str) -> type[argparse.Action]:
-    """An action for a deprecated spelling of ``new``: stores the value where ``new`` does, with a warning."""
-    class Deprecated(argparse.Action):
-        def __call__(self, parser, namespace, values, option_string=None) -> None:
-            warnings.warn(f"{option_string} is deprecated: use {new}", DeprecationWarning, stacklevel=2)
-            setattr(namespace, self.dest, values)
-    return Deprecated
-
-
 def cmd_train_head(args: argparse.Namespace) -> int:
     from saguaro.eagle.command import run
     return run(args)
@@ -166,16 +157,14 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
     p.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=4,
                    help="speculative tokens per round (K), or 'auto' (from the calibration profile)")
-    p.add_argument("--proposer", "--speculator", dest="proposer", choices=["draft", "ngram"], default="draft",
-                   help="SD proposer: the draft model or the n-gram matcher (--speculator: deprecated spelling)")
+    p.add_argument("--proposer", choices=["draft", "ngram"], default="draft",
+                   help="SD proposer: the draft model or the n-gram matcher")
     p.add_argument("--draft-kind", choices=["auto", "model", "eagle3"], default="auto",
                    help="the draft: a model or an EAGLE-3 head directory (SD, SSD); auto tells them apart")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--miss-strategy", choices=[m.value for m in MissStrategy],
                    help="SSD: how a cache miss is drafted: jit (the draft, just in time), ngram, random, or auto "
                         "(jit below the critical batch size, n-gram from there)")
-    p.add_argument("--fallback", dest="miss_strategy", choices=[m.value for m in MissStrategy],
-                   action=_deprecated("--miss-strategy"), help=argparse.SUPPRESS)
     p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")
     p.add_argument("--branch-steps",
                    help="SSD: build steps that decode every branch (default K); past them only the likeliest "
@@ -188,7 +177,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enforce-eager", action="store_true",
                    help="run the exact eager reference instead of the device's fast path (CUDA graphs on a GPU, "
                         "the bf16 kernels on a CPU)")
-    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # deprecated: the fast path is default
+    add_removed_flags(p, "--compile", "--speculator", "--fallback")
     p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="draft weight format; int8/int4 cut the draft's step cost and stay lossless")
     p.add_argument("--draft-vocab", type=int, help="the draft head keeps token ids below this (plus special tokens)")
@@ -199,9 +188,7 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="which calibration profile the 'auto' settings read (saguaro calibrate --workload)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="saguaro", description="Lossless speculative speculative decoding")
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_generate(sub) -> None:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("--model")
     g.add_argument("--target")
@@ -218,8 +205,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--json", action="store_true")
     _add_engine_flags(g)
     g.set_defaults(func=cmd_generate)
-    m = sub.add_parser("models", help="list registered models and whether they are installed")
-    m.set_defaults(func=cmd_models)
+
+
+def _add_demo_and_info(sub) -> None:
     d = sub.add_parser("demo", help="SSD vs SD vs AR on the default Qwen pair")
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--prompts", type=int, default=2, help="HumanEval prompts to run")
@@ -230,14 +218,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--ssd-branch-steps", type=int, default=DEMO_BRANCH_STEPS,
                    help=f"SSD build steps that decode every branch; then only the likeliest goes on to K "
                         f"(default {DEMO_BRANCH_STEPS}; 0: every branch K steps)")
-    d.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
-    d.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     d.add_argument("--enforce-eager", action="store_true", help="the exact eager reference (slow)")
     d.set_defaults(func=cmd_demo)
     i = sub.add_parser("info", help="CPU features, the kernel tier of each model of the demo pair, its memory floor")
-    i.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
-    i.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     i.set_defaults(func=cmd_info)
+    for p in (d, i):
+        p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
+        p.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
+
+
+def _add_serve(sub) -> None:
     s = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     s.add_argument("--model")
     s.add_argument("--target")
@@ -260,6 +250,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="/health answers 503 once the engine has completed no step this long while requests wait")
     _add_engine_flags(s)
     s.set_defaults(func=cmd_serve)
+
+
+def _add_tools(sub) -> None:
+    """bench, calibrate and train-head: commands whose flags live beside their code."""
     b = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
     b.add_argument("name", help="ar, sd, ssd, gpu or peers")
     b.add_argument("rest", nargs=argparse.REMAINDER)
@@ -272,6 +266,16 @@ def build_parser() -> argparse.ArgumentParser:
     from saguaro.eagle.command import add_arguments as add_train_arguments
     add_train_arguments(t)
     t.set_defaults(func=cmd_train_head)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="saguaro", description="Lossless speculative speculative decoding")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_generate(sub)
+    sub.add_parser("models", help="list registered models and whether they are installed").set_defaults(func=cmd_models)
+    _add_demo_and_info(sub)
+    _add_serve(sub)
+    _add_tools(sub)
     return parser
 
 

@@ -6,15 +6,15 @@ engine resolves it from the pair's calibration profile (``saguaro.calibration.re
 from __future__ import annotations
 
 import os
-import warnings
 from dataclasses import InitVar, dataclass, field
 from typing import Any
 
 import torch
 
-from saguaro.device import default_draft_cores, default_target_cores
+from saguaro.cores import default_draft_cores, default_target_cores
 from saguaro.models.draft_format import WEIGHT_FORMATS, DraftFormat
 from saguaro.placement import check_transport, gpu_index, place_speculator
+from saguaro.removed import refuse_options
 from saguaro.ssd_settings import SETTINGS, SSDSettings
 
 MODES = ("ar", "sd", "ssd")
@@ -47,7 +47,7 @@ class Config:
     speculator_transport: str = "auto"  # SSD: "process", "thread" (in the target's process) or "auto" (placement.py)
     threads: int = 1  # torch threads per process
     # CPU affinity of the target process and of the SSD worker: by default the first two usable cores
-    # (``device.usable_cores``: SAGUARO_CORES, else the cores this process may run on)
+    # (``cores.usable_cores``: SAGUARO_CORES, else the cores this process may run on)
     target_cores: list[int] | None = field(default_factory=default_target_cores)
     draft_cores: list[int] | None = field(default_factory=default_draft_cores)
     block_size: int = 16
@@ -56,14 +56,13 @@ class Config:
     max_prefill_tokens: int = 4096
     max_model_len: int | None = None  # defaults to the model's context length
     enforce_eager: bool = False  # run the exact eager reference instead of the device's fast path (tests)
-    compile: bool | None = None  # deprecated alias: compile=True is the default, compile=False is enforce_eager
-    speculator: str | None = None  # deprecated alias of proposer ("speculator" names the SSD draft side)
     draft_weights: str = "bf16"  # "int8"/"int4": the draft runs W8A8/W4A8 on the fast path (cheaper, still lossless)
     # "int8"/"int4": the target itself quantized on the CPU kernels, a smaller model as a Q8/Q4 GGUF is; AR, SD
     # and SSD then all give that model's output (SD and SSD exact to it)
     target_weights: str = "bf16"
     draft_vocab: int | None = None  # the draft head keeps token ids below this (plus special tokens)
-    worker_timeout_s: float = 60.0  # SSD: a worker silent this long is declared dead
+    # a worker (the SSD speculator, a process or thread; a tensor-parallel rank) silent this long is declared dead
+    worker_timeout_s: float = 60.0
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
     tensor_parallel_size: int = 1  # the target's devices (ranks): >1 shards it with torch.distributed (parallel/)
     draft_kind: str = "auto"  # the draft: a model, an EAGLE-3 head directory (SD, SSD), or "auto" to tell them apart
@@ -73,19 +72,13 @@ class Config:
     saguaro_c: InitVar[float | str] = _UNSET
     branch_steps: InitVar[int | str | None] = _UNSET
     deep_branches: InitVar[int] = _UNSET
-    fallback: InitVar[str] = _UNSET  # deprecated spelling of miss_strategy
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "Config":
+        refuse_options(kwargs)  # a removed spelling names its replacement (saguaro.removed)
+        return super().__new__(cls)
 
     def __post_init__(self, *flat: Any) -> None:
-        self._gather_ssd(dict(zip(SETTINGS + ("fallback",), flat)))
-        if self.compile is not None:
-            warnings.warn("Config(compile=...) is deprecated: the fast path is the default and enforce_eager=True "
-                          "turns it off", DeprecationWarning, stacklevel=3)
-            self.enforce_eager = not self.compile
-            self.compile = None
-        if self.speculator is not None:
-            warnings.warn("Config(speculator=...) is deprecated: the SD proposer is proposer='draft' or 'ngram'",
-                          DeprecationWarning, stacklevel=3)
-            self.proposer, self.speculator = self.speculator, None
+        self._gather_ssd(dict(zip(SETTINGS, flat)))
         check_workload(self.calibration_workload, "calibration_workload")
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
@@ -152,10 +145,6 @@ class Config:
     def _gather_ssd(self, flat: dict[str, Any]) -> None:
         """Map the flat SSD keyword arguments into ``ssd`` (validated there, once)."""
         given = {name: value for name, value in flat.items() if value is not _UNSET}
-        if "fallback" in given:
-            warnings.warn("Config(fallback=...) is deprecated: the cache-miss strategy is miss_strategy=...",
-                          DeprecationWarning, stacklevel=4)
-            given.setdefault("miss_strategy", given.pop("fallback"))
         if given:
             if self.ssd != SSDSettings():
                 raise ValueError(f"give the SSD settings either as ssd=SSDSettings(...) or flat, not both: {given}")

@@ -1,77 +1,10 @@
-"""An engine "device": a CPU core set with a thread count, or a CUDA GPU."""
+"""Tensors on a device: host data copied to a GPU without blocking the host, a batch's distributions stacked
+with zero padding, and several tensors' values read back in one read."""
 from __future__ import annotations
 
-import copy
-import dataclasses
 import math
-import os
 
 import torch
-
-
-# read at import, before any engine pins this process: a second engine then sees the same cores as the first
-_ALLOWED = tuple(sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1))
-
-
-def usable_cores() -> list[int]:
-    """The CPU cores Saguaro pins its processes to, in order: the target takes the first, an SSD speculator the
-    next. ``SAGUARO_CORES`` ("2,3") sets them, e.g. for a second engine on the same machine; by default they are the
-    cores this process may run on (``taskset``, a container's cpuset), so pinning never leaves that set.
-    ``SAGUARO_CORES=none`` pins nothing (``pinning``) and leaves these the cores this process may run on."""
-    given = os.environ.get("SAGUARO_CORES", "").strip()
-    if given and given != "none":
-        try:
-            return [int(c) for c in given.split(",")]
-        except ValueError:
-            raise ValueError(f"SAGUARO_CORES must list core numbers, like 2,3, or be none: got {given!r}") from None
-    return list(_ALLOWED)
-
-
-def pinning() -> bool:
-    """Do processes get pinned by default? Not with ``SAGUARO_CORES=none``: several engines sharing a few cores
-    (a parallel test run) keep every core busy when the scheduler may move them, and wait on each other when
-    each is held to its own."""
-    return os.environ.get("SAGUARO_CORES", "").strip() != "none"
-
-
-def default_target_cores(always: bool = False) -> list[int] | None:
-    """The first usable core; None (no pinning) with ``SAGUARO_CORES=none`` unless ``always`` (a probe of cores)."""
-    return usable_cores()[:1] if always or pinning() else None
-
-
-def default_draft_cores(always: bool = False) -> list[int] | None:
-    """The core after the target's; the target's own on a single core (the two then share it)."""
-    cores = usable_cores()
-    return (cores[1:2] or cores[:1]) if always or pinning() else None
-
-
-def pin_process(cores: list[int] | None, threads: int) -> None:
-    """Pin this process to ``cores`` and use ``threads`` intra-op threads."""
-    if cores and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, set(cores))
-    torch.set_num_threads(threads)
-
-
-def load_or_place(model, device: str, dtype: torch.dtype, progress: bool = True):
-    """A ``LoadedModel`` on ``device``/``dtype`` from a registry name / path (loaded) or a ``LoadedModel``
-    (``place``d)."""
-    if isinstance(model, str):
-        from saguaro.loading import load_model
-        return load_model(model, dtype=dtype, device=device, progress=progress)
-    return place(model, device, dtype)
-
-
-def place(loaded, device: str, dtype: torch.dtype):
-    """``loaded`` on ``device``/``dtype``: itself if it is there already, else a converted copy.
-
-    Never converts the caller's model in place: the same ``LoadedModel`` may serve as the
-    fp32 target and, converted to bf16, as an int8 draft (or be reused by the caller).
-    """
-    target = torch.device(device)
-    if all(p.device == target and p.dtype == dtype for p in loaded.model.parameters()):
-        return loaded
-    model = copy.deepcopy(loaded.model).to(device=target, dtype=dtype)
-    return dataclasses.replace(loaded, model=model)
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -93,14 +26,6 @@ def stack_padded(blocks: list[torch.Tensor | None], width: int, columns: int, de
         if block is not None and len(block):
             out[i, :len(block)] = to_device(block, device)
     return out
-
-
-def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
-    """``dst.copy_(src)`` that does not block the host when ``src`` is host data bound for a GPU."""
-    if dst.device.type == "cuda" and src.device.type == "cpu":
-        dst.copy_(src.pin_memory(), non_blocking=True)
-    else:
-        dst.copy_(src)
 
 
 def read_together(tensors: list[torch.Tensor]) -> list[list]:

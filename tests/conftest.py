@@ -21,7 +21,7 @@ GB_PER_WORKER = 10  # a worker may hold the real 1.5B target and its draft, and 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: pytest runs without xdist too (the GPU check's dry run)
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto``: a worker per usable core, no more than memory holds."""
-    from saguaro.device import usable_cores
+    from saguaro.cores import usable_cores
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     return max(1, min(len(usable_cores()), int(memory // GB_PER_WORKER)))
 

@@ -19,8 +19,8 @@ def random_head_state(target, draft_vocab: int | None = None, seed: int = 0, own
                        head_dim=tc.hidden_size // 4, vocab_size=tc.vocab_size,
                        draft_vocab_size=draft_vocab or tc.vocab_size, max_position_embeddings=512)
     torch.manual_seed(seed)
-    aux = cfg.layers_for(tc.num_layers)
-    head = Eagle3Head(cfg, tc.hidden_size, aux, None if own_embed else target.model.model.embed_tokens)
+    taps = cfg.taps_for(tc.num_layers)
+    head = Eagle3Head(cfg, tc.hidden_size, taps, None if own_embed else target.model.model.embed_tokens)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("norm.weight"):

@@ -16,7 +16,7 @@ uvicorn = pytest.importorskip("uvicorn")  # the server's packages: absent on the
 from saguaro.server.app import create_app  # noqa: E402
 from saguaro.server.async_engine import AsyncEngine  # noqa: E402
 from saguaro.server.lifecycle import GracefulServer, ServerLimits  # noqa: E402
-from saguaro.ssd.channel import free_port  # noqa: E402
+from saguaro.workers.process import free_port  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"

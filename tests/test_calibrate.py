@@ -118,8 +118,9 @@ def test_an_old_or_unknown_profile_asks_to_recalibrate(tmp_path, monkeypatch, ca
     assert load_profile("a", "b", "bfloat16").to_dict() == good
 
 
-def test_a_profile_that_says_fast_reads_as_enforce_eager(tmp_path, monkeypatch):
-    """Profiles written when the switch was ``fast`` (its negation) still load, under the one name."""
+def test_a_profile_that_says_fast_is_refused(tmp_path, monkeypatch, caplog):
+    """The switch was once stored as ``fast`` (the negation of ``enforce_eager``); that spelling was read for a
+    release and is now an unknown key: the profile is refused with a log line that says to calibrate again."""
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     old = default_profile("a", "b", "bfloat16", 4).to_dict()
     del old["enforce_eager"]
@@ -128,7 +129,9 @@ def test_a_profile_that_says_fast_reads_as_enforce_eager(tmp_path, monkeypatch):
     path = profile_path("a", "b", "bfloat16", False)
     path.parent.mkdir(parents=True)
     path.write_text(json.dumps(old))
-    assert load_profile("a", "b", "bfloat16", False).enforce_eager is False
+    with caplog.at_level("WARNING", logger="saguaro.calibration"):
+        assert load_profile("a", "b", "bfloat16", False) is None
+    assert "unknown keys ['fast']" in caplog.text and "re-run `saguaro calibrate`" in caplog.text
 
 
 def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):

@@ -13,15 +13,22 @@ def test_generate_flags_reach_the_engine_options():
     assert opts["draft_weights"] == "int8" and opts["draft_vocab"] == 65536
 
 
-def test_deprecated_spellings_still_work_with_a_warning():
-    """--fallback (CLI) and fallback= (Config / LLM) are the miss strategy's old names."""
-    from saguaro.config import Config
-    with pytest.warns(DeprecationWarning, match="--miss-strategy"):
-        args = build_parser().parse_args(["generate", "--target", "a", "--fallback", "ngram", "--prompt", "x"])
+@pytest.mark.parametrize("flag, argv, replacement", [
+    ("--fallback", ["generate", "--target", "a", "--fallback", "ngram", "--prompt", "x"], "--miss-strategy"),
+    ("--speculator", ["generate", "--target", "a", "--speculator", "ngram", "--prompt", "x"], "--proposer"),
+    ("--compile", ["generate", "--target", "a", "--compile", "--prompt", "x"], "--enforce-eager"),
+    ("--compile", ["serve", "--model", "a", "--compile"], "--enforce-eager"),
+    ("--compile", ["calibrate", "--compile"], "--enforce-eager"),
+])
+def test_removed_flags_name_their_replacement(flag, argv, replacement, capsys):
+    """--fallback, --speculator and --compile warned for a release; now the parser refuses them with the new flag."""
+    with pytest.raises(SystemExit) as exit:
+        build_parser().parse_args(argv)
+    assert exit.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{flag} was removed" in err and replacement in err
+    args = build_parser().parse_args(["generate", "--target", "a", "--miss-strategy", "ngram", "--prompt", "x"])
     assert _engine_options(args)["miss_strategy"] == "ngram"
-    with pytest.warns(DeprecationWarning, match="miss_strategy"):
-        cfg = Config("t", draft="d", mode="ssd", fallback="random")
-    assert cfg.ssd.miss_strategy == "random"
 
 
 def test_demo_defaults_are_consistent():

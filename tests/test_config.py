@@ -1,22 +1,23 @@
-"""Config validates and only validates; the deprecated spellings still work and say what replaced them."""
+"""Config validates and only validates; the removed spellings are refused with what replaced them."""
 import pytest
 
+from saguaro import LLM
 from saguaro.config import Config
 
 
-def test_compile_is_a_deprecated_alias_of_enforce_eager():
-    with pytest.warns(DeprecationWarning, match="enforce_eager"):
-        assert Config("t", compile=False).enforce_eager is True
-    with pytest.warns(DeprecationWarning):
-        cfg = Config("t", compile=True)
-    assert cfg.enforce_eager is False and cfg.compile is None
-
-
-def test_speculator_is_a_deprecated_alias_of_proposer():
-    with pytest.warns(DeprecationWarning, match="proposer"):
-        cfg = Config("t", mode="sd", speculator="ngram")
-    assert cfg.proposer == "ngram" and cfg.speculator is None
+@pytest.mark.parametrize("removed, options, replacement", [
+    ("compile", dict(compile=False), "enforce_eager=True"), ("compile", dict(compile=True), "enforce_eager"),
+    ("speculator", dict(mode="sd", speculator="ngram"), "proposer="),
+    ("fallback", dict(draft="d", mode="ssd", fallback="random"), "miss_strategy="),
+])
+def test_removed_spellings_name_their_replacement(removed, options, replacement):
+    """compile=, speculator= and fallback= warned for a release; now they are refused, naming what replaced them."""
+    with pytest.raises(TypeError, match=f"{removed}= was removed: .*{replacement}"):
+        Config("t", **options)
+    with pytest.raises(TypeError, match=f"{removed}= was removed"):
+        LLM("t", **options)  # refused before anything loads
     assert Config("t", mode="sd", proposer="ngram").proposer == "ngram"
+    assert Config("t", draft="d", mode="ssd", miss_strategy="random").ssd.miss_strategy == "random"
 
 
 def test_bad_proposer_and_a_missing_draft_are_refused():

@@ -38,7 +38,7 @@ def test_saguaro_cores_none_pins_nothing(monkeypatch):
     import os
 
     from saguaro import LLM
-    from saguaro.device import default_draft_cores, default_target_cores, usable_cores
+    from saguaro.cores import default_draft_cores, default_target_cores, usable_cores
     from tests.tiny import tiny_model
     monkeypatch.setenv("SAGUARO_CORES", "2,3")
     assert (default_target_cores(), default_draft_cores()) == ([2], [3])

@@ -9,7 +9,7 @@ from safetensors.torch import save_file  # noqa: E402
 
 from saguaro import LLM  # noqa: E402
 from saguaro.config import Config  # noqa: E402
-from saguaro.device import place  # noqa: E402
+from saguaro.loading.place import place  # noqa: E402
 from saguaro.loading import MODELS, installed  # noqa: E402
 from saguaro.loading.dtype import checkpoint_dtype  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402

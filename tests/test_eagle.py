@@ -116,10 +116,20 @@ def test_eagle_draft_refuses_what_it_cannot_do(target, head_dir, options, messag
         LLM(target=target, draft=str(head_dir), block_size=4, **options)
 
 
-def test_eagle_draft_refuses_tensor_parallelism(target, head_dir):
-    """Refused before any rank starts: no rank holds the whole hidden states the head reads."""
-    with pytest.raises(ValueError, match="tensor-parallel"):
-        LLM(target=target, draft=str(head_dir), mode="sd", block_size=4, tensor_parallel_size=2)
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_eagle_draft_under_tensor_parallelism(target, head_dir, ar_outputs, mode):
+    """A target sharded over 2 ranks (spawned processes, Gloo), an EAGLE-3 head drafting: greedy equals AR in
+    fp32. The residual stream is all-reduced, whole on every rank, so rank 0 taps it; the head reads the whole
+    embedding table, of which rank 0 holds a vocabulary shard. SSD ships both to its speculator process."""
+    with LLM(target=target, draft=str(head_dir), mode=mode, num_speculative_tokens=3, block_size=4,
+             dtype="float32", tensor_parallel_size=2) as llm:
+        assert llm.engine.target.cache.data.shape[3] == 1  # each rank holds one of the 2 KV heads
+        assert llm.draft.embed.shape[0] == target.config.vocab_size
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
+        metrics = llm.spec_metrics(outs)
+        assert getattr(llm.engine.decoder, "failure", None) is None
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert metrics.drafted_tokens > 0 and metrics.accepted_tokens > 0
 
 
 def test_preempted_requests_still_equal_ar(target, head_dir, ar_outputs):

@@ -15,7 +15,7 @@ import torch
 import saguaro.sd.sd as sd_module
 import saguaro.ssd.ssd_decoder as ssd_module
 from saguaro import LLM, SamplingParams
-from saguaro.eagle.runner import EagleDraft, eagle_runner
+from saguaro.eagle.draft import EagleDraft
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.sampling.params import SamplingParams as Params
 from saguaro.ssd.host import SpeculatorOptions
@@ -94,7 +94,7 @@ def test_branches_are_the_heads_own_chains(target, head_dir):  # noqa: F811
     prefix (fed the target's features), d_1..d_k and t (fed its own hidden states)."""
     runner = ModelRunner(target.model, 64, 4)
     draft = EagleDraft(head_dir, target.config, target.model.model.embed_tokens.weight)
-    features = TargetFeatures(runner, draft.aux_layers)
+    features = TargetFeatures(runner, draft.taps)
     prompt = PROMPTS[1]
     table = []
     runner.blocks.reserve(table, len(prompt))
@@ -109,7 +109,7 @@ def test_branches_are_the_heads_own_chains(target, head_dir):  # noqa: F811
         speculator: Speculator = link.speculator
         state = speculator.states[0]
         assert len(speculator.cache) == 2 + 2 + 2 + 3
-        reference = eagle_runner(draft, 64, 4, "cpu", torch.float32)
+        reference = draft.runner(64, 4, "cpu", torch.float32)
         for (_, k, t), branch in speculator.cache.items():
             context = state.seq.tokens + state.sent[:k] + [t]
             chain, ref_table = [], []

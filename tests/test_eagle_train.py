@@ -2,7 +2,7 @@
 import torch
 
 from saguaro import LLM, SamplingParams
-from saguaro.eagle.checkpoint import default_aux_layers
+from saguaro.eagle.checkpoint import default_taps
 from saguaro.eagle.data import label
 from saguaro.eagle.train import TrainSettings, _chain_mask, evaluate, new_head, pick_vocabulary, train
 from saguaro.engine.model_runner import ModelRunner
@@ -13,7 +13,7 @@ def examples_for(target, n: int = 4, length: int = 24):
     gen = torch.Generator().manual_seed(0)
     chunks = [torch.randint(0, target.config.vocab_size, (length,), generator=gen).tolist() for _ in range(n)]
     try:
-        return label(ModelRunner(target.model, 16, 4), default_aux_layers(target.config.num_layers), chunks, 8)
+        return label(ModelRunner(target.model, 16, 4), default_taps(target.config.num_layers), chunks, 8)
     finally:
         target.model.taps = ()
 

@@ -224,7 +224,7 @@ def test_sigterm_ends_streams_with_abort_and_exits():
     import subprocess
     import sys
 
-    from saguaro.ssd.channel import free_port
+    from saguaro.workers.process import free_port
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, str(port)], cwd=os.getcwd(),
                             env={**os.environ, "PYTHONPATH": os.getcwd()}, stdout=subprocess.PIPE,

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from saguaro import LLM, SamplingParams
-from saguaro.ssd import launch
-from saguaro.ssd.launch import WorkerStartError
+from saguaro.workers import process as launch
+from saguaro.workers.process import WorkerStartError
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.host import SpeculatorOptions
 from saguaro.ssd.worker import WorkerLink

@@ -80,7 +80,7 @@ def test_negative_control_rank0_drops_rank1_logits(sampled_pair, monkeypatch):
 @pytest.mark.parametrize("how", ["killed", "hung"])
 def test_rank_failure_fails_requests_and_leaves_no_process(pair, how):
     llm = LLM(pair[0], block_size=4, dtype="float32", tensor_parallel_size=2, worker_timeout_s=3.0)
-    worker = llm._tp.workers[0]
+    worker = llm._target.workers[0]
     stream = llm.stream(PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True))
     next(stream)
     os.kill(worker.pid, signal.SIGKILL if how == "killed" else signal.SIGSTOP)
@@ -96,10 +96,12 @@ def test_rank_failure_fails_requests_and_leaves_no_process(pair, how):
 
 
 def test_tp_ar_loads_an_hf_directory_by_slice(tmp_path, reference, pair):
-    """Greedy AR at TP=2 equals TP=1, the target given by path: every rank reads its own slices of the file."""
+    """Greedy AR at TP=2 equals TP=1, the target given by path: every rank reads its own slices of the file. The
+    whole embedding table (what an EAGLE-3 head reads) is read from the file too."""
     directory = save_tiny(pair[0], tmp_path)
     with LLM(str(directory), block_size=4, dtype="float32", tensor_parallel_size=2) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
+        assert torch.equal(llm._target.embeddings(), pair[0].model.model.embed_tokens.weight)
     assert [o.token_ids for o in outs] == reference
 
 
@@ -143,7 +145,7 @@ def test_torchrun_gives_the_same_tokens(tmp_path, reference, pair):
     import subprocess
     import sys
 
-    from saguaro.ssd.channel import free_port
+    from saguaro.workers.process import free_port
     directory = tmp_path / "tiny"
     directory.mkdir()
     save_tiny(pair[0], directory)

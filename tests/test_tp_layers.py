@@ -7,7 +7,7 @@ from saguaro.config import Config
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import build_metadata
 from saguaro.models.model_config import ModelConfig
-from saguaro.parallel import ShardError, shard_plan
+from saguaro.parallel import ShardError, rank_shard
 from saguaro.parallel.layers import RowParallelLinear, VocabParallelEmbedding
 from saguaro.parallel.shards import build_shard, shard_state
 from tests.tiny import tiny_model
@@ -64,20 +64,20 @@ def test_sharded_model_equals_reference(vocab, kv_heads, tie, world):
 def test_shards_put_together_equal_the_tiny_model():
     cfg, ref = _tiny(vocab=63)
     state = ref.state_dict()
-    assert_shards_join(state, [shard_state(state, shard_plan(cfg, 2, r), cfg.vocab_size) for r in range(2)], cfg)
+    assert_shards_join(state, [shard_state(state, rank_shard(cfg, 2, r), cfg.vocab_size) for r in range(2)], cfg)
 
 
 def test_sizes_that_do_not_divide_are_refused_by_name():
     smollm = ModelConfig(arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_layers=30,
                          num_heads=9, num_kv_heads=3, head_dim=64)  # SmolLM2-135M
     with pytest.raises(ShardError, match="9 attention heads.*3 key/value heads"):
-        shard_plan(smollm, 2, 0)
+        rank_shard(smollm, 2, 0)
     qwen15 = ModelConfig(arch="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
                          num_heads=12, num_kv_heads=2, head_dim=128)  # Qwen2.5-1.5B: KV heads replicated at 4
-    plans = [shard_plan(qwen15, 4, r) for r in range(4)]
-    assert [p.kv_start for p in plans] == [0, 0, 1, 1] and {p.heads for p in plans} == {3}
+    shards = [rank_shard(qwen15, 4, r) for r in range(4)]
+    assert [p.kv_start for p in shards] == [0, 0, 1, 1] and {p.heads for p in shards} == {3}
     with pytest.raises(ShardError, match="12 attention heads"):
-        shard_plan(qwen15, 8, 0)
+        rank_shard(qwen15, 8, 0)
     with pytest.raises(ValueError, match="tensor_parallel_size"):
         Config(target="x", tensor_parallel_size=0)
 

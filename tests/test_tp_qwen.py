@@ -6,7 +6,7 @@ import torch
 from saguaro import LLM, SamplingParams
 from saguaro.loading import MODELS, installed, locate_weights
 from saguaro.loading.hf_loader import read_config, read_weights, weight_files
-from saguaro.parallel import shard_plan
+from saguaro.parallel import rank_shard
 from saguaro.parallel.shards import read_shard
 from tests.tp_ranks import assert_shards_join
 
@@ -20,7 +20,7 @@ def test_qwen_shards_put_together_equal_the_file():
     _, _, directory, _, weights = locate_weights(NAME, torch.float32, progress=False)
     cfg = read_config(directory)
     whole = read_weights(directory, weights)
-    parts = [read_shard(weight_files(directory, weights), shard_plan(cfg, 2, r), cfg.vocab_size) for r in range(2)]
+    parts = [read_shard(weight_files(directory, weights), rank_shard(cfg, 2, r), cfg.vocab_size) for r in range(2)]
     assert_shards_join(whole, parts, cfg)
     total = sum(t.numel() for t in whole.values())
     for part in parts:  # about half each: only norms (and the tied head's duplicate) are whole on every rank

@@ -12,8 +12,8 @@ import torch
 
 from saguaro.models.model_config import ModelConfig
 from saguaro.parallel.groups import TPGroups, connect, host_store
-from saguaro.parallel.plan import shard_plan
-from saguaro.ssd.channel import free_port
+from saguaro.parallel.rank_shard import rank_shard
+from saguaro.workers.process import free_port
 
 
 def run_ranks(world: int, fn: Callable[[TPGroups], Any], timeout_s: float = 60.0) -> list[Any]:
@@ -43,9 +43,9 @@ def run_ranks(world: int, fn: Callable[[TPGroups], Any], timeout_s: float = 60.0
 def assert_shards_join(whole: dict[str, torch.Tensor], parts: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> None:
     """Every rank's slices, put together in rank order (padding dropped), equal the original tensors;
     replicated ones are equal on every rank."""
-    plan = shard_plan(cfg, len(parts), 0)
+    shard = rank_shard(cfg, len(parts), 0)
     for name, tensor in whole.items():
-        s = plan.slice_for(name, cfg.vocab_size)
+        s = shard.slice_for(name, cfg.vocab_size)
         if s is None:
             assert all(torch.equal(p[name], tensor) for p in parts), name
             continue

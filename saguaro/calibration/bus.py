@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.backends.cpu_kernels import build as kernels
 

@@ -7,10 +7,11 @@ import math
 
 from saguaro.calibration.store import load_profile, profile_path, save_profile
 from saguaro.config import DTYPES, WORKLOADS
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.loading import check_shared_vocabulary, load_model
 from saguaro.models.draft_format import WEIGHT_FORMATS
 from saguaro.models.draft_format import DraftFormat
+from saguaro.removed import add_removed_flags
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -36,7 +37,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=int, default=16, help="batch sizes to show the plan for")
     p.add_argument("--enforce-eager", action="store_true",
                    help="calibrate the eager reference instead of the fast path (stored as its own profile)")
-    p.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)  # deprecated: the fast path is default
+    add_removed_flags(p, "--compile")
     p.add_argument("--timing-only", action="store_true",
                    help="re-measure only the timings of the stored profile (e.g. on a quieter machine)")
     p.add_argument("--no-contention", action="store_true",

@@ -30,7 +30,8 @@ import torch.multiprocessing as mp
 from saguaro.calibration.bus import pass_bytes
 from saguaro.calibration.profile import BusyDraft, ContentionProbe
 from saguaro.calibration.timer import RowTimer, runner_factory
-from saguaro.device import default_draft_cores, default_target_cores, load_or_place, pin_process
+from saguaro.cores import default_draft_cores, default_target_cores, pin_process
+from saguaro.loading.place import load_or_place
 from saguaro.models.draft_format import DraftFormat
 
 

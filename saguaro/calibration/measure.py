@@ -37,7 +37,7 @@ from saguaro.calibration.profile import (F_MAX, POWER_LAW_R2, ROW_GRID, Profile,
                                          TemperatureEntry, Timing, dtype_name)
 from saguaro.calibration.timer import RowTimer, runner_factory
 from saguaro.config import Config, check_workload
-from saguaro.device import place
+from saguaro.loading.place import place
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ModelRunner

@@ -51,7 +51,7 @@ from saguaro.calibration.profile import Profile, TemperatureEntry
 from saguaro.calibration.timeline import build_time, miss_draft_s, rows_time
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd_settings import MissStrategy, SSDSettings
-from saguaro.theory import (choose_fallback, critical_batch_size, expected_tokens, ssd_speedup_batch,
+from saguaro.theory import (choose_miss_strategy, critical_batch_size, expected_tokens, ssd_speedup_batch,
                             unconditional_hit_rate)
 
 BUDGETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64)
@@ -184,7 +184,7 @@ def critical_batch(profile: Profile, temperature: str, k: int, vocab: int, c: fl
     try:
         b_star = critical_batch_size(**args)
     except ValueError:  # no threshold of the form "jit below b*": decide once
-        b_star = math.inf if choose_fallback(1, **args) == "jit" else 0.0
+        b_star = math.inf if choose_miss_strategy(1, **args) == "jit" else 0.0
     return float(b_star), args
 
 

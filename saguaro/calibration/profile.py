@@ -200,12 +200,9 @@ class Profile:
 
 
 def _fields(cls: type, data: Any, where: str) -> dict:
-    """``data`` as keyword arguments of ``cls``; ``ProfileError`` naming the keys that do not match. A profile
-    written before the switch was named ``enforce_eager`` has ``fast``, its negation: read as that."""
+    """``data`` as keyword arguments of ``cls``; ``ProfileError`` naming the keys that do not match."""
     if not isinstance(data, dict):
         raise ProfileError(f"{where} is {type(data).__name__}, not an object")
-    if "fast" in data and "enforce_eager" not in data:
-        data = {**{key: v for key, v in data.items() if key != "fast"}, "enforce_eager": not data["fast"]}
     known = {f.name for f in fields(cls)}
     required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
     unknown, missing = sorted(set(data) - known), sorted(required - set(data))

@@ -1,11 +1,11 @@
 """EAGLE-3 head checkpoints: an HF directory (config.json + safetensors) in any of three public layouts.
 
 Glossary:
-  H_t        the target's hidden size; the head reads ``len(aux_layers)`` of its hidden states (fc: 3*H_t -> H)
+  H_t        the target's hidden size; the head reads ``len(taps)`` of its hidden states (fc: 3*H_t -> H)
   H          the head's hidden size (usually H_t)
   draft vocab the head's reduced output vocabulary of ``draft_vocab_size`` ids; draft id i is target id
              ``i + d2t[i]``; ``t2d`` marks the target ids the head can propose
-  aux layers  the target layers whose input residual stream the head reads (the paper: [2, L/2, L-3])
+  taps        the target layers whose input residual stream the head reads (the paper: [2, L/2, L-3])
 
 Layouts (weight names are normalized to the first):
   ``midlayer.*``        the EAGLE authors' releases: ``fc``, ``midlayer.*``, ``norm``, ``lm_head``, ``d2t``, ``t2d``
@@ -44,7 +44,7 @@ class Eagle3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 4096
     target_hidden_size: int | None = None  # H_t (None: H)
-    aux_layers: list[int] | None = None  # None: the paper's [2, L/2, L-3] for the target it runs with
+    taps: list[int] | None = None  # None: the paper's [2, L/2, L-3] for the target it runs with
     norm_before_residual: bool = False  # speculators: the residual is hidden_norm(feature), not the feature
 
     def __post_init__(self) -> None:
@@ -58,15 +58,15 @@ class Eagle3Config:
         if self.num_heads % self.num_kv_heads:
             raise EagleCheckpointError("EAGLE-3 config: num_heads must be a multiple of num_kv_heads")
 
-    def layers_for(self, num_target_layers: int) -> list[int]:
-        """The aux layers for a target of ``num_target_layers`` layers: the checkpoint's, checked to exist, or
+    def taps_for(self, num_target_layers: int) -> list[int]:
+        """The taps for a target of ``num_target_layers`` layers: the checkpoint's, checked to exist, or
         the paper's [2, L/2, L-3] (clamped into the target, for tiny test models)."""
-        if self.aux_layers is None:
-            return default_aux_layers(num_target_layers)
-        bad = [i for i in self.aux_layers if not 0 <= i < num_target_layers]
+        if self.taps is None:
+            return default_taps(num_target_layers)
+        bad = [i for i in self.taps if not 0 <= i < num_target_layers]
         if bad:
-            raise EagleCheckpointError(f"aux layers {bad} do not exist in a {num_target_layers}-layer target")
-        return list(self.aux_layers)
+            raise EagleCheckpointError(f"taps {bad} do not exist in a {num_target_layers}-layer target")
+        return list(self.taps)
 
     @classmethod
     def from_json(cls, raw: dict[str, Any]) -> "Eagle3Config":
@@ -82,14 +82,14 @@ class Eagle3Config:
                 rms_norm_eps=layer.get("rms_norm_eps", 1e-6), rope_theta=layer.get("rope_theta", 10000.0),
                 max_position_embeddings=layer.get("max_position_embeddings", 4096),
                 target_hidden_size=raw.get("target_hidden_size", layer.get("target_hidden_size")),
-                aux_layers=raw.get("eagle_aux_hidden_state_layer_ids",
-                                   raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")),
+                taps=raw.get("eagle_aux_hidden_state_layer_ids",
+                             raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")),
                 norm_before_residual=bool(raw.get("norm_before_residual", False)))
         except (KeyError, TypeError) as e:
             raise EagleCheckpointError(f"EAGLE-3 config.json lacks a field: {e}") from e
 
 
-def default_aux_layers(num_layers: int) -> list[int]:
+def default_taps(num_layers: int) -> list[int]:
     """The paper's [2, L/2, L-3], clamped into a target of ``num_layers`` layers (tiny test models)."""
     return [min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3)]
 
@@ -128,7 +128,7 @@ def _read_config(directory: Path) -> dict[str, Any]:
 
 
 def load_eagle3_config(path: str | Path) -> Eagle3Config:
-    """The config of the head in directory ``path``, without its weights (e.g. the aux layers a target taps)."""
+    """The config of the head in directory ``path``, without its weights (e.g. the layers a target taps for it)."""
     return Eagle3Config.from_json(_read_config(Path(path)))
 
 
@@ -162,7 +162,7 @@ def save_eagle3(path: str | Path, config: Eagle3Config, state: dict[str, torch.T
     fields = asdict(config)
     raw = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
            "num_attention_heads": fields.pop("num_heads"), "num_key_value_heads": fields.pop("num_kv_heads"),
-           "eagle_aux_hidden_state_layer_ids": fields.pop("aux_layers"), **fields}
+           "eagle_aux_hidden_state_layer_ids": fields.pop("taps"), **fields}
     (directory / "config.json").write_text(json.dumps(raw, indent=2))
     out = {("midlayer." + n[len("layer."):] if n.startswith("layer.") else n): t.detach().contiguous().cpu()
            for n, t in state.items()}

@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from saguaro.config import DTYPES
-    from saguaro.device import load_or_place
-    from saguaro.eagle.checkpoint import default_aux_layers
+    from saguaro.loading.place import load_or_place
+    from saguaro.eagle.checkpoint import default_taps
     from saguaro.eagle.data import EVAL_ITEMS, chunk_texts, label, training_texts
     from saguaro.eagle.head import Eagle3Head
     from saguaro.eagle.train import TrainSettings, evaluate, new_head, pick_vocabulary, train
@@ -63,11 +63,11 @@ def run(args: argparse.Namespace) -> int:
         chunks = chunk_texts(target.tokenizer, training_texts(), args.seq_len, args.train_tokens)
         held = chunk_texts(target.tokenizer, datasets.humaneval()[:EVAL_ITEMS], args.seq_len, args.train_tokens // 8)
         runner = ModelRunner(target.model, -(-args.seq_len // 16) + 1, 16, "cpu", fast=False)
-        aux = default_aux_layers(target.config.num_layers)
+        taps = default_taps(target.config.num_layers)
         started = time.monotonic()
         with tqdm(total=sum(map(len, chunks + held)), desc="target labels", unit="tok") as bar:
-            examples = label(runner, aux, chunks, args.top_k, bar)
-            held_out = label(runner, aux, held, args.top_k, bar)
+            examples = label(runner, taps, chunks, args.top_k, bar)
+            held_out = label(runner, taps, held, args.top_k, bar)
         target.model.taps = ()
         print(f"labelled {sum(map(len, chunks))} training and {sum(map(len, held))} held-out tokens in "
               f"{time.monotonic() - started:.0f} s")

@@ -2,9 +2,9 @@
 
 Texts: HumanEval prompts past the first ``EVAL_ITEMS`` (the benchmarks and the held-out report read those),
 MT-Bench first turns, and the Python standard library's sources (on every machine). Each chunk of T tokens
-runs once through the target (eager, with its aux layers tapped); an ``Example`` keeps what training reads:
+runs once through the target (eager, with its taps tapped); an ``Example`` keeps what training reads:
   tokens    [T]         the chunk
-  features  [T, A*H_t]  the target's aux-layer inputs at each position
+  features  [T, A*H_t]  the target's tapped layers' inputs at each position
   top_ids   [T, k]      the target's k likeliest next tokens at each position (its distribution, truncated)
   top_probs [T, k]      their probabilities
 """
@@ -64,12 +64,12 @@ def chunk_texts(tokenizer, texts: list[str], seq_len: int, max_tokens: int, skip
     return chunks
 
 
-def label(target: ModelRunner, aux_layers: list[int], chunks: list[list[int]], top_k: int,
+def label(target: ModelRunner, taps: list[int], chunks: list[list[int]], top_k: int,
           progress=None) -> list[Example]:
     """Run each chunk through the target once; keep its features and top-k next-token distribution."""
     examples = []
     kept: list[torch.Tensor] = []
-    target.tap(aux_layers, lambda items, features: kept.append(features))
+    target.tap(taps, lambda items, features: kept.append(features))
     for chunk in chunks:
         table: list[int] = []
         target.blocks.reserve(table, len(chunk))

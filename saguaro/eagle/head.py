@@ -1,6 +1,6 @@
 """The EAGLE-3 head: one Llama decoder layer over (token embedding, target feature), and a reduced LM head.
 
-Shapes (N rows, H the head's width, H_t the target's, A aux layers, V_d the draft vocabulary):
+Shapes (N rows, H the head's width, H_t the target's, A taps, V_d the draft vocabulary):
   project:  target features [N, A*H_t] -> fc -> [N, H]       (the first step of a round)
   forward:  token ids [N], features [N, H] -> pre-norm hidden [N, H]
             attention input concat(input_layernorm(embed), hidden_norm(feature)) [N, 2H]; the feature is the
@@ -51,12 +51,12 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    def __init__(self, cfg: Eagle3Config, target_hidden: int, aux_layers: list[int],
+    def __init__(self, cfg: Eagle3Config, target_hidden: int, taps: list[int],
                  embed_tokens: nn.Embedding | None = None):
         super().__init__()
         self.config = cfg
-        self.aux_layers = aux_layers
-        self.fc = nn.Linear(len(aux_layers) * target_hidden, cfg.hidden_size, bias=False)
+        self.taps = taps
+        self.fc = nn.Linear(len(taps) * target_hidden, cfg.hidden_size, bias=False)
         # without a table of its own the head reads the target's: held in a tuple, so that it is no submodule
         # (``to(dtype)`` and ``state_dict`` leave the target's table alone)
         self.shared_embed = (embed_tokens,) if embed_tokens is not None else None
@@ -104,7 +104,7 @@ class Eagle3Head(nn.Module):
         return full.index_copy_(1, self.draft_ids, draft)
 
 def build_head(cfg: Eagle3Config, state: dict[str, torch.Tensor], target_embed: nn.Embedding,
-               aux_layers: list[int], dtype: torch.dtype) -> Eagle3Head:
+               taps: list[int], dtype: torch.dtype) -> Eagle3Head:
     """The head with ``state`` loaded (normalized names, ``checkpoint.load_eagle3``), for a target whose
     embedding table is ``target_embed``. Checks every shape against the target."""
     target_hidden = cfg.target_hidden_size or cfg.hidden_size
@@ -114,7 +114,7 @@ def build_head(cfg: Eagle3Config, state: dict[str, torch.Tensor], target_embed: 
     shared = "embed_tokens.weight" not in state
     if shared and target_embed.embedding_dim != cfg.hidden_size:
         raise EagleCheckpointError("the head has no embedding table and its width differs from the target's")
-    head = Eagle3Head(cfg, target_hidden, aux_layers, target_embed if shared else None)
+    head = Eagle3Head(cfg, target_hidden, taps, target_embed if shared else None)
     state = dict(state)
     if "d2t" not in state:  # a head over the full vocabulary
         if cfg.draft_vocab_size != cfg.vocab_size:
@@ -146,9 +146,9 @@ def head_for(path: str, target_config: ModelConfig, target_embed: nn.Embedding, 
     """The EAGLE-3 head in ``path`` for a target described by its config and embedding table (all an SSD
     speculator holds of the target)."""
     cfg, state, _ = load_eagle3(path)
-    aux = cfg.layers_for(target_config.num_layers)
+    taps = cfg.taps_for(target_config.num_layers)
     width = cfg.target_hidden_size or cfg.hidden_size
     if width != target_config.hidden_size:
         raise EagleCheckpointError(f"the head reads target features of width {width}, the target's are "
                                    f"{target_config.hidden_size}")
-    return build_head(cfg, state, target_embed, aux, dtype)
+    return build_head(cfg, state, target_embed, taps, dtype)

@@ -29,7 +29,6 @@ from saguaro.kv.block_manager import BlockManager
 from saguaro.kv.kv_cache import KVCache
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.sampler import sample
-from saguaro.sd.sd import SDDecoder
 from saguaro.sd.types import Proposal, Proposer
 
 
@@ -55,7 +54,7 @@ class EagleProposer(Proposer):
         self.blocks = BlockManager(num_blocks, block_size)
         self.states: dict[int, HeadState] = {}
         self._next_pass: tuple[str, list[Sequence]] | None = None  # what the target's next pass is for
-        target.tap(head.aux_layers, self._observe)
+        target.tap(head.taps, self._observe)
 
     # -- the target's features ------------------------------------------------------
     def prefill(self, seqs: list[Sequence], ends: list[int] | None = None) -> None:
@@ -161,11 +160,3 @@ class EagleProposer(Proposer):
         state = self.states.pop(seq.seq_id, None)
         if state is not None:
             self.blocks.free(state.block_table)
-
-
-def build_eagle_decoder(cfg, target: ModelRunner, head_dir: str, num_blocks: int, max_len: int) -> SDDecoder:
-    """SD with the EAGLE-3 head in ``head_dir`` drafting for ``target`` (its runner must tap: eager or CPU kernels)."""
-    from saguaro.eagle.head import load_head
-    head = load_head(head_dir, target.model, target.device)
-    return SDDecoder(target, EagleProposer(head, target, num_blocks, cfg.block_size), cfg.num_speculative_tokens,
-                     max_len)

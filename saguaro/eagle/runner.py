@@ -1,6 +1,6 @@
 """The EAGLE-3 head as the SSD speculator's draft runner.
 
-The speculator drives its draft through the draft runner's interface (``ModelRunner``: ``forward`` over
+The speculator drives its draft through the draft runner's interface (``DraftRunner``: ``forward`` over
 ``ForwardItem``s, a paged KV cache with its ``BlockManager``, ``slots``), in token positions: feeding token
 x_p at position p gives the draft's guess for x_{p+1}. ``EagleRunner`` keeps that contract for a head, whose
 row for x_p reads a feature for position p-1 (proposer.py's head position p-1):
@@ -20,31 +20,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from saguaro.backends.batch import ForwardItem, TreeRows
 from saguaro.backends.dense import dense_metadata
 from saguaro.device import to_device
-from saguaro.eagle.checkpoint import load_eagle3_config
 from saguaro.eagle.features import FeatureLog
-from saguaro.eagle.head import Eagle3Head, head_for, layer_config
-from saguaro.engine.model_runner import ModelRunner
-from saguaro.kv.block_manager import BlockManager, slots_for
+from saguaro.eagle.head import Eagle3Head, layer_config
+from saguaro.engine.draft_runner import DraftRunner
+from saguaro.kv.block_manager import BlockManager
 from saguaro.kv.kv_cache import KVCache
-from saguaro.models.model_config import ModelConfig
-
-
-@dataclass
-class EagleDraft:
-    """An EAGLE-3 head as SSD's draft: its directory, and what it reads of the target (the layer count and width
-    that fix its aux layers and ``fc``; the embedding table, which a head without its own shares)."""
-    head_dir: str
-    target_config: ModelConfig
-    embed: torch.Tensor  # [V, H_t] the target's token embeddings
-
-    @property
-    def aux_layers(self) -> list[int]:
-        return load_eagle3_config(self.head_dir).layers_for(self.target_config.num_layers)
 
 
 @dataclass
@@ -57,7 +41,7 @@ class _Piece:
     log: FeatureLog | None
 
 
-class EagleRunner:
+class EagleRunner(DraftRunner):
     """The head behind the draft runner's interface (see the module docstring)."""
     reads_features = True  # the speculator sends it the target's features and keeps only rows built on them
 
@@ -71,20 +55,11 @@ class EagleRunner:
         self._none = num_blocks * block_size  # a slot no row writes: position 0's (zero) hidden state
         self.hidden = torch.zeros(self._none + 1, head.config.hidden_size, dtype=dtype, device=self.device)
 
-    @property
-    def block_size(self) -> int:
-        return self.blocks.block_size
-
-    def slots(self, table: list[int], start: int, end: int) -> list[int]:
-        return slots_for(table, start, end, self.block_size)
-
     def capture_graphs(self, max_rows: int | None = None, extras: tuple[int, ...] = (0,)) -> None:
         """Nothing to capture: the head runs eagerly."""
 
     def close(self) -> None:
         pass
-
-    forward = ModelRunner.forward  # per item logits, split from ``forward_flat``'s
 
     @torch.inference_mode()
     def forward_flat(self, items: list[ForwardItem]) -> tuple[torch.Tensor | None, list[int]]:
@@ -181,10 +156,3 @@ class EagleRunner:
         meta = dense_metadata(items, self.block_size).to(self.device)
         hidden = self.head(ids, positions, feature, self.cache, meta)
         self.hidden[to_device(torch.tensor([s for p in pieces for s in p.slots]), self.device)] = hidden
-
-
-def eagle_runner(draft: EagleDraft, num_blocks: int, block_size: int, device: str, dtype: torch.dtype) -> EagleRunner:
-    """The runner of ``draft``'s head on ``device``; a head without an embedding table reads the target's."""
-    embed = nn.Embedding.from_pretrained(draft.embed.to(device), freeze=True)  # shares the tensor where it is
-    head = head_for(draft.head_dir, draft.target_config, embed, dtype).to(device)
-    return EagleRunner(head, num_blocks, block_size, device)

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from saguaro.eagle.checkpoint import Eagle3Config, default_aux_layers, save_eagle3
+from saguaro.eagle.checkpoint import Eagle3Config, default_taps, save_eagle3
 from saguaro.eagle.data import Example
 from saguaro.eagle.head import Eagle3Head, layer_config
 from saguaro.kv.kv_cache import KVCache
@@ -40,14 +40,14 @@ def new_head(target: CausalLM, draft_ids: torch.Tensor, seed: int = 0) -> Eagle3
     """A float32 head shaped like one target layer, sharing the target's embedding; its LM head and final norm
     start from the target's rows for the draft vocabulary ``draft_ids``."""
     tc = target.config
-    aux = default_aux_layers(tc.num_layers)
+    taps = default_taps(tc.num_layers)
     cfg = Eagle3Config(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_heads=tc.num_heads,
                        num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, vocab_size=tc.vocab_size,
                        draft_vocab_size=len(draft_ids), rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
                        max_position_embeddings=tc.max_position_embeddings, target_hidden_size=tc.hidden_size,
-                       aux_layers=aux)
+                       taps=taps)
     torch.manual_seed(seed)
-    head = Eagle3Head(cfg, tc.hidden_size, aux, target.model.embed_tokens)
+    head = Eagle3Head(cfg, tc.hidden_size, taps, target.model.embed_tokens)
     with torch.no_grad():
         for name, p in head.named_parameters():
             if name.endswith("norm.weight"):

@@ -21,7 +21,8 @@ import torch
 
 from saguaro.backends import ForwardItem, TreeRows, make_backend
 from saguaro.device import to_device
-from saguaro.kv.block_manager import BlockManager, slots_for
+from saguaro.engine.draft_runner import DraftRunner
+from saguaro.kv.block_manager import BlockManager
 from saguaro.kv.kv_cache import KVCache
 from saguaro.models.transformer import CausalLM
 
@@ -29,10 +30,10 @@ if TYPE_CHECKING:  # hints only
     from saguaro.loading import LoadedModel
     from saguaro.models.draft_format import DraftFormat
 
-__all__ = ["ForwardItem", "ModelRunner", "TreeRows"]
+__all__ = ["DraftRunner", "ForwardItem", "ModelRunner", "TreeRows"]
 
 
-class ModelRunner:
+class ModelRunner(DraftRunner):
     def __init__(self, model: CausalLM, num_blocks: int, block_size: int, device: str = "cpu",
                  enforce_eager: bool = True, weights: str = "bf16", head_ids: torch.Tensor | None = None,
                  backend: str = "auto", graphs: bool = True, max_seq_len: int | None = None):
@@ -66,22 +67,6 @@ class ModelRunner:
     def net(self):
         """The model the backend runs (eager ``CausalLM``, ``FastCausalLM`` or ``PagedCausalLM``)."""
         return self.backend.net
-
-    @property
-    def block_size(self) -> int:
-        return self.blocks.block_size
-
-    def slots(self, table: list[int], start: int, end: int) -> list[int]:
-        return slots_for(table, start, end, self.block_size)
-
-    @torch.inference_mode()
-    def forward(self, items: list[ForwardItem]) -> list[torch.Tensor | None]:
-        """One batched forward pass; returns per item logits [rows, V] (None for "none")."""
-        logits, counts = self.forward_flat(items)
-        if logits is None:
-            return [None] * len(items)
-        parts = iter(logits.split(counts))
-        return [next(parts) if item.logits != "none" else None for item in items]
 
     @torch.inference_mode()
     def forward_flat(self, items: list[ForwardItem]) -> tuple[torch.Tensor | None, list[int]]:

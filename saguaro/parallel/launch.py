@@ -1,7 +1,7 @@
 """Starting a tensor-parallel target: Saguaro starts the ranks itself, or torchrun started them.
 
 * ``LLM(..., tensor_parallel_size=N)`` in a plain process: rank 0 is this process; ranks 1..N-1 are fresh
-  interpreters (``ssd/launch.py``'s ``WorkerProcess``: they never re-import ``__main__``, the model reaches
+  interpreters (``saguaro.workers``' ``WorkerProcess``: they never re-import ``__main__``, the model reaches
   them by name or in shared memory, every start-up wait watches them). Rank 0 hosts the store.
 * Under ``torchrun --nproc-per-node N`` (one or several machines: ``--nnodes --node-rank --master-addr``)
   every process runs the user's script; in ``LLM(...)`` rank 0 goes on as the engine and every other rank
@@ -21,16 +21,16 @@ from typing import Any
 import torch
 
 from saguaro.config import Config
-from saguaro.device import pin_process
+from saguaro.cores import pin_process
 from saguaro.loading import LoadedModel
 from saguaro.parallel.groups import (TensorParallelError, connect, env_store, host_store, torchrun_rank,
                                      under_torchrun)
-from saguaro.parallel.plan import shard_plan
+from saguaro.parallel.rank_shard import rank_shard
 from saguaro.parallel.runner import TPModelRunner, serve_passes
-from saguaro.parallel.shards import load_shard
+from saguaro.parallel.shards import load_shard, read_whole
 from saguaro.parallel.steps import StepLink
-from saguaro.ssd.channel import free_port
-from saguaro.ssd.launch import DraftSource, WorkerProcess, expect_all, parent_alive
+from saguaro.workers.process import WorkerProcess, expect_all, free_port, parent_alive
+from saguaro.workers.shipment import Shipment, model_state
 
 log = logging.getLogger("saguaro.parallel")
 START_TIMEOUT_S = 900.0  # loading a shard of a large checkpoint the first time (a GGUF conversion) is slow
@@ -74,7 +74,7 @@ class TensorParallelTarget:
     """Rank 0's handle on its group: its shard of the target, its runner, and the ranks it started."""
 
     def __init__(self, source: Any, opts: RankOptions):
-        self.opts = opts
+        self.source, self.opts = source, opts
         self.workers: list[WorkerProcess] = []
         self.runner: TPModelRunner | None = None
         try:
@@ -85,8 +85,8 @@ class TensorParallelTarget:
 
     def _start(self, source: Any, opts: RankOptions) -> None:
         if isinstance(source, LoadedModel):  # sizes that do not divide are refused before any rank starts
-            shard_plan(source.config, opts.world, 0)
-        shared: DraftSource | None = None
+            rank_shard(source.config, opts.world, 0)
+        shared: Shipment | None = None
         if under_torchrun():
             rank, world, local = torchrun_rank()
             if world != opts.world:
@@ -98,7 +98,7 @@ class TensorParallelTarget:
             store = env_store(START_TIMEOUT_S)
         else:
             pin_process(opts.cores_for(0), opts.threads)
-            shared = DraftSource.of(source)
+            shared = Shipment.by_name(source) if isinstance(source, str) else Shipment.holding(model_state(source))
             port = free_port()
             self.workers = [WorkerProcess(spawned_rank, (port, r, opts, shared), [shared.file],
                                           role=f"tensor-parallel rank {r}", hint=_RANK_HINT)
@@ -112,6 +112,13 @@ class TensorParallelTarget:
             shared.close()  # every rank has its shard: the shared copy of an in-memory model can go
         self.runner = TPModelRunner(self.loaded.model, num_blocks, opts.block_size, device, StepLink(groups),
                                     self.describe)
+
+    def embeddings(self) -> torch.Tensor:
+        """The whole token embedding table [V, H] (rank 0 holds a vocabulary shard of it): from the model in
+        memory, or read from the checkpoint."""
+        if isinstance(self.source, LoadedModel):
+            return self.source.model.model.embed_tokens.weight.to(self.opts.dtype)
+        return read_whole(self.source, "model.embed_tokens.weight", self.opts.dtype)
 
     def _watch(self, stage: str, wait):
         if not self.workers:  # torchrun watches its own processes
@@ -150,7 +157,7 @@ def run_rank(store, rank: int, local_rank: int, opts: RankOptions, source: Any) 
     log.debug("tensor-parallel rank %d served %d passes", rank, passes)
 
 
-def spawned_rank(port: int, rank: int, opts: RankOptions, source: DraftSource) -> None:
+def spawned_rank(port: int, rank: int, opts: RankOptions, source: Shipment) -> None:
     """The entry point of a rank Saguaro started (``WorkerProcess``)."""
     pin_process(opts.cores_for(rank), opts.threads)
     try:

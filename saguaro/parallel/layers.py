@@ -1,6 +1,6 @@
 """Sharded layers and the tensor-parallel model: one rank's slice of a ``CausalLM``.
 
-The model is the eager ``CausalLM`` built at this rank's shapes (``ShardPlan.local_config``): its
+The model is the eager ``CausalLM`` built at this rank's shapes (``RankShard.local_config``): its
 q/k/v and gate/up projections are then column-parallel as they stand (they hold this rank's output
 rows), attention runs on this rank's heads against its own KV cache, and the norms are replicated.
 Three modules change, keeping their parameter names so shard state dicts load as they are:
@@ -20,7 +20,7 @@ from torch import nn
 from saguaro.models.model_config import ModelConfig
 from saguaro.models.transformer import CausalLM
 from saguaro.parallel.groups import TPGroups
-from saguaro.parallel.plan import ShardPlan
+from saguaro.parallel.rank_shard import RankShard
 
 
 class RowParallelLinear(nn.Linear):
@@ -53,15 +53,15 @@ class TPCausalLM(CausalLM):
     """One rank's shard of a ``CausalLM``. ``config`` is the whole model's (what the engine reads);
     ``shard_config`` the shapes here (what the KV cache is sized by)."""
 
-    def __init__(self, cfg: ModelConfig, plan: ShardPlan, groups: TPGroups):
-        local = plan.local_config(cfg)
+    def __init__(self, cfg: ModelConfig, shard: RankShard, groups: TPGroups):
+        local = shard.local_config(cfg)
         super().__init__(local)
-        self.config, self.shard_config, self.plan, self.groups = cfg, local, plan, groups
+        self.config, self.shard_config, self.shard, self.groups = cfg, local, shard, groups
         backbone = self.model
-        backbone.embed_tokens = VocabParallelEmbedding(plan.vocab, cfg.hidden_size, plan.vocab_start, groups)
+        backbone.embed_tokens = VocabParallelEmbedding(shard.vocab, cfg.hidden_size, shard.vocab_start, groups)
         for layer in backbone.layers:
-            layer.self_attn.o_proj = RowParallelLinear(plan.heads * cfg.head_dim, cfg.hidden_size, groups)
-            layer.mlp.down_proj = RowParallelLinear(plan.intermediate, cfg.hidden_size, groups)
+            layer.self_attn.o_proj = RowParallelLinear(shard.heads * cfg.head_dim, cfg.hidden_size, groups)
+            layer.mlp.down_proj = RowParallelLinear(shard.intermediate, cfg.hidden_size, groups)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor | None:
         """Float32 logits [R, V] on rank 0 (every rank must call it with the same rows); None on the others."""

@@ -75,7 +75,7 @@ class TPModelRunner(ModelRunner):
 
     def __init__(self, model: TPCausalLM, num_blocks: int, block_size: int, device: torch.device,
                  link: StepLink, describe: Callable[[], str]):
-        # never taps (no EAGLE-3 head): a head reads whole hidden states, which no rank holds
+        # an EAGLE-3 head taps rank 0's eager passes: the residual stream is all-reduced, whole on every rank
         device = torch.device(device)
         self._attach(model, device, shard_cache(model, num_blocks, block_size, device),
                      BlockManager(num_blocks, block_size),

@@ -11,12 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
 from saguaro.device import to_device
-from saguaro.engine.model_runner import ForwardItem, ModelRunner, draft_runner
+from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
-from saguaro.loading import LoadedModel
 from saguaro.sampling.batch import processed_probs
 from saguaro.sd.types import Proposal, Proposer
 from saguaro.verify.rejection import VerifyResult, rejection_sample
@@ -88,15 +86,3 @@ class SDDecoder(Decoder):
 
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
-
-
-def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None, num_blocks: int,
-                     max_len: int) -> SDDecoder:
-    if cfg.proposer == "ngram":
-        from saguaro.sd.ngram_proposer import NgramProposer
-        return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
-    from saguaro.sd.draft_model import DraftModelProposer
-    runner = draft_runner(cfg.draft_format, draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device,
-                          cfg.enforce_eager)
-    runner.capture_graphs(cfg.graph_rows)
-    return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)

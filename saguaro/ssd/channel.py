@@ -9,14 +9,13 @@ receiver can size its buffers.
 from __future__ import annotations
 
 import mmap
-import socket
 import time
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
-from saguaro.ssd.shared_file import SharedFile
+from saguaro.workers.shared_file import SharedFile
 
 _DTYPES = [torch.int64, torch.float32, torch.bfloat16, torch.float16]  # codes on the wire: append only
 MAX_FRAMES = 4
@@ -25,12 +24,6 @@ _HEADER = 1 + 2 * MAX_FRAMES  # [frame count, (dtype code, length) per frame]
 
 class ChannelClosed(RuntimeError):
     """The peer died, closed the connection, or did not answer in time."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Channel:

@@ -14,14 +14,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 
 from saguaro.config import Config
-from saguaro.device import load_or_place
-from saguaro.eagle.runner import EagleDraft, eagle_runner
-from saguaro.engine.model_runner import draft_runner
+from saguaro.drafts import SpeculatorDraft, as_draft
+from saguaro.loading import LoadedModel
 from saguaro.models.draft_format import DraftFormat
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse
@@ -66,20 +64,16 @@ class SpeculatorOptions:
         return math.ceil(self.kv_cache_tokens / self.block_size) * 2
 
 
-def start_speculator(draft: Any, opts: SpeculatorOptions, recorder: RankRecorder | None = None) -> Speculator:
-    """The draft (a registry name or path, loaded; a ``LoadedModel``, placed; an ``EagleDraft``, its head built)
-    on the speculator's device, its runner, and the engine's speculator over them -- or with ``recorder``,
-    calibration's, which records bonus-token ranks.
+def start_speculator(draft: SpeculatorDraft | LoadedModel | str, opts: SpeculatorOptions,
+                     recorder: RankRecorder | None = None) -> Speculator:
+    """The draft's runner on the speculator's device (``speculator_runner`` of its kind: a model loaded or
+    placed, an EAGLE-3 head built), and the engine's speculator over it -- or with ``recorder``, calibration's,
+    which records bonus-token ranks.
 
     The draft's graphs are captured before the speculator serves (a GPU's paged backend; nothing elsewhere):
     every row bucket a tree step can reach, for every width of its extra slots (tree step j reads j + 1), so
     that no round captures, and the speculator never captures beside the target."""
-    if isinstance(draft, EagleDraft):  # an EAGLE-3 head, fed the target's features through the messages
-        runner = eagle_runner(draft, opts.draft_blocks(), opts.block_size, opts.device, opts.dtype)
-    else:
-        loaded = load_or_place(draft, opts.device, opts.dtype)
-        runner = draft_runner(opts.draft_format, loaded, opts.draft_blocks(), opts.block_size, opts.device,
-                              opts.enforce_eager)
+    runner = as_draft(draft).speculator_runner(opts)
     runner.capture_graphs(opts.graph_rows(), tuple(range(opts.k + 1)))
     if recorder is None:
         return Speculator(runner, opts.plan)

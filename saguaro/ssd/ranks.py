@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.engine.model_runner import ModelRunner
+from saguaro.engine.model_runner import DraftRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Outcome
 from saguaro.ssd.seq_state import SeqState
@@ -76,7 +76,7 @@ class RecordingSpeculator(Speculator):
     its own glue (not from the ranked ids a speculation came with), and decodes the branches only with
     ``recorder.build_branches``: the ranks need only the glue's logits."""
 
-    def __init__(self, runner: ModelRunner, plan: SpecPlan, recorder: RankRecorder):
+    def __init__(self, runner: DraftRunner, plan: SpecPlan, recorder: RankRecorder):
         super().__init__(runner, plan)
         self.recorder = recorder
 

@@ -49,7 +49,7 @@ from typing import Callable
 import torch
 
 from saguaro.device import read_together, to_device
-from saguaro.engine.model_runner import ForwardItem, ModelRunner
+from saguaro.engine.model_runner import DraftRunner, ForwardItem
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.ranked import RankTable, rank_positions, rank_table, ranked_rows
@@ -92,12 +92,12 @@ class Speculator:
     next one. Synchronous; a transport (``link.py``) runs it in a thread or a process beside the target
     (``host.py`` starts and serves it). K, the fan-outs, C and the miss strategy are ``plan``'s."""
 
-    def __init__(self, runner: ModelRunner, plan: SpecPlan):
+    def __init__(self, runner: DraftRunner, plan: SpecPlan):
         self.plan = plan
         self.runner = runner
         # an EAGLE-3 head (``eagle/runner.py``) reads the target's features: the messages bring them, and after an
         # outcome the head keeps only the rows built on them (the self-conditioned ones are recomputed)
-        self.conditioned = getattr(runner, "reads_features", False)
+        self.conditioned = runner.reads_features
         self.k = plan.k
         self.batch = 1  # size of the batch in the last request
         self.miss_strategies = MissStrategyTracker(self.plan)  # follows the batch size (strategy "auto", Thm 18)

@@ -17,13 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.config import Config
-from saguaro.eagle.runner import EagleDraft
 from saguaro.engine.decoder import Decoder
 from saguaro.device import stack_padded
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
-from saguaro.loading import LoadedModel
 from saguaro.sd.ngram_proposer import NgramProposer
 from saguaro.sd.sd import SDDecoder, draft_budget, verify_round
 from saguaro.sd.types import Proposal
@@ -33,9 +30,6 @@ from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
 from saguaro.ssd_settings import MissStrategy
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
 from saguaro.ssd.target_features import TargetFeatures
-from saguaro.ssd.thread_link import ThreadLink
-from saguaro.ssd.host import SpeculatorOptions
-from saguaro.ssd.worker import WorkerLink
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -189,14 +183,3 @@ def _seed(seq: Sequence) -> int:
     if seq.generator is None:
         return 0
     return int(torch.randint(0, 2**62, (1,), generator=seq.generator))
-
-
-def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel | EagleDraft | str,
-                      max_model_len: int) -> SSDDecoder:
-    """The verifier side, with the speculator started on ``plan`` (``calibration.resolve.ssd_plan``) over the
-    transport Config placed it on (``saguaro.placement``)."""
-    opts = SpeculatorOptions.from_config(cfg, plan)
-    # an EAGLE-3 head reads the target's features: tap them before the speculator's first message
-    features = TargetFeatures(target, draft.aux_layers) if isinstance(draft, EagleDraft) else None
-    link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
-    return SSDDecoder(target, link, plan, max_model_len, features)

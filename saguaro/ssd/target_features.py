@@ -1,6 +1,6 @@
 """The verifier's side of an EAGLE-3 speculator: the target's features of each pass, for the messages.
 
-The target runner's tap (``ModelRunner.tap``) hands over its aux layers' inputs after every pass. A prefill
+The target runner's tap (``ModelRunner.tap``) hands over its taps' inputs after every pass. A prefill
 chunk's rows leave with that chunk's ``CMD_PREFILL``, sent right after the target's pass (the head cannot
 prefill before the target has); a verification pass's rows wait here until the outcome takes the verified
 positions' (the last token's and the accepted drafts'). Both are views of the tap's tensor: the thread

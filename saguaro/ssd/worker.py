@@ -1,7 +1,7 @@
 """The speculator process: its own device, its own draft model, one message each way per round.
 
-The engine starts it (``saguaro.ssd.launch``: a fresh interpreter, the draft handed over by
-name or in shared memory, every start-up wait watched), talks to it through a ``Channel`` and
+The engine starts it (``saguaro.workers``: a fresh interpreter, the draft handed over by name
+or in shared memory, every start-up wait watched), talks to it through a ``Channel`` and
 stops it. A worker that dies during start-up is a ``WorkerStartError`` that says how and what to
 do; one that dies or goes silent later is detected by the engine (``WorkerLink.exchange``
 raises), which then finishes the requests itself.
@@ -12,29 +12,36 @@ transport alone.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import torch
 
-from saguaro.device import pin_process
-from saguaro.ssd.channel import Channel, ChannelClosed, MessageCounters, free_port
+from saguaro.cores import pin_process
+from saguaro.drafts import SpeculatorDraft, as_draft, received_draft
+from saguaro.loading import LoadedModel
+from saguaro.ssd.channel import Channel, ChannelClosed, MessageCounters
 from saguaro.ssd.host import SpeculatorOptions, serve, start_speculator
-from saguaro.ssd.launch import DraftSource, WorkerProcess, parent_alive
+from saguaro.workers.process import WorkerProcess, free_port, parent_alive
+from saguaro.workers.shipment import Shipment
 from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse, pack_request, pack_response, \
     unpack_request, unpack_response
 
 log = logging.getLogger("saguaro.ssd")
 
 
-def worker_main(port: int, counters: MessageCounters, draft: DraftSource, opts: SpeculatorOptions) -> None:
-    """Entry point of the speculator process (started by ``WorkerLink`` through ``saguaro.ssd.launch``)."""
+HINT = "fix the error above, or run mode='sd', which needs no second process"
+KILLED_HINT = ("if nothing killed it on purpose, the machine is probably out of memory: use a smaller or int4 "
+               "draft (draft_weights='int4'), a smaller kv_cache_tokens, or mode='sd'")
+
+
+def worker_main(port: int, counters: MessageCounters, draft: Shipment, opts: SpeculatorOptions) -> None:
+    """Entry point of the speculator process (started by ``WorkerLink`` through ``saguaro.workers``)."""
     if opts.device == "cpu":
         pin_process(opts.cores, opts.threads)
     else:
         torch.cuda.set_device(torch.device(opts.device))
     backend = "gloo" if opts.device == "cpu" else "nccl"
     channel = Channel(1, port, counters, backend, opts.device, opts.timeout_s)
-    speculator = start_speculator(draft.load(opts.device, opts.dtype), opts)
+    speculator = start_speculator(received_draft(draft, opts.device, opts.dtype), opts)
     channel.send(torch.tensor([speculator.runner.config.vocab_size], dtype=torch.int64))  # ready
 
     def receive() -> RoundRequest | None:
@@ -49,20 +56,22 @@ def worker_main(port: int, counters: MessageCounters, draft: DraftSource, opts: 
 class WorkerLink:
     """The engine's handle on a running speculator process.
 
-    ``draft`` is a registry name or path (the worker loads it) or a ``LoadedModel`` (its weights
-    reach the worker in shared memory). Start-up raises ``WorkerStartError`` within
+    ``draft`` is a draft kind (``saguaro.drafts``: its ``shipment`` says what the worker receives), or a bare
+    registry name or path (the worker loads it) or ``LoadedModel`` (its weights reach the worker in shared
+    memory). Start-up raises ``WorkerStartError`` within
     ``opts.timeout_s`` of the worker dying or stalling (model loading gets at least 600 s).
     """
 
-    def __init__(self, draft: Any, opts: SpeculatorOptions):
+    def __init__(self, draft: SpeculatorDraft | LoadedModel | str, opts: SpeculatorOptions):
         self.opts = opts
         port = free_port()
         counters = MessageCounters()
-        source = DraftSource.of(draft)
+        shipment = as_draft(draft).shipment()
         try:
-            self.process = WorkerProcess(worker_main, (port, counters, source, opts), [counters.file, source.file])
+            self.process = WorkerProcess(worker_main, (port, counters, shipment, opts), [counters.file, shipment.file],
+                                         role="SSD speculator", hint=HINT, killed_hint=KILLED_HINT)
         finally:
-            source.close()  # the worker inherited its own descriptor (or never started)
+            shipment.close()  # the worker inherited its own descriptor (or never started)
         backend = "gloo" if opts.device == "cpu" else "nccl"
         device = "cpu" if opts.device == "cpu" else opts.device
         try:

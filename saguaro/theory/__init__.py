@@ -1,14 +1,14 @@
 """Closed-form theory of SSD / Saguaro (paper Secs. 3-4, Appendix A) and a Monte Carlo check of it.
 
 Modules: ``speedup`` (Thm 2, Cors. 3, 4, 17, stationary hit rate), ``bandwidth`` (the ceiling on SSD when
-the two devices share one memory bus), ``fallback`` (Thm 18, critical batch
+the two devices share one memory bus), ``miss_strategy`` (Thm 18, critical batch
 size b*), ``fanout`` (Thm 12 geometric fan-out, rounding, power-law fit), ``fanout_general`` (Thm 13 with
 empirical hit curves), ``hit_tradeoff`` (Def. 14 sampling: acceptance against cache hits, Thm 15, Appendix
 A), ``simulate`` (Monte Carlo of SD / SSD rounds). Pure Python + NumPy.
 """
 
 from .bandwidth import bus_cap, ssd_round_floor, ssd_tok_s_ceiling
-from .fallback import choose_fallback, critical_batch_size, fallback_speedups
+from .miss_strategy import choose_miss_strategy, critical_batch_size, miss_strategy_speedups
 from .fanout import (
     fanout_objective,
     fit_power_law,
@@ -49,12 +49,12 @@ __all__ = [
     "acceptance_rate",
     "accepted_length_pmf",
     "bus_cap",
-    "choose_fallback",
+    "choose_miss_strategy",
     "critical_batch_size",
     "depth_weights",
     "dp_fanout",
     "expected_tokens",
-    "fallback_speedups",
+    "miss_strategy_speedups",
     "fanout_objective",
     "fit_power_law",
     "geometric_fanout",

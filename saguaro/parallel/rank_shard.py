@@ -1,4 +1,4 @@
-"""Which slice of each weight a rank holds: the shard plan of one model over ``world`` ranks.
+"""Which slice of each weight a rank holds: one rank's shard (``RankShard``) of a model over ``world`` ranks.
 
 Glossary (H query heads, KVH key/value heads, I the MLP width, V the vocabulary, N ranks):
   column-parallel   q/k/v and gate/up: each rank holds some output rows (its heads, its I / N)
@@ -30,7 +30,7 @@ class Slice:
 
 
 @dataclass(frozen=True)
-class ShardPlan:
+class RankShard:
     rank: int
     world: int
     heads: int  # query heads per rank
@@ -69,8 +69,8 @@ class ShardPlan:
         return None
 
 
-def shard_plan(cfg: ModelConfig, world: int, rank: int) -> ShardPlan:
-    """The plan for ``rank`` of ``world``, or ``ShardError`` naming the sizes that do not divide."""
+def rank_shard(cfg: ModelConfig, world: int, rank: int) -> RankShard:
+    """The shard of ``rank`` of ``world``, or ``ShardError`` naming the sizes that do not divide."""
     if world < 1 or not 0 <= rank < world:
         raise ShardError(f"rank {rank} of a tensor-parallel group of {world}")
     heads, kv = cfg.num_heads, cfg.num_kv_heads
@@ -89,5 +89,5 @@ def shard_plan(cfg: ModelConfig, world: int, rank: int) -> ShardPlan:
         kv_heads, kv_start = kv // world, rank * (kv // world)
     else:  # each KV head on world / kv ranks: rank r's query heads all read head r // (world / kv)
         kv_heads, kv_start = 1, rank // (world // kv)
-    return ShardPlan(rank, world, heads // world, kv_heads, kv_start, cfg.intermediate_size // world,
+    return RankShard(rank, world, heads // world, kv_heads, kv_start, cfg.intermediate_size // world,
                      -(-cfg.vocab_size // world), cfg.head_dim)

@@ -1,4 +1,5 @@
-"""Start the speculator process so that no start-up failure can leave the engine waiting.
+"""Start a worker process (the SSD speculator, a tensor-parallel rank) so that no start-up failure can leave
+the engine waiting.
 
 A ``multiprocessing`` spawn can hang a start-up in three ways: the child re-imports the parent's
 ``__main__`` (impossible for a script on stdin or ``python -c``, so it dies); arguments pickled
@@ -8,15 +9,17 @@ never learns that the child is gone. So here:
 
   * the worker is a fresh interpreter running ``child_main`` of this module: it imports only
     saguaro, never the parent's main module;
-  * nothing big travels through a pipe. The start-up payload and the draft's weights go into
-    anonymous in-memory files (``memfd``) that the child inherits by descriptor; a draft given by
-    registry name or path travels as that string and the child loads it itself;
+  * nothing big travels through a pipe. The start-up payload and a model's weights go into
+    anonymous in-memory files (``memfd``) that the child inherits by descriptor; a model given by
+    registry name or path travels as that string and the child loads it itself (``shipment.py``);
   * every wait of the parent watches the child (``WorkerProcess.expect``): if it exits, the
     parent raises at once with how it ended, the tail of its stderr and what to do.
 
 Glossary:
-  payload   the pickled (function, args) the child runs; args may hold ``DraftSource``s and
+  payload   the pickled (function, args) the child runs; args may hold ``Shipment``s and
             ``SharedFile``s, which re-open their descriptors in the child.
+  role      how errors name the worker: "SSD speculator", "tensor-parallel rank 1"
+  hint      what to do when it fails, which its starter knows
   tail      the last lines the child wrote to stderr (also forwarded to ours as they come).
 """
 from __future__ import annotations
@@ -25,17 +28,15 @@ import collections
 import os
 import pickle
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, TypeVar
 
-import torch
-
-from saguaro.ssd.shared_file import SharedFile
+from saguaro.workers.shared_file import SharedFile
 
 T = TypeVar("T")
 _TAIL_LINES = 30
@@ -43,73 +44,29 @@ _parent_pid: int | None = None  # set in the worker by child_main
 
 
 class WorkerStartError(RuntimeError):
-    """The speculator process died or went silent before it was ready."""
+    """A worker process died or went silent before it was ready."""
 
 
-@dataclass
-class DraftSource:
-    """How the draft reaches the worker: a registry name / path the worker loads, or weights in a ``SharedFile``
-    (a model's, or what an EAGLE-3 head reads of the target)."""
-    name: str | None = None
-    file: SharedFile | None = None
-
-    @classmethod
-    def of(cls, draft: Any) -> "DraftSource":
-        if isinstance(draft, str):
-            return cls(name=draft)
-        from saguaro.eagle.runner import EagleDraft
-        if isinstance(draft, EagleDraft):  # the head's directory, and the target's config and embedding table
-            saved = {"eagle": draft.head_dir, "config": draft.target_config, "embed": draft.embed}
-        else:
-            saved = {"name": draft.name, "config": draft.config, "tokenizer": draft.tokenizer,
-                     "state": draft.model.state_dict()}
-        file = SharedFile()
-        with os.fdopen(os.dup(file.fd), "wb") as f:
-            torch.save(saved, f)
-        return cls(file=file)
-
-    def load(self, device: str, dtype: torch.dtype) -> Any:
-        """In the worker: the draft as a ``LoadedModel`` on ``device`` / ``dtype`` (an ``EagleDraft`` as it came)."""
-        from pathlib import Path
-
-        from saguaro.device import load_or_place
-        from saguaro.loading import LoadedModel
-        from saguaro.loading.model_builder import build_model
-        if self.name is not None:
-            return load_or_place(self.name, device, dtype)
-        saved = self.saved()
-        if "eagle" in saved:
-            from saguaro.eagle.runner import EagleDraft
-            return EagleDraft(saved["eagle"], saved["config"], saved["embed"])
-        model = build_model(saved["config"], saved["state"], dtype, device)
-        return LoadedModel(saved["name"], saved["config"], model, saved["tokenizer"], Path("."), Path("."), True)
-
-    def saved(self) -> dict:
-        """The shared model's name, config, tokenizer and state dict (its file was written by ``of``)."""
-        path = self.file.path()
-        if path is not None:  # mapped, not copied: the pages stay shared until one side converts them
-            return torch.load(path, mmap=True, weights_only=False)
-        with os.fdopen(os.dup(self.file.fd), "rb") as f:
-            f.seek(0)
-            return torch.load(f, weights_only=False)
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
+def free_port() -> int:
+    """A TCP port free on this machine now (for a rendezvous store between the engine and its workers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class WorkerProcess:
     """A running worker interpreter: its liveness, how it ended, and its stderr tail."""
 
-    def __init__(self, target: Callable[..., None], args: tuple, keep: list[SharedFile | None],
-                 role: str = "SSD speculator", hint: str | None = None):
+    def __init__(self, target: Callable[..., None], args: tuple, keep: list[SharedFile | None], role: str,
+                 hint: str, killed_hint: str | None = None):
         self.role = role  # how errors name it: "SSD speculator", "tensor-parallel rank 1"
-        self.hint = hint  # what to do when it fails (None: the speculator's advice)
+        self.hint = hint  # what to do when it fails
+        self.killed_hint = killed_hint or hint  # what to do when a signal ended it (often: out of memory)
         payload = SharedFile()
         with os.fdopen(os.dup(payload.fd), "wb") as f:
             pickle.dump((target, args), f)
         fds = [payload.fd] + [s.fd for s in keep if s is not None]
-        code = f"from saguaro.ssd.launch import child_main; child_main({payload.fd}, {os.getpid()})"
+        code = f"from saguaro.workers.process import child_main; child_main({payload.fd}, {os.getpid()})"
         self.proc = subprocess.Popen([sys.executable, "-c", code], pass_fds=fds, stdin=subprocess.DEVNULL,
                                      stderr=subprocess.PIPE, env=_child_env())
         payload.close()  # the child holds its own copy of the descriptor
@@ -154,13 +111,7 @@ class WorkerProcess:
         code = self.proc.poll()
         if code is not None:
             self._forwarder.join(1.0)  # its stderr ends with it: take its last lines
-        hint = hint or self.hint
-        if hint is None:
-            if code is not None and code < 0:
-                hint = ("if nothing killed it on purpose, the machine is probably out of memory: use a smaller "
-                        "or int4 draft (draft_weights='int4'), a smaller kv_cache_tokens, or mode='sd'")
-            else:
-                hint = ("fix the error above, or run mode='sd', which needs no second process")
+        hint = hint or (self.killed_hint if code is not None and code < 0 else self.hint)
         tail = "".join(self.tail).rstrip()
         shown = f"\n--- {self.role} stderr (last lines) ---\n{tail}\n---" if tail else ""
         return WorkerStartError(f"the {self.role} process failed while {stage}: {self.how_it_ended()}.{shown}\n"

@@ -1,6 +1,6 @@
 """Which speculator handles a cache miss: Thm 18 and the critical batch size b* (paper Sec. 4.3, Appendix A).
 
-Two fallbacks are compared through Cor. 17 (see :mod:`saguaro.theory.speedup` for the symbols):
+Two miss strategies are compared through Cor. 17 (see :mod:`saguaro.theory.speedup` for the symbols):
 
 * **jit** -- the primary draft speculates just in time. It is slow but accurate: by default its miss rounds
   take ``T_jit = T_p`` and yield ``E_miss_jit = E_hit`` tokens.
@@ -31,7 +31,7 @@ import math
 
 from .speedup import ssd_speedup_batch
 
-__all__ = ["critical_batch_size", "fallback_speedups", "choose_fallback"]
+__all__ = ["critical_batch_size", "miss_strategy_speedups", "choose_miss_strategy"]
 
 
 def _options(p_hit, E_hit, T_p, E_miss_jit, T_jit):
@@ -51,7 +51,7 @@ def critical_batch_size(
     E_miss_jit: float | None = None,
     T_jit: float | None = None,
 ) -> float:
-    """Thm 18: the batch size b* below which the just-in-time (primary) fallback beats the n-gram one.
+    """Thm 18: the batch size b* below which the just-in-time (primary) miss strategy beats the n-gram one.
 
     Decision rule: use "jit" for b < b*, "ngram" for b >= b*. Arguments: ``p_hit`` -- per-sequence
     unconditional hit rate (shared by both options); ``E_hit`` -- tokens per round after a hit; ``T_p`` --
@@ -71,8 +71,8 @@ def critical_batch_size(
     beta = n_ngram * (1.0 + T_jit) - n_jit * (1.0 + T_ngram)
     if alpha <= 0.0:
         raise ValueError(
-            "no critical batch size: the jit fallback's relative cost does not grow with batch size "
-            f"(alpha = {alpha:g} <= 0); compare the options with choose_fallback instead"
+            "no critical batch size: the jit strategy's relative cost does not grow with batch size "
+            f"(alpha = {alpha:g} <= 0); compare the options with choose_miss_strategy instead"
         )
     x_star = beta / alpha
     if p_hit >= 1.0:  # x = 1 at every b
@@ -84,7 +84,7 @@ def critical_batch_size(
     return math.log(x_star) / math.log(p_hit)
 
 
-def fallback_speedups(
+def miss_strategy_speedups(
     batch_size: float,
     p_hit: float,
     E_hit: float,
@@ -95,7 +95,7 @@ def fallback_speedups(
     T_jit: float | None = None,
     p_hit_ngram: float | None = None,
 ) -> tuple[float, float]:
-    """Cor. 17 speedups ``(speedup_jit, speedup_ngram)`` at ``batch_size`` for the two fallback choices.
+    """Cor. 17 speedups ``(speedup_jit, speedup_ngram)`` at ``batch_size`` for the two miss strategies.
 
     ``p_hit_ngram`` (default ``p_hit``) lets the n-gram option have its own unconditional hit rate, e.g. when the
     primary predicts outcomes of the n-gram backup's speculations less well (p_hit,b changes, see
@@ -108,7 +108,7 @@ def fallback_speedups(
     return float(s_jit), float(s_ngram)
 
 
-def choose_fallback(
+def choose_miss_strategy(
     batch_size: float,
     p_hit: float,
     E_hit: float,
@@ -119,13 +119,13 @@ def choose_fallback(
     T_jit: float | None = None,
     p_hit_ngram: float | None = None,
 ) -> str:
-    """Thm 18 decision: ``"jit"`` if the just-in-time primary fallback has the larger Cor. 17 speedup at this
+    """Thm 18 decision: ``"jit"`` if the just-in-time primary strategy has the larger Cor. 17 speedup at this
     batch size, else ``"ngram"`` (ties go to "ngram").
 
     With ``p_hit_ngram`` unset this equals ``"jit" if batch_size < critical_batch_size(...) else "ngram"``; the
     direct comparison also covers a per-option hit rate, where no closed form exists.
     """
-    s_jit, s_ngram = fallback_speedups(
+    s_jit, s_ngram = miss_strategy_speedups(
         batch_size, p_hit, E_hit, T_p, E_miss_ngram, T_ngram, E_miss_jit, T_jit, p_hit_ngram
     )
     return "jit" if s_jit > s_ngram else "ngram"

@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 
 from saguaro.theory import (
-    choose_fallback,
+    choose_miss_strategy,
     critical_batch_size,
     expected_tokens,
-    fallback_speedups,
+    miss_strategy_speedups,
     ssd_speedup_batch,
 )
 
@@ -56,15 +56,15 @@ def test_bstar_matches_brute_force_over_batch_sizes():
         np.testing.assert_array_equal((b < bstar)[clear], want_jit[clear], err_msg=str((q, bstar)))
         for bi in {1, 2, 7, 33, 64, int(min(max(bstar, 1), 64))}:
             if clear[bi - 1]:
-                assert choose_fallback(bi, **q) == ("jit" if want_jit[bi - 1] else "ngram")
-        assert fallback_speedups(5, **q) == pytest.approx((s_jit[4], s_ngram[4]))
+                assert choose_miss_strategy(bi, **q) == ("jit" if want_jit[bi - 1] else "ngram")
+        assert miss_strategy_speedups(5, **q) == pytest.approx((s_jit[4], s_ngram[4]))
         switches += 1 < bstar < 64
     assert switches > 50  # the draws exercise real crossovers, not just one-sided cases
 
 
 def test_jit_speedup_falls_with_batch_size_ngram_is_flat_when_tp_below_one():
     q = dict(p_hit=0.85, E_hit=expected_tokens(0.85, 5), T_p=0.6, E_miss_ngram=1.3)
-    s = np.array([fallback_speedups(b, **q) for b in range(1, 40)])
+    s = np.array([miss_strategy_speedups(b, **q) for b in range(1, 40)])
     assert np.all(np.diff(s[:, 0]) < 0)
     np.testing.assert_allclose(s[:, 1], s[0, 1])
 
@@ -72,12 +72,12 @@ def test_jit_speedup_falls_with_batch_size_ngram_is_flat_when_tp_below_one():
 def test_edge_cases():
     E = expected_tokens(0.8, 4)
     # never a miss: both options are the same, ties go to "ngram"
-    s_jit, s_ngram = fallback_speedups(8, 1.0, E, 0.5, 1.0)
+    s_jit, s_ngram = miss_strategy_speedups(8, 1.0, E, 0.5, 1.0)
     assert s_jit == pytest.approx(s_ngram)
-    assert critical_batch_size(1.0, E, 0.5, 1.0) <= 1 and choose_fallback(1, 1.0, E, 0.5, 1.0) == "ngram"
+    assert critical_batch_size(1.0, E, 0.5, 1.0) <= 1 and choose_miss_strategy(1, 1.0, E, 0.5, 1.0) == "ngram"
     assert critical_batch_size(0.8, E, 0.5, E) <= 0  # n-gram backup as good as the primary: always n-gram
     assert critical_batch_size(0.3, 5.0, 0.5, 1.0) == math.inf  # rare hits: jit wins at any b
     with pytest.raises(ValueError):
         critical_batch_size(0.8, E, 0.5, 1.0, T_ngram=0.5)  # "ngram" is not faster
     # a per-option hit rate: direct comparison still works
-    assert choose_fallback(64, 0.9, E, 0.5, 1.0, p_hit_ngram=0.5) in ("jit", "ngram")
+    assert choose_miss_strategy(64, 0.9, E, 0.5, 1.0, p_hit_ngram=0.5) in ("jit", "ngram")

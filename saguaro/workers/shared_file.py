@@ -1,8 +1,8 @@
 """An anonymous in-memory file that a child process inherits by descriptor.
 
-Used to hand the speculator process its start-up payload, the draft's weights and the
-channel's message counters without a pipe (which can block) or a named file (which a crash
-would leave behind). Linux gives a ``memfd``; elsewhere an unlinked temporary file.
+Used to hand a worker process (an SSD speculator, a tensor-parallel rank) its start-up payload, a
+model's weights and the SSD channel's message counters without a pipe (which can block) or a named
+file (which a crash would leave behind). Linux gives a ``memfd``; elsewhere an unlinked temporary file.
 """
 from __future__ import annotations
 
