@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         chunks = chunk_texts(target.tokenizer, training_texts(), args.seq_len, args.train_tokens)
         held = chunk_texts(target.tokenizer, datasets.humaneval()[:EVAL_ITEMS], args.seq_len, args.train_tokens // 8)
-        runner = ModelRunner(target.model, -(-args.seq_len // 16) + 1, 16, "cpu", fast=False)
+        runner = ModelRunner(target.model, -(-args.seq_len // 16) + 1, 16, "cpu", enforce_eager=True)
         aux = default_aux_layers(target.config.num_layers)
         started = time.monotonic()
         with tqdm(total=sum(map(len, chunks + held)), desc="target labels", unit="tok") as bar:
