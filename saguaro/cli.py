@@ -104,10 +104,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from saguaro.demo import DRAFT, TARGET
     from saguaro.info import report
     from saguaro.models.draft_format import DraftFormat
-    print(report(TARGET, DRAFT, DraftFormat(args.draft_weights, args.draft_vocab or None)))
+    print(report(args.target, args.draft, DraftFormat(args.draft_weights, args.draft_vocab or None)))
     return 0
 
 
@@ -221,6 +220,10 @@ def build_parser() -> argparse.ArgumentParser:
     m = sub.add_parser("models", help="list registered models and whether they are installed")
     m.set_defaults(func=cmd_models)
     d = sub.add_parser("demo", help="SSD vs SD vs AR on the default Qwen pair")
+    from saguaro.demo import DRAFT, TARGET
+    d.add_argument("--target", default=TARGET, help=f"target: registry name, .gguf file or HF directory "
+                                                    f"(default {TARGET})")
+    d.add_argument("--draft", default=DRAFT, help=f"draft model, sharing the target's vocabulary (default {DRAFT})")
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--prompts", type=int, default=2, help="HumanEval prompts to run")
     d.add_argument("--k", type=int, default=DEMO_SD_K, help=f"SD lookahead (default {DEMO_SD_K})")
@@ -235,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--enforce-eager", action="store_true", help="the exact eager reference (slow)")
     d.set_defaults(func=cmd_demo)
     i = sub.add_parser("info", help="CPU features, the kernel tier of each model of the demo pair, its memory floor")
+    i.add_argument("--target", default=TARGET, help=f"the target to report on (default {TARGET})")
+    i.add_argument("--draft", default=DRAFT, help=f"the draft to report on (default {DRAFT})")
     i.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
     i.add_argument("--draft-vocab", type=int, default=65536, help="draft head size (0: the full vocabulary)")
     i.set_defaults(func=cmd_info)
