@@ -41,7 +41,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import (DRAFT, TARGET, Prompt, dataset_labels, environment, fmt, int_list, log, median,
+from benchmarks.common import (Prompt, add_model_args, dataset_labels, environment, fmt, int_list, log, median,
                                prepare_prompts, settings, str_list, table, write_results)
 from saguaro.cores import pin_process
 from saguaro.sampling.params import SamplingParams
@@ -52,6 +52,7 @@ CONTEXT = 256  # context length of the step-cost measurements
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="saguaro bench ar", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
     p.add_argument("--prompts", type=int, default=4, help="prompts per dataset (default 4)")
     p.add_argument("--datasets", type=str_list, default=["humaneval", "mtbench"],
                    help="comma separated (default humaneval,mtbench)")
@@ -171,10 +172,10 @@ def step_costs(runner: Any, rows: list[int], tree_rows: list[int], reps: int = 5
     return out
 
 
-def draft_step_costs(threads: int, rows: list[int], tree_rows: list[int]) -> list[dict[str, Any]]:
+def draft_step_costs(name: str, threads: int, rows: list[int], tree_rows: list[int]) -> list[dict[str, Any]]:
     from saguaro.engine.model_runner import ModelRunner
     from saguaro.loading import load_model
-    draft = load_model(DRAFT, dtype=torch.bfloat16, progress=False)
+    draft = load_model(name, dtype=torch.bfloat16, progress=False)
     runner = ModelRunner(draft.model, 64, 16, enforce_eager=False)
     costs = step_costs(runner, rows, tree_rows)
     del runner, draft
@@ -226,7 +227,7 @@ def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def report(args: argparse.Namespace, results: dict[str, Any]) -> str:
     floor = results["floor"]
-    lines = [f"# AR decode on one core: {TARGET}, bf16, {args.threads} thread(s)", "",
+    lines = [f"# AR decode on one core: {args.target}, bf16, {args.threads} thread(s)", "",
              f"{len(results['prompts'])} prompts ({', '.join(results['datasets'].values())}), "
              f"{args.max_tokens} new tokens each, greedy, EOS ignored. Decode tok/s excludes the prefill; "
              "medians over prompts. CPU rates use process CPU time (immune to time-slicing by other jobs, "
@@ -294,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     options = dict(dtype="bfloat16", threads=args.threads, target_cores=cores,
                    max_model_len=4096, kv_cache_tokens=8192)
     t = time.perf_counter()
-    llm = LLM(TARGET, **options)
+    llm = LLM(args.target, **options)
     engine_s = time.perf_counter() - t
     net = llm.engine.target.net
     if not isinstance(net, FastCausalLM):
@@ -316,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
         log(f"  batch {b}: {results['batches'][-1]['tok_s']:.2f} tok/s")
     if args.step_costs:
         log("step costs: target")
-        results["step_costs"] = {TARGET: step_costs(llm.engine.target, [1, 3, 5, 9], [8, 12, 16])}
+        results["step_costs"] = {args.target: step_costs(llm.engine.target, [1, 3, 5, 9], [8, 12, 16])}
     weight_bytes = (net.arena.numel() if isinstance(net, FastCausalLM) else
                     sum(p.numel() * p.element_size() for n, p in net.named_parameters()
                         if "embed_tokens" not in n or net.config.tie_word_embeddings))
@@ -325,19 +326,19 @@ def main(argv: list[str] | None = None) -> int:
     gc.collect()
     if args.step_costs:
         log("step costs: draft")
-        results["step_costs"][DRAFT] = draft_step_costs(args.threads, [1, 3, 5, 9], [8, 12, 16])
+        results["step_costs"][args.draft] = draft_step_costs(args.draft, args.threads, [1, 3, 5, 9], [8, 12, 16])
 
     probes.append(measure_bandwidth(args.bandwidth_gb))
     log(f"bandwidth probe: {probes[-1]}")
     if args.eager:
-        with LLM(TARGET, **(options | {"enforce_eager": True})) as eager:
+        with LLM(args.target, **(options | {"enforce_eager": True})) as eager:
             decode_one(eager, prompts[0].ids, 2)
             results["runs"]["saguaro eager"] = [decode_one(eager, p.ids, args.max_tokens) for p in prompts]
         gc.collect()
     if not args.skip_hf:
         from benchmarks.hf_baseline import load_hf
         log("transformers: loading")
-        hf = load_hf(TARGET)
+        hf = load_hf(args.target)
         hf_decode(hf, prompts[0].ids, 4)  # warm-up
         runs = []
         for p in prompts:

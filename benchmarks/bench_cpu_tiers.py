@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import DRAFT, TARGET, environment, log, table, write_results
+from benchmarks.common import add_model_args, environment, log, table, write_results
 from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.backends.cpu_kernels.model import FastCausalLM, matrix_bytes, pass_bytes
 from saguaro.cores import pin_process
@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--reps", type=int, default=5, help="windows per measurement (best kept; default 5)")
     p.add_argument("--steps", type=int, default=20, help="draft steps timed (default 20)")
     p.add_argument("--no-models", dest="models", action="store_false", help="kernels and bus only")
+    add_model_args(p)
     p.add_argument("--core", type=int, default=0)
     p.add_argument("--out", type=Path, default=Path("results"))
     return p.parse_args(argv)
@@ -103,7 +104,7 @@ def decode_steps(name: str, weights: str, vocab: int | None, steps: int) -> dict
     times = []
     for i in range(steps + 2):
         meta = build_metadata([list(range(65 + i))], [1])
-        ids, pos = torch.tensor([100 + i]), torch.tensor([64 + i])
+        ids, pos = torch.tensor([(100 + i) % loaded.config.vocab_size]), torch.tensor([64 + i])
         t = time.thread_time()
         fast.logits(fast(ids, pos, cache, meta))
         times.append(time.thread_time() - t)
@@ -121,10 +122,11 @@ def markdown(r: dict[str, Any]) -> str:
              table(["tier", *FORMATS], rows)]
     if "ar" in r:
         ar, dr = r["ar"], r["draft"]
-        lines += ["", f"AR, {TARGET} bf16 ({ar['tier']}): {ar['tok_s']:.2f} tok/s against a one-core floor of "
+        lines += ["", f"AR, {r['target']} bf16 ({ar['tier']}): {ar['tok_s']:.2f} tok/s against a one-core floor of "
                       f"{ar['floor_tok_s']:.2f} ({ar['bytes_per_step'] / 1e9:.2f} GB per token): "
                       f"{ar['tok_s'] / ar['floor_tok_s']:.0%} of the floor.",
-                  f"Draft step, {DRAFT} int4 + 65,536-token head ({dr['tier']}): {dr['step_s'] * 1e3:.1f} ms against "
+                  f"Draft step, {r['draft_model']} int4 + 65,536-token head ({dr['tier']}): "
+                  f"{dr['step_s'] * 1e3:.1f} ms against "
                   f"a floor of {dr['floor_s'] * 1e3:.1f} ms ({dr['bytes_per_step'] / 1e9:.3f} GB): "
                   f"{dr['step_s'] / dr['floor_s']:.2f}x the floor."]
     return "\n".join(lines) + "\n"
@@ -140,11 +142,11 @@ def main(argv: list[str] | None = None) -> int:
                          "bus_gb_s": bus}
     r["gemm_gb_s"] = {t: gemm_rates(t, args.n, args.k, args.reps) for t in args.tiers}
     if args.models:
-        ar = decode_steps(TARGET, "bf16", None, args.steps)
+        ar = decode_steps(args.target, "bf16", None, args.steps)
         ar["tok_s"], ar["floor_tok_s"] = 1 / ar["step_s"], bus * 1e9 / ar["bytes_per_step"]
-        dr = decode_steps(DRAFT, "int4", 65536, args.steps)
+        dr = decode_steps(args.draft, "int4", 65536, args.steps)
         dr["floor_s"] = dr["bytes_per_step"] / (bus * 1e9)
-        r.update(ar=ar, draft=dr)
+        r.update(target=args.target, draft_model=args.draft, ar=ar, draft=dr)
     md = markdown(r)
     print(md)
     write_results(args.out, "cpu_tiers", r, md)

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import (ALL, DRAFT, TARGET, add_common_args, dataset_labels, engine_options, environment, fmt,
+from benchmarks.common import (ALL, DRAFT, add_common_args, dataset_labels, engine_options, environment, fmt,
                                group_records, log, prepare_prompts, ratio, run_engine, same_tokens, settings, table,
                                write_results)
 from saguaro.loading.paths import cache_root
@@ -32,22 +32,26 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_common_args(p, prompts=3, max_tokens=48, datasets="humaneval")
     p.add_argument("--k", type=int, default=3, help="drafts per round for both drafts (default 3)")
     p.add_argument("--no-ssd", action="store_true", help="only AR and SD (SSD adds a second core's draft)")
-    p.add_argument("--head", type=Path, default=cache_root() / "eagle" / TARGET / "head",
-                   help="the EAGLE-3 head directory (default: where saguaro train-head saves it)")
-    return p.parse_args(argv)
+    p.add_argument("--head", type=Path,
+                   help="the EAGLE-3 head directory (default: where saguaro train-head saves it for --target)")
+    args = p.parse_args(argv)
+    args.head = args.head or cache_root() / "eagle" / Path(args.target).name / "head"
+    return args
 
 
 def plan(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     base = engine_options(args.enforce_eager, threads=1, target_cores=[0])
+    name = "0.5B" if args.draft == DRAFT else Path(args.draft).name  # the draft model's row label
     ssd = dict(num_speculative_tokens=args.k, fan_out=[1] * args.k + [2], miss_strategy="jit")
     if not (args.head / "config.json").is_file():
-        raise FileNotFoundError(f"no EAGLE-3 head at {args.head}: train one with saguaro train-head --target {TARGET}")
+        raise FileNotFoundError(f"no EAGLE-3 head at {args.head}: train one with "
+                                f"saguaro train-head --target {args.target}")
     return [(AR, dict(base, mode="ar")),
-            (f"SD 0.5B K={args.k}", dict(base, mode="sd", draft=DRAFT, num_speculative_tokens=args.k)),
+            (f"SD {name} K={args.k}", dict(base, mode="sd", draft=args.draft, num_speculative_tokens=args.k)),
             (f"SD EAGLE-3 K={args.k}", dict(base, mode="sd", draft=str(args.head), draft_kind="eagle3",
                                              num_speculative_tokens=args.k))] + ([] if args.no_ssd else [
             # SSD: the draft on core 1, a fixed fan-out (no calibration profile needed), misses drafted just in time
-            (f"SSD 0.5B K={args.k}", dict(base, mode="ssd", draft=DRAFT, **ssd)),
+            (f"SSD {name} K={args.k}", dict(base, mode="ssd", draft=args.draft, **ssd)),
             (f"SSD EAGLE-3 K={args.k}", dict(base, mode="ssd", draft=str(args.head), draft_kind="eagle3", **ssd))])
 
 
@@ -63,7 +67,8 @@ def cpu_name() -> str:
 
 def report(args, labels, summaries, records) -> tuple[dict[str, Any], str]:
     equal = {name: same_tokens(recs, records[AR]) for name, recs in records.items() if name != AR}
-    lines = [f"# EAGLE-3 head vs 0.5B draft in SD and SSD: {TARGET} target, bf16, one core, one thread, batch 1", "",
+    lines = [f"# EAGLE-3 head vs {args.draft} draft in SD and SSD: {args.target} target, bf16, one core, one thread, "
+             "batch 1", "",
              f"CPU: {cpu_name()}, load average {environment()['loadavg']}. {args.prompts} HumanEval prompts "
              f"(held out from the head's training), {args.max_tokens} new tokens, K={args.k}, head {args.head}.", "",
              "tok/s: decode tokens per second, median over prompts; xAR against our AR in this run. acc len: accepted "
@@ -84,7 +89,7 @@ def report(args, labels, summaries, records) -> tuple[dict[str, Any], str]:
         lines += ["", f"## {tk}", "", table(["config", "tok/s", "xAR", "accept", "acc len", "draft ms", "verify ms",
                                                "=AR", "n"], rows)]
     payload = {"benchmark": "eagle", "description": __doc__.split("\n\n")[0],
-               "models": {"target": TARGET, "draft": DRAFT, "head": str(args.head), "dtype": "bfloat16"},
+               "models": {"target": args.target, "draft": args.draft, "head": str(args.head), "dtype": "bfloat16"},
                "settings": settings(args), "environment": environment(), "datasets": labels, "summary": summaries,
                "greedy_equal_to_ar": {n: {"equal": a, "compared": b} for n, (a, b) in equal.items()},
                "requests": [r.to_json() for recs in records.values() for r in recs]}
@@ -94,7 +99,7 @@ def report(args, labels, summaries, records) -> tuple[dict[str, Any], str]:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from saguaro.loading import load_tokenizer
-    prompts = prepare_prompts(load_tokenizer(TARGET, progress=False), args.datasets, args.prompts)
+    prompts = prepare_prompts(load_tokenizer(args.target, progress=False), args.datasets, args.prompts)
     configs = plan(args)
     records = {name: run_engine(name, options, prompts, args) for name, options in configs}
     summaries = {name: group_records(recs) for name, recs in records.items()}

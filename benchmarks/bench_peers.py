@@ -193,8 +193,8 @@ def saguaro_options(row: Row, args: argparse.Namespace) -> dict[str, Any]:
     if row.key.endswith("-ar"):
         return dict(base, mode="ar")
     if row.key.endswith("-sd"):
-        return dict(base, mode="sd", draft=DRAFT, num_speculative_tokens=args.k, **draft_options(args))
-    return dict(base, mode="ssd", draft=DRAFT, num_speculative_tokens=len(args.fan_out) - 1, fan_out=args.fan_out,
+        return dict(base, mode="sd", draft=args.draft, num_speculative_tokens=args.k, **draft_options(args))
+    return dict(base, mode="ssd", draft=args.draft, num_speculative_tokens=len(args.fan_out) - 1, fan_out=args.fan_out,
                 branch_steps=args.branch_steps, **draft_options(args))
 
 
@@ -245,7 +245,7 @@ def speed_table(rows: list[Row], labels: dict[str, str], summaries: dict[str, di
 def report(args, rows, labels, summaries, llama_runs, commands, files, cpu, versions) -> tuple[dict, str]:
     speed, ratios = speed_table(rows, labels, summaries)
     threads = f"{args.threads} thread{'s' if args.threads > 1 else ''}"
-    lines = [f"# llama.cpp and Saguaro side by side: {TARGET} target, {DRAFT} draft, batch 1, greedy", "",
+    lines = [f"# llama.cpp and Saguaro side by side: {args.target} target, {args.draft} draft, batch 1, greedy", "",
              f"CPU: {cpu['summary']}. {threads} per engine, pinned to the first {args.threads} core(s) "
              "(Saguaro SSD's speculator on the next cores). "
              f"{args.prompts} HumanEval prompts (chat template), {args.max_tokens} new tokens. "
@@ -273,7 +273,7 @@ def report(args, rows, labels, summaries, llama_runs, commands, files, cpu, vers
         lines += ["", "Prompt tokens, as llama.cpp's timing lines count them / as Saguaro fed them: "
                   + "; ".join(f"{k} {v}" for k, v in counted.items()) + "."]
     payload = {"benchmark": "peers", "description": __doc__.split("\n\n")[0], "cpu": cpu, "threads": args.threads,
-               "versions": versions, "models": {"target": TARGET, "draft": DRAFT},
+               "versions": versions, "models": {"target": args.target, "draft": args.draft},
                "files": {k: {"path": str(p), "bytes": Path(p).stat().st_size} for k, p in files.items()},
                "settings": settings(args), "environment": environment(), "labels": labels, "commands": commands,
                "summary": summaries, **ratios, "llama_cpp_requests": llama_runs}
@@ -353,13 +353,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     rows = [r for r in ROWS if r.key in args.only]
     llama_rows = [r for r in rows if r.engine == LLAMA]
+    if llama_rows and (args.target, args.draft) != (TARGET, DRAFT):
+        print("error: the llama.cpp rows run the registry's GGUF pair; --target / --draft choose the Saguaro rows' "
+              "models only (add --only saguaro)", file=sys.stderr)
+        return 2
     try:
         build, files = prepare_llama(args, llama_rows) if llama_rows else (None, {})
     except (lc.ToolchainError, lc.PeerRunError) as e:
         print(f"error: {e}", file=sys.stderr)
         return lc.EXIT_NO_TOOLCHAIN if isinstance(e, lc.ToolchainError) else 1
     from saguaro.loading import load_tokenizer
-    prompts = prepare_prompts(load_tokenizer(TARGET, progress=False), args.datasets, args.prompts)
+    prompts = prepare_prompts(load_tokenizer(args.target, progress=False), args.datasets, args.prompts)
     labels = {r.key: (llama_label if r.engine == LLAMA else saguaro_label)(r, args) for r in rows}
     built = lc.tool_version(build) if build is not None else None
     versions = {"llama_cpp": f"{lc.PACKAGE}=={lc.VERSION} sdist (vendor/llama.cpp)" + (f", {built}" if built else ""),

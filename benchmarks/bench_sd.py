@@ -21,7 +21,7 @@ import argparse
 import sys
 from typing import Any
 
-from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels,
+from benchmarks.common import (ALL, Record, add_common_args, dataset_labels,
                                draft_options, engine_options, environment, fmt, group_records, int_list, float_list,
                                log,
                                prepare_prompts, ratio, run_engine, same_tokens, settings, table, temp_key,
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def sd_options(args: argparse.Namespace, k: int) -> dict[str, Any]:
-    return dict(engine_options(args.enforce_eager, threads=1, target_cores=[0]), mode="sd", draft=DRAFT,
+    return dict(engine_options(args.enforce_eager, threads=1, target_cores=[0]), mode="sd", draft=args.draft,
                 num_speculative_tokens=k, **draft_options(args))
 
 
@@ -91,7 +91,7 @@ def best_k(summaries: dict[str, Any], ks: list[int]) -> dict[str, dict[str, dict
 
 def run_hf(args: argparse.Namespace, prompts: list, best: dict) -> dict[str, list[Record]]:
     from benchmarks.hf_baseline import HFRunner
-    runner = HFRunner(TARGET, DRAFT, threads=1, cores=[0])
+    runner = HFRunner(args.target, args.draft, threads=1, cores=[0])
     try:
         records = {"HF AR": runner.run("HF AR", prompts, args.hf_temperatures, args.max_tokens, args.seed,
                                        None, args.warmup_tokens)}
@@ -118,7 +118,7 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
                           for g, s in groups.items()} for tk, groups in by_t.items()}
               for name, by_t in summaries.items()}
     equal = {name: same_tokens(recs, records[AR]) for name, recs in records.items() if name != AR}
-    lines = [f"# SD vs AR: {TARGET} target, {DRAFT} draft, bf16, one core, one thread, batch 1", "",
+    lines = [f"# SD vs AR: {args.target} target, {args.draft} draft, bf16, one core, one thread, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, "
              f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, "
              f"draft vocab {args.draft_vocab or 'all'}, "
@@ -162,7 +162,8 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
     payload = {
         "benchmark": "sd",
         "description": __doc__.split("\n\n")[0],
-        "models": {"target": TARGET, "draft": DRAFT, "dtype": "bfloat16", "threads": 1, "cores": [0], "batch": 1},
+        "models": {"target": args.target, "draft": args.draft, "dtype": "bfloat16", "threads": 1, "cores": [0],
+                   "batch": 1},
         "settings": settings(args),
         "environment": environment(),
         "datasets": labels,
@@ -182,7 +183,7 @@ def report(args, labels, summaries, records, best) -> tuple[dict[str, Any], str]
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from saguaro.loading import load_tokenizer
-    prompts = prepare_prompts(load_tokenizer(TARGET, progress=False), args.datasets, args.prompts)
+    prompts = prepare_prompts(load_tokenizer(args.target, progress=False), args.datasets, args.prompts)
     labels = dataset_labels(args.datasets)
     configs = plan(args)
     log(f"{len(prompts)} prompts, {len(configs)} engine configurations{'' if args.skip_hf else ' + transformers'}, "

@@ -30,7 +30,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
-from benchmarks.common import (ALL, DRAFT, TARGET, Record, add_common_args, dataset_labels, draft_options,
+from benchmarks.common import (ALL, Record, add_common_args, dataset_labels, draft_options,
                                engine_options, environment, failed_configs, fmt, group_records, int_list, log, mean,
                                parse_fan_out, prepare_prompts, ratio, run_engine, same_tokens, settings, table,
                                temp_key, write_results)
@@ -122,15 +122,15 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
     fmt_ = draft_options(args)
     sd_one = [f"SD K={j} (1 core)" for j in sd_ks]
     configs = [(names["ar1"], dict(one, mode="ar"))]
-    configs += [(name, dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=j, **fmt_))
+    configs += [(name, dict(one, mode="sd", draft=args.draft, num_speculative_tokens=j, **fmt_))
                 for name, j in zip(sd_one, sd_ks)]
     names["sd_ref"] = f"SD K={k} (1 core)"  # verification without contention, at SSD's K (same rows)
     if k not in sd_ks:
-        configs.append((names["sd_ref"], dict(one, mode="sd", draft=DRAFT, num_speculative_tokens=k, **fmt_)))
+        configs.append((names["sd_ref"], dict(one, mode="sd", draft=args.draft, num_speculative_tokens=k, **fmt_)))
         sd_one.append(names["sd_ref"])  # it competes for "fastest SD" too
     if not args.skip_two_threads:
         configs += [(names["ar2"], dict(two, mode="ar")),
-                    (names["sd2"], dict(two, mode="sd", draft=DRAFT, num_speculative_tokens=sd_k, **fmt_))]
+                    (names["sd2"], dict(two, mode="sd", draft=args.draft, num_speculative_tokens=sd_k, **fmt_))]
     ssd, ssd_k, by_transport = [], {}, {}
     for fallback, c, (f, steps) in itertools.product(args.fallback, args.saguaro_c, fan_outs(args)):
         k_f = len(f) - 1 if isinstance(f, list) else k
@@ -143,7 +143,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             ssd.append(name)
             ssd_k[name] = k_f
             by_transport.setdefault(base, {})[transport] = name
-            configs.append((name, dict(one, mode="ssd", draft=DRAFT, num_speculative_tokens=k_f, fan_out=f,
+            configs.append((name, dict(one, mode="ssd", draft=args.draft, num_speculative_tokens=k_f, fan_out=f,
                                        miss_strategy=fallback, draft_cores=[1], branch_steps=steps,
                                        deep_branches=args.deep_branches, saguaro_c=c if c == "auto" else float(c),
                                        speculator_transport=transport, **fmt_)))
@@ -203,7 +203,7 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
     ssd_builds = {name: {temp_key(t): build_stats([r for r in records[name] if r.temperature == t],
                                                   plan_["ssd_k"][name]) for t in args.temperatures}
                   for name in plan_["ssd"]}
-    lines = [f"# SSD vs SD vs AR: {TARGET} target, {DRAFT} draft, bf16, batch 1", "",
+    lines = [f"# SSD vs SD vs AR: {args.target} target, {args.draft} draft, bf16, batch 1", "",
              f"{len(labels)} datasets x {args.prompts} prompts, {args.max_tokens} new tokens, "
              f"K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
              f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, "
@@ -294,7 +294,7 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
     payload = {
         "benchmark": "ssd",
         "description": __doc__.split("\n\n")[0],
-        "models": {"target": TARGET, "draft": DRAFT, "dtype": "bfloat16", "batch": 1},
+        "models": {"target": args.target, "draft": args.draft, "dtype": "bfloat16", "batch": 1},
         "settings": settings(args),
         "environment": environment(),
         "datasets": labels,
@@ -331,7 +331,7 @@ def draw_timeline(args, plan_, records) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from saguaro.loading import load_tokenizer
-    prompts = prepare_prompts(load_tokenizer(TARGET, progress=False), args.datasets, args.prompts)
+    prompts = prepare_prompts(load_tokenizer(args.target, progress=False), args.datasets, args.prompts)
     labels = dataset_labels(args.datasets)
     plan_ = plan(args)
     log(f"{len(prompts)} prompts x {len(args.temperatures)} temperatures x {len(plan_['configs'])} configurations, "
@@ -343,8 +343,9 @@ def main(argv: list[str] | None = None) -> int:
         from saguaro.calibration.contention import measure
         from saguaro.models.draft_format import DraftFormat
         widths = sorted({1} | {sum(f) for f, _ in fan_outs(args) if isinstance(f, list)})
-        probe = measure(TARGET, DRAFT, args.k + 1, widths, enforce_eager=args.enforce_eager, context=args.probe_context,
-                        reps=args.probe_reps, draft_format=DraftFormat(args.draft_weights, args.draft_vocab), log=log)
+        probe = measure(args.target, args.draft, args.k + 1, widths, enforce_eager=args.enforce_eager,
+                        context=args.probe_context, reps=args.probe_reps,
+                        draft_format=DraftFormat(args.draft_weights, args.draft_vocab), log=log)
         contention = asdict(probe)  # the report reads it as the JSON it writes
         from saguaro.calibration.bus import measure_bus
         bus = measure_bus([0, 1], seconds=args.bus_seconds, log=log)

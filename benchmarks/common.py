@@ -72,8 +72,15 @@ def str_list(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """``--target`` and ``--draft``: the pair a benchmark runs (default the Qwen pair its figures are for)."""
+    p.add_argument("--target", default=TARGET, help=f"registry name, .gguf file or HF directory (default {TARGET})")
+    p.add_argument("--draft", default=DRAFT, help=f"the draft model, sharing the target's vocabulary (default {DRAFT})")
+
+
 def add_common_args(p: argparse.ArgumentParser, *, prompts: int = 2, max_tokens: int = 64,
                     temperatures: str = "0,1", datasets: str = "humaneval,mtbench") -> None:
+    add_model_args(p)
     p.add_argument("--prompts", type=int, default=prompts, help=f"prompts per dataset (default {prompts})")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"new tokens per request (default {max_tokens})")
     p.add_argument("--datasets", type=str_list, default=str_list(datasets),
@@ -197,14 +204,14 @@ def run_requests(llm: Any, config: str, prompts: list[Prompt], temperatures: lis
 
 
 def run_engine(config: str, options: dict[str, Any], prompts: list[Prompt], args: argparse.Namespace,
-               temperatures: list[float] | None = None, target: Any = TARGET) -> list[Record]:
-    """Build one LLM (on ``target``: a name or a ``LoadedModel``), run every request through it, close it (SSD owns
-    a worker process or thread)."""
+               temperatures: list[float] | None = None, target: Any = None) -> list[Record]:
+    """Build one LLM (on ``target``: a name or a ``LoadedModel``; default ``args.target``), run every request
+    through it, close it (SSD owns a worker process or thread)."""
     from saguaro import LLM
     from benchmarks.rounds import round_log
 
     log(f"{config}: loading")
-    with LLM(target=target, **options) as llm:
+    with LLM(target=args.target if target is None else target, **options) as llm:
         graphs = getattr(llm.engine.target.backend, "graphs", None)
         if graphs is not None and graphs.sealed:
             log(f"{config}: {len(graphs.graphs)} target CUDA graphs captured at start-up, {graphs.capture_s:.1f} s")

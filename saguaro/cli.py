@@ -104,10 +104,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    from saguaro.demo import DRAFT, TARGET
     from saguaro.info import report
     from saguaro.models.draft_format import DraftFormat
-    print(report(TARGET, DRAFT, DraftFormat(args.draft_weights, args.draft_vocab or None)))
+    print(report(args.target, args.draft, DraftFormat(args.draft_weights, args.draft_vocab or None)))
     return 0
 
 
@@ -209,6 +208,10 @@ def _add_generate(sub) -> None:
 
 def _add_demo_and_info(sub) -> None:
     d = sub.add_parser("demo", help="SSD vs SD vs AR on the default Qwen pair")
+    from saguaro.demo import DRAFT, TARGET
+    d.add_argument("--target", default=TARGET, help=f"target: registry name, .gguf file or HF directory "
+                                                    f"(default {TARGET})")
+    d.add_argument("--draft", default=DRAFT, help=f"draft model, sharing the target's vocabulary (default {DRAFT})")
     d.add_argument("--max-tokens", type=int, default=96)
     d.add_argument("--prompts", type=int, default=2, help="HumanEval prompts to run")
     d.add_argument("--k", type=int, default=DEMO_SD_K, help=f"SD lookahead (default {DEMO_SD_K})")
@@ -221,6 +224,8 @@ def _add_demo_and_info(sub) -> None:
     d.add_argument("--enforce-eager", action="store_true", help="the exact eager reference (slow)")
     d.set_defaults(func=cmd_demo)
     i = sub.add_parser("info", help="CPU features, the kernel tier of each model of the demo pair, its memory floor")
+    i.add_argument("--target", default=TARGET, help=f"the target to report on (default {TARGET})")
+    i.add_argument("--draft", default=DRAFT, help=f"the draft to report on (default {DRAFT})")
     i.set_defaults(func=cmd_info)
     for p in (d, i):
         p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)

@@ -1,4 +1,4 @@
-"""``saguaro demo``: SSD against SD and AR on the default real pair, side by side.
+"""``saguaro demo``: SSD against SD and AR on the default real pair (or ``--target`` / ``--draft``), side by side.
 
 Target Qwen2.5-Coder-1.5B-Instruct in bf16, draft Qwen2.5-Coder-0.5B-Instruct (by default
 run with int4 weights and a 65,536-token head: the same cheap draft for SD and SSD, still
@@ -35,20 +35,21 @@ def _run(llm: LLM, prompts: list[list[int]], max_tokens: int) -> dict:
 def run_demo(args: argparse.Namespace) -> int:
     common = dict(dtype="bfloat16", enforce_eager=args.enforce_eager, max_model_len=4096, kv_cache_tokens=8192)
     draft_fmt = dict(draft_weights=args.draft_weights, draft_vocab=args.draft_vocab or None)
-    print(f"Loading {TARGET} (target, bf16) and {DRAFT} (draft, {args.draft_weights}) ...", flush=True)
+    target, draft = args.target, args.draft
+    print(f"Loading {target} (target, bf16) and {draft} (draft, {args.draft_weights}) ...", flush=True)
     t0 = time.perf_counter()
-    with LLM(TARGET, **common) as ar:
+    with LLM(target, **common) as ar:
         prompts = datasets.as_chat(ar.tokenizer, [f"Complete this Python function:\n\n{p}"
                                                   for p in datasets.humaneval(args.prompts)])
         print(f"loaded in {time.perf_counter() - t0:.1f} s; {len(prompts)} HumanEval prompts, "
               f"{args.max_tokens} new tokens each, greedy\n", flush=True)
         results = {"AR (1 core)": _run(ar, prompts, args.max_tokens)}
-    with LLM(target=TARGET, draft=DRAFT, mode="sd", num_speculative_tokens=args.k, **common, **draft_fmt) as sd:
+    with LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=args.k, **common, **draft_fmt) as sd:
         results[f"SD K={args.k} (1 core)"] = _run(sd, prompts, args.max_tokens)
     # SSD's tree is built while one verification runs: the glue, then a few steps over all branches, then
     # narrow steps that take the likeliest branch on to K tokens (benchmarks/bench_ssd.py --fan-outs 'F@S').
     ssd_k, fan_out = len(args.ssd_fan_out) - 1, args.ssd_fan_out
-    with LLM(target=TARGET, draft=DRAFT, mode="ssd", num_speculative_tokens=ssd_k, fan_out=fan_out, **common,
+    with LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=ssd_k, fan_out=fan_out, **common,
              branch_steps=args.ssd_branch_steps or None, **draft_fmt) as ssd:
         results[f"SSD K={ssd_k} (2 cores)"] = _run(ssd, prompts, args.max_tokens)
     ar_speed = results["AR (1 core)"]["tok_s"]

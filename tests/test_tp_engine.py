@@ -17,7 +17,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.parallel import TensorParallelError
 from saguaro.parallel.groups import TPGroups
 from tests.dist_harness import measure
-from tests.tiny import PROMPTS, greedy_tokens, perturbed, tiny_model, weak_pair
+from tests.tiny import PROMPTS, greedy_tokens, perturbed, save_hf, tiny_model, weak_pair
 
 MAX_TOKENS = 10
 
@@ -98,27 +98,11 @@ def test_rank_failure_fails_requests_and_leaves_no_process(pair, how):
 def test_tp_ar_loads_an_hf_directory_by_slice(tmp_path, reference, pair):
     """Greedy AR at TP=2 equals TP=1, the target given by path: every rank reads its own slices of the file. The
     whole embedding table (what an EAGLE-3 head reads) is read from the file too."""
-    directory = save_tiny(pair[0], tmp_path)
+    directory = save_hf(pair[0], tmp_path)
     with LLM(str(directory), block_size=4, dtype="float32", tensor_parallel_size=2) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
         assert torch.equal(llm._target.embeddings(), pair[0].model.model.embed_tokens.weight)
     assert [o.token_ids for o in outs] == reference
-
-
-def save_tiny(loaded, directory):
-    import json
-
-    from safetensors.torch import save_file
-    cfg = loaded.config
-    hf = dict(model_type=cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-              max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-              rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, torch_dtype="float32")
-    (directory / "config.json").write_text(json.dumps(hf))
-    save_file({k: v.contiguous() for k, v in loaded.model.state_dict().items()}, str(directory / "model.safetensors"))
-    loaded.tokenizer.backend.save(str(directory / "tokenizer.json"))
-    return directory
 
 
 def test_tp_size_that_does_not_divide_is_refused():
@@ -148,7 +132,7 @@ def test_torchrun_gives_the_same_tokens(tmp_path, reference, pair):
     from saguaro.workers.process import free_port
     directory = tmp_path / "tiny"
     directory.mkdir()
-    save_tiny(pair[0], directory)
+    save_hf(pair[0], directory)
     script = tmp_path / "run.py"
     script.write_text(TORCHRUN_SCRIPT)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port",

@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=256, help="tokens per example")
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (one example each)")
     p.add_argument("--minutes", type=float, help="stop training after this many minutes")
-    p.add_argument("--ttt-steps", type=int, default=3, help="chained steps per example (training-time test)")
+    p.add_argument("--ttt-steps", type=int, default=7,
+                   help="chained steps per example (training-time test; EAGLE-3's 7), weighted 0.8^j")
     p.add_argument("--draft-vocab", type=int, default=32_000, help="the head's output vocabulary")
     p.add_argument("--top-k", type=int, default=16, help="target probabilities kept per position as labels")
     p.add_argument("--lr", type=float, default=5e-4)
@@ -62,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         chunks = chunk_texts(target.tokenizer, training_texts(), args.seq_len, args.train_tokens)
         held = chunk_texts(target.tokenizer, datasets.humaneval()[:EVAL_ITEMS], args.seq_len, args.train_tokens // 8)
-        runner = ModelRunner(target.model, -(-args.seq_len // 16) + 1, 16, "cpu", fast=False)
+        runner = ModelRunner(target.model, -(-args.seq_len // 16) + 1, 16, "cpu", enforce_eager=True)
         taps = default_taps(target.config.num_layers)
         started = time.monotonic()
         with tqdm(total=sum(map(len, chunks + held)), desc="target labels", unit="tok") as bar:

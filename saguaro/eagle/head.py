@@ -28,7 +28,8 @@ def layer_config(cfg: Eagle3Config, width: int | None = None) -> ModelConfig:
     return ModelConfig(arch="llama", vocab_size=cfg.vocab_size, hidden_size=width or cfg.hidden_size,
                        intermediate_size=cfg.intermediate_size, num_layers=1, num_heads=cfg.num_heads,
                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, rms_norm_eps=cfg.rms_norm_eps,
-                       rope_theta=cfg.rope_theta, max_position_embeddings=cfg.max_position_embeddings)
+                       rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
+                       max_position_embeddings=cfg.max_position_embeddings)
 
 
 class Eagle3Layer(nn.Module):
@@ -65,7 +66,7 @@ class Eagle3Head(nn.Module):
         self.layer = Eagle3Layer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, None)
+        self.rotary = RotaryEmbedding(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool) if
                              cfg.draft_vocab_size == cfg.vocab_size else torch.zeros(cfg.vocab_size, dtype=torch.bool))

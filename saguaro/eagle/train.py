@@ -1,7 +1,8 @@
 """Train an EAGLE-3 head for a target from the target's own outputs (``saguaro train-head``).
 
 Labels are the target's next-token distributions (top-k, ``data.label``) on teacher-forced text, restricted
-to the draft vocabulary. EAGLE-3's training-time test: every example runs ``ttt_steps`` chained steps. Step 0
+to the draft vocabulary. EAGLE-3's training-time test: every example runs ``ttt_steps`` chained steps (7, as
+EAGLE-3 trains), step j's loss weighted by ``STEP_DECAY ** j`` (0.8, EAGLE-3's) and the weighted losses summed. Step 0
 reads the target's features; step j reads the head's own pre-norm hidden state from step j-1, as drafting
 does. Row b of step j sits at position b+j, takes token x_{b+j+1}, sees the target-fed positions 0..b and its
 own chain's earlier steps (the mask drafting produces), and is scored against the target's distribution at
@@ -26,9 +27,12 @@ from saguaro.kv.metadata import build_metadata
 from saguaro.models.transformer import CausalLM
 
 
+STEP_DECAY = 0.8  # EAGLE-3's weight ratio between chained steps: later steps count less, as they are reached less
+
+
 @dataclass
 class TrainSettings:
-    ttt_steps: int = 3
+    ttt_steps: int = 7
     lr: float = 5e-4
     steps: int = 200  # optimizer steps (one example each)
     minutes: float | None = None  # stop training after this long (the labels' time not counted)
@@ -44,6 +48,7 @@ def new_head(target: CausalLM, draft_ids: torch.Tensor, seed: int = 0) -> Eagle3
     cfg = Eagle3Config(hidden_size=tc.hidden_size, intermediate_size=tc.intermediate_size, num_heads=tc.num_heads,
                        num_kv_heads=tc.num_kv_heads, head_dim=tc.head_dim, vocab_size=tc.vocab_size,
                        draft_vocab_size=len(draft_ids), rms_norm_eps=tc.rms_norm_eps, rope_theta=tc.rope_theta,
+                       rope_scaling=tc.rope_scaling,
                        max_position_embeddings=tc.max_position_embeddings, target_hidden_size=tc.hidden_size,
                        taps=taps)
     torch.manual_seed(seed)
@@ -99,8 +104,8 @@ def ttt_forward(head: Eagle3Head, ex: Example, steps: int) -> tuple[list[torch.T
 
 def ttt_loss(head: Eagle3Head, ex: Example, steps: int, to_draft: torch.Tensor
              ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """(mean soft cross-entropy over steps, per step [n] bool: draft argmax == target argmax, or None-valid
-    rows False). ``to_draft`` [V] maps target ids to draft ids (-1 outside)."""
+    """(soft cross-entropy of each step weighted by ``STEP_DECAY ** j`` and summed, per step [n] bool: draft argmax
+    == target argmax, invalid rows False). ``to_draft`` [V] maps target ids to draft ids (-1 outside)."""
     logits, label_pos = ttt_forward(head, ex, steps)
     n = len(ex.tokens) - 1
     losses, hits = [], []
@@ -115,7 +120,8 @@ def ttt_loss(head: Eagle3Head, ex: Example, steps: int, to_draft: torch.Tensor
         row_loss = -(target * F.log_softmax(step_logits, -1)).sum(1)
         losses.append(row_loss[valid].mean() if valid.any() else step_logits.sum() * 0)
         hits.append(valid & (head.draft_ids[step_logits.argmax(1)] == ex.top_ids[at, 0]))
-    return torch.stack(losses).mean(), hits
+    weights = STEP_DECAY ** torch.arange(len(losses), dtype=torch.float32)
+    return (weights * torch.stack(losses)).sum(), hits
 
 
 @torch.no_grad()

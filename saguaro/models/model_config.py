@@ -53,15 +53,7 @@ class ModelConfig:
         num_heads = hf["num_attention_heads"]
         eos = hf.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        rope_scaling = hf.get("rope_scaling")
-        rope_theta = hf.get("rope_theta")
-        rope_params = hf.get("rope_parameters")  # transformers 5 nests theta and scaling here
-        if isinstance(rope_params, dict):
-            rope_theta = rope_params.get("rope_theta", rope_theta)
-            if rope_params.get("rope_type", "default") != "default":
-                rope_scaling = rope_params
-        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
-            rope_scaling = None
+        rope_theta, rope_scaling = rope_settings(hf)
         return cls(
             arch=arch,
             vocab_size=hf["vocab_size"],
@@ -72,8 +64,8 @@ class ModelConfig:
             num_kv_heads=hf.get("num_key_value_heads") or num_heads,
             head_dim=hf.get("head_dim") or hf["hidden_size"] // num_heads,
             rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
-            rope_theta=rope_theta if rope_theta is not None else 10000.0,
-            rope_scaling=dict(rope_scaling) if rope_scaling else None,
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
             max_position_embeddings=hf.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             attention_bias=bool(hf.get("attention_bias", arch == "qwen2")),
@@ -88,3 +80,17 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> "ModelConfig":
         return cls(**d)
+
+
+def rope_settings(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling) of a transformers config dict: ``rope_theta`` and ``rope_scaling``, or transformers 5's
+    ``rope_parameters`` that nests both; scaling None for plain RoPE (``rope_type`` "default" or absent)."""
+    scaling, theta = hf.get("rope_scaling"), hf.get("rope_theta")
+    params = hf.get("rope_parameters")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if params.get("rope_type", "default") != "default":
+            scaling = params
+    if scaling is not None and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
+        scaling = None
+    return (theta if theta is not None else 10000.0), (dict(scaling) if scaling else None)
