@@ -38,6 +38,8 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
         self.check_request(prompt_ids, params)
         seq = Sequence(prompt_ids, params, prompt)
+        if not params.ignore_eos:
+            seq.end_ids += sorted(self.eos_ids)
         self.scheduler.add(seq)
         return seq
 
@@ -56,6 +58,9 @@ class LLMEngine:
         vocab = self.target.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        outside = sorted(t for t in params.logit_bias if t >= vocab)
+        if outside:
+            raise RequestError(f"logit_bias token ids must lie in [0, {vocab}); got {outside[:5]}")
 
     @property
     def has_unfinished(self) -> bool:
@@ -121,7 +126,11 @@ class LLMEngine:
             gained.append(token)
             if seq.first_token_time is None:
                 seq.first_token_time = time.perf_counter()
-            if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            if len(seq.output_ids) < params.min_tokens:  # nothing but the context's end stops it before
+                seq.finish_reason = "length" if len(seq) >= self.max_model_len else None
+                if params.stop:  # stop strings wholly inside the first min_tokens are passed over
+                    self._stop_text(seq).push(seq.output_ids[len(seq.stop_text.ids):])
+            elif (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif params.stop and self._hit_stop_string(seq):
                 seq.finish_reason = "stop"
@@ -134,9 +143,7 @@ class LLMEngine:
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         """Search only the new text (plus a stop string's length before it): linear in the output, not quadratic."""
-        if seq.stop_text is None:
-            seq.stop_text = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
-        detok = seq.stop_text
+        detok = self._stop_text(seq)
         before = len(detok.text)
         if not detok.push(seq.output_ids[len(detok.ids):]):
             return False
@@ -146,6 +153,11 @@ class LLMEngine:
             seq.stop_text_cut = min(cuts)
             return True
         return False
+
+    def _stop_text(self, seq: Sequence) -> IncrementalDetokenizer:
+        if seq.stop_text is None:
+            seq.stop_text = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+        return seq.stop_text
 
     def _finish(self, seq: Sequence) -> None:
         seq.finish_time = time.perf_counter()

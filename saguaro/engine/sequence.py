@@ -56,6 +56,7 @@ class Sequence:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
+        self.end_ids: list[int] = list(params.stop_token_ids)  # what min_tokens holds back; the engine adds EOS
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
