@@ -3,9 +3,11 @@
 Fields follow OpenAI's API. Supported: ``prompt`` (a string, token ids, or a list of either),
 ``messages`` (text content), ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``top_k`` (an extension), ``stop``, ``seed``, ``n``, ``stream`` and
-``stream_options.include_usage``. Fields that would change the output in ways the engine cannot
-honour (``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of``, tools,
-``response_format``) are refused with a 400 that names them, never silently ignored.
+``stream_options.include_usage``; the logit processors ``frequency_penalty``, ``presence_penalty``,
+``logit_bias`` and vLLM's ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``
+(``saguaro.sampling.logit_processors``). Fields that would change the output in ways the engine
+cannot honour (``logprobs``, ``echo``, ``suffix``, ``best_of``, tools, ``response_format``) are
+refused with a 400 that names them, never silently ignored.
 
 ``n`` choices of one prompt are ``n`` engine requests; with a ``seed``, choice ``i`` uses
 ``seed + i`` (so they differ, and each is reproducible).
@@ -24,7 +26,8 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from saguaro.sampling.params import INT64_MAX, INT64_MIN, TOP_K_MAX, SamplingParams
+from saguaro.sampling.params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_PENALTY, TOP_K_MAX,
+                                     SamplingParams)
 
 MAX_N = 128
 MAX_TEMPERATURE = 2.0
@@ -70,9 +73,12 @@ class BaseRequest(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     user: str | None = None
 
     @model_validator(mode="before")
@@ -87,13 +93,22 @@ class BaseRequest(BaseModel):
             raise ValueError(f"seed: choice i uses seed + i, so seed + n - 1 must be <= {INT64_MAX}")
         return self
 
+    @model_validator(mode="after")
+    def _bias_keys_are_ids(self) -> "BaseRequest":
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (strings of digits), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {value!r} for token {key}")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def _unsupported(self) -> dict[str, Any]:
-        return {"presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
-                "logit_bias": self.logit_bias or None}
+        return {}
 
     def check_supported(self) -> None:
         used = [name for name, value in self._unsupported().items() if value is not None and value is not False]
@@ -115,7 +130,13 @@ class BaseRequest(BaseModel):
                               max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=stop,
                               seed=None if self.seed is None else self.seed + choice,
                               stop_token_ids=list(stop_token_ids or []),
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, **self._processors())
+
+    def _processors(self) -> dict[str, Any]:
+        return dict(frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                    min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(BaseRequest):
