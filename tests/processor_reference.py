@@ -64,10 +64,12 @@ def processed_law(loaded, params: SamplingParams, prompt: list[int], n: int) -> 
     vocab = loaded.config.vocab_size
     prefixes = [list(p) for p in itertools.product(range(vocab), repeat=n - 1)]
     logits = prefix_logits(loaded, [prompt + p for p in prefixes])[:, len(prompt) - 1:]  # rows for t_1..t_n
-    law = torch.zeros([vocab] * n, dtype=torch.float64)
-    for p, rows in zip(prefixes, logits):
-        x = torch.stack([reference_logits(rows[j], prompt, p[:j], params, []) for j in range(n)]).float()
-        probs = probs_from_logits(x, *sampling_tensors([params] * n)).double()
-        head = torch.tensor([probs[j, t] for j, t in enumerate(p)]).prod()
-        law[tuple(p)] = head * probs[n - 1]
+    x = torch.stack([reference_logits(rows[j], prompt, p[:j], params, [])
+                     for p, rows in zip(prefixes, logits) for j in range(n)]).float()
+    probs = probs_from_logits(x, *sampling_tensors([params] * len(x))).double().view(len(prefixes), n, vocab)
+    law = torch.ones([vocab] * n, dtype=torch.float64)
+    for j in range(n):  # factor j: P(t_{j+1} | prompt, t_1..t_j), read off any prefix that starts with t_1..t_j
+        index = [slice(None)] * j + [0] * (n - 1 - j)
+        factor = probs[:, j].reshape([vocab] * (n - 1) + [vocab])[tuple(index)]
+        law = law * factor.reshape([vocab] * (j + 1) + [1] * (n - 1 - j))
     return law

@@ -11,7 +11,6 @@ import torch
 
 import saguaro.sd.sd as sd_module
 from saguaro import LLM, SamplingParams
-from saguaro.sampling.batch import target_probs
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.logit_processors import apply_logit_processors
 from tests.processor_reference import reference_greedy, reference_logits
@@ -108,7 +107,8 @@ def test_greedy_equals_reference_in_every_mode(pair, outputs, name):
 def test_negative_control_drafts_not_counted_fails(pair, monkeypatch):
     """A verifier that scores every position with the history before the pass (drafts not counted) must
     break the equality: the repetition a negative frequency penalty rewards starts inside a pass."""
-    monkeypatch.setattr(sd_module, "target_probs", lambda logits, seqs, rows, drafts: target_probs(logits, seqs, rows))
+    monkeypatch.setattr(sd_module, "apply_logit_processors",
+                        lambda logits, seqs, rows, drafts: apply_logit_processors(logits, seqs, rows))
     params = replace(CASES["negative-frequency"], max_tokens=N_TOKENS)
     reference = [reference_greedy(pair[0], p, params, N_TOKENS) for p in PROMPTS]
     with LLM(target=pair[0], draft=pair[1], mode="sd", num_speculative_tokens=3, block_size=4) as llm:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 TOP_K_MAX = 2**31 - 1  # a vocabulary is never larger; top_k >= V disables the filter anyway
 MAX_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's API sets them
+MAX_LOGPROBS = 20  # the most top alternatives a request may ask for per token (vLLM's default bound)
 MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's API sets it
 
 
@@ -40,6 +41,8 @@ class SamplingParams:
     repetition_penalty: float = 1.0  # divides (multiplies, if negative) the logits of tokens in prompt or output
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the request (or be sampled) before this many tokens
+    logprobs: int | None = None  # each output token's logprob and its top-N alternatives (sampling.logprobs)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (then max_tokens may be 0)
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or self.temperature < 0:
@@ -50,8 +53,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [-1, {TOP_K_MAX}] (0 or -1 disables it), "
                              f"got {self.top_k!r}")
         self.top_k = max(self.top_k, 0)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs), "
+                             f"got {self.max_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -84,6 +88,10 @@ class SamplingParams:
             raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                              f"got {bad!r}")
         self.logit_bias = {int(t): float(v) for t, v in bias.items()}
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")

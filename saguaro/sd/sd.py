@@ -17,7 +17,9 @@ from saguaro.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner, draft_runner
 from saguaro.engine.sequence import Sequence
 from saguaro.loading import LoadedModel
-from saguaro.sampling.batch import target_probs
+from saguaro.sampling.batch import processed_probs
+from saguaro.sampling.logit_processors import apply_logit_processors
+from saguaro.sampling.logprobs import record_logprobs
 from saguaro.sd.types import Proposal, Proposer
 from saguaro.verify.rejection import VerifyResult, rejection_sample
 
@@ -46,7 +48,8 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
         items = [ForwardItem(torch.cat([last[b:b + 1], draft_tokens[b, :n]]), seq.num_cached, seq.block_table, "all")
                  for b, (seq, n) in enumerate(zip(seqs, counts))]
     logits, rows = target.forward_flat(items)  # [sum of k_b + 1, V] on the target's device
-    flat = target_probs(logits, seqs, rows, draft_tokens)  # row j of a sequence follows its drafts d_1..d_j
+    logits = apply_logit_processors(logits, seqs, rows, draft_tokens)  # row j follows the drafts d_1..d_j
+    flat = processed_probs(logits, seqs, rows)
     # [B, K+1, V]: row b's positions past its own k_b + 1 repeat its last row (the verifier never reads them)
     starts = torch.tensor(rows).cumsum(0) - torch.tensor(rows)
     index = starts[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], torch.tensor(rows)[:, None] - 1)
@@ -58,6 +61,7 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
         p, draft_tokens[:, :k_max], None if draft_probs is None else draft_probs[:, :k_max],
         torch.tensor(counts), proposal.point_mass,
         [s.generator for s in seqs], torch.tensor([s.params.greedy for s in seqs]))
+    record_logprobs(logits, seqs, rows, result.output_tokens)  # the emitted tokens' own rows: no extra pass
     for seq, drafted, accepted in zip(seqs, counts, result.num_accepted):
         seq.num_cached += 1 + accepted  # x_n and the accepted drafts; rejected k/v is dropped
         target.blocks.truncate(seq.block_table, seq.num_cached)
