@@ -130,12 +130,54 @@ def test_several_prompts(client, reference):
     assert [c.text for c in out.choices] == expected and out.usage.prompt_tokens == 4
 
 
-def test_logprobs_are_refused_clearly(client):
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=1)
-    with pytest.raises(openai.BadRequestError, match="logprobs, top_logprobs are not supported"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=2)
-    assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=False).choices
+def _text(reference, token: int) -> str:
+    return reference.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def test_completion_logprobs_equal_the_engine(client, reference):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    expected = reference.generate([PROMPT], SamplingParams(max_tokens=6, logprobs=3))[0]
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [_text(reference, t) for t in expected.token_ids]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert [list(top) for top in lp.top_logprobs] == [[_text(reference, t) for t, _ in e.top]
+                                                      for e in expected.logprobs]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                              stream=True))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == lp.token_logprobs
+
+
+def test_echo_scores_the_prompt(client, reference):
+    """lm-evaluation-harness's loglikelihood request: echo, max_tokens 0, logprobs."""
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    ids = reference.tokenizer.encode(PROMPT)
+    expected = reference.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2))[0].prompt_logprobs
+    choice = out.choices[0]
+    assert choice.text == PROMPT and out.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == [_text(reference, t) for t in ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in expected[1:]], abs=1e-5)
+    both = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0)
+    assert both.choices[0].text == PROMPT + ref_text(reference, PROMPT, max_tokens=3)
+    assert both.choices[0].logprobs.token_logprobs[:len(ids)] == choice.logprobs.token_logprobs
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + 3
+
+
+def test_chat_logprobs(client, reference):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    expected = reference.generate([chat_prompt(reference)], SamplingParams(max_tokens=5, logprobs=2))[0]
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [_text(reference, t) for t in expected.token_ids]
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert all(len(c.top_logprobs) == 2 and bytes(c.bytes).decode() == c.token for c in content)
+    streamed = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=2, stream=True)
+    entries = [e for chunk in streamed for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.logprob for e in entries] == [c.logprob for c in content]
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=False)
+    assert plain.choices[0].logprobs is None
 
 
 def test_logit_processors_equal_the_engine(client, reference):

@@ -56,3 +56,4 @@ class StreamChunk:
     finish_reason: str | None = None
     output: RequestOutput | None = None  # set on the final chunk
     logprobs: list[Any] | None = None  # the TokenLogprobs of ``token_ids``, when the request asked for them
+    prompt_logprobs: list[Any] | None = None  # on a request's first chunk, when it asked for them
