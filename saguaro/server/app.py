@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions, /metrics, /health.
+"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions, /metrics, /health, and
+llama.cpp's /infill for editors.
 
 The OpenAI routes are ``saguaro.server.openai_routes``; the bodies they send, ``saguaro.server.responses``.
 
@@ -26,19 +27,21 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
 
 from saguaro.server.async_engine import AsyncEngine
+from saguaro.server.infill import add_infill_route
 from saguaro.server.lifecycle import BodyDeadline, GracefulServer, ServerLimits
 from saguaro.server.openai_routes import Served, add_openai_routes
 from saguaro.server.responses import error
 
 
 class _APIKey:
-    """ASGI middleware: /v1/* needs ``Authorization: Bearer <key>`` (pure ASGI, so streaming is untouched)."""
+    """ASGI middleware: /v1/* and /infill need ``Authorization: Bearer <key>`` (pure ASGI, so streaming is
+    untouched)."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/infill")):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error("missing or wrong API key: send 'Authorization: Bearer <key>' (the key the "
@@ -84,7 +87,9 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app.add_middleware(BodyDeadline, timeout_s=limits.body_timeout_s, on_timeout=lambda: error(
         f"the request body did not arrive within {limits.body_timeout_s:g} s", 408, code="request_timeout"))
     _add_error_handlers(app)
-    add_openai_routes(app, Served.of(engine, model_name, limits))
+    served = Served.of(engine, model_name, limits)
+    add_openai_routes(app, served)
+    add_infill_route(app, served)
     _add_service_routes(app, engine, limits)
     return app
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 
@@ -17,6 +18,7 @@ from saguaro.llm import LLM
 from saguaro.sampling.params import SamplingParams
 from saguaro.server.async_engine import AsyncEngine, ServerClosing
 from saguaro.server.end_of_turn import end_of_turn_ids
+from saguaro.server.fim import FimTokens, NoFillInTheMiddle, fim_prompt
 from saguaro.server.lifecycle import ServerLimits
 from saguaro.server.responses import Choices, Reply, Stream, collect, error, events
 from saguaro.server.schemas import BaseRequest, ChatRequest, CompletionRequest, UnsupportedField
@@ -44,15 +46,17 @@ class Served:
         capacity = target.blocks.num_blocks * target.block_size - llm.engine.decoder.lookahead
         return Served(engine, model_name, limits, min(llm.max_model_len, capacity), end_of_turn_ids(llm.tokenizer))
 
-    def sampling(self, req: BaseRequest, kind: str, n_prompt: int) -> list[SamplingParams]:
-        """Each choice's settings; raises ``ValueError`` when prompt plus completion overflow the context."""
+    def sampling(self, req: BaseRequest, kind: str, n_prompt: int, stop_ids: Sequence[int] = ()
+                 ) -> list[SamplingParams]:
+        """Each choice's settings (``stop_ids`` end it, besides EOS and a chat's end of turn); raises
+        ``ValueError`` when prompt plus completion overflow the context."""
         asked = req.requested_max_tokens()
         if asked is None:  # OpenAI's default for completions, the rest of the context for chat
             default = COMPLETION_DEFAULT_MAX_TOKENS if kind == "completion" else self.longest
             asked = max(1, min(default, self.longest - n_prompt))
         if n_prompt + asked > self.longest:
             raise ValueError(_context_error(self.longest, n_prompt, asked))
-        stop_ids = self.end_of_turn if kind == "chat" else []
+        stop_ids = [*stop_ids, *(self.end_of_turn if kind == "chat" else [])]
         return [req.sampling(c, asked, stop_ids) for c in range(req.n)]
 
 
@@ -79,7 +83,7 @@ def _refusal(served: Served, req: BaseRequest, n_prompts: int):
 
 
 async def run(served: Served, request: Request, req: BaseRequest, prompts: list[tuple[list[int], str | None]],
-              kind: str):
+              kind: str, stop_ids: Sequence[int] = ()):
     """Submit every choice of every prompt, then stream or collect the answer."""
     refused = _refusal(served, req, len(prompts))
     if refused is not None:
@@ -88,7 +92,7 @@ async def run(served: Served, request: Request, req: BaseRequest, prompts: list[
     p = 0
     try:
         for p, (ids, text) in enumerate(prompts):
-            for c, params in enumerate(served.sampling(req, kind, len(ids))):
+            for c, params in enumerate(served.sampling(req, kind, len(ids), stop_ids)):
                 choices.submit(p * req.n + c, ids, params, text)
     except ServerClosing as e:
         choices.abort()
@@ -124,6 +128,8 @@ def add_openai_routes(app: FastAPI, served: Served) -> None:
             prompts = req.prompts()
         except ValueError as e:
             return error(str(e))
+        if req.suffix is not None:
+            return await _fill_in_the_middle(served, request, req, prompts)
         encoded = [(llm.tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompts]
         return await run(served, request, req, encoded, "completion")
 
@@ -135,3 +141,17 @@ def add_openai_routes(app: FastAPI, served: Served) -> None:
         except Exception as e:
             return error(f"chat template failed: {e}")
         return await run(served, request, req, [(tok.encode(text, add_special_tokens=False), None)], "chat")
+
+
+async def _fill_in_the_middle(served: Served, request: Request, req: CompletionRequest,
+                              prompts: list[str | list[int]]):
+    """Completions with a ``suffix``: each (string) prompt is the prefix; the model writes the middle."""
+    tok = served.llm.tokenizer
+    try:
+        stops = FimTokens.of(tok).stops
+    except NoFillInTheMiddle as e:
+        return error(str(e))
+    if not all(isinstance(p, str) for p in prompts):
+        return error("suffix needs text prompts (the prefix), not token ids")
+    return await run(served, request, req, [(fim_prompt(tok, p, req.suffix), p) for p in prompts], "completion",
+                     stops)

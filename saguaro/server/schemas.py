@@ -7,9 +7,9 @@ Fields follow OpenAI's API. Supported: ``prompt`` (a string, token ids, or a lis
 ``logit_bias`` and vLLM's ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``
 (``saguaro.sampling.logit_processors``); logprobs (completions: ``logprobs: N`` and ``echo``, where
 ``max_tokens: 0`` scores the prompt alone; chat: ``logprobs`` and ``top_logprobs``), N at most
-``MAX_LOGPROBS``. Fields that would change the output in ways the engine cannot honour (``suffix``,
-``best_of``, tools, ``response_format``) are refused with a 400 that names them, never silently
-ignored.
+``MAX_LOGPROBS``; ``suffix`` (fill-in-the-middle, ``saguaro.server.fim``). Fields that would change
+the output in ways the engine cannot honour (``best_of``, tools, ``response_format``) are refused
+with a 400 that names them, never silently ignored.
 
 ``n`` choices of one prompt are ``n`` engine requests; with a ``seed``, choice ``i`` uses
 ``seed + i`` (so they differ, and each is reproducible).
@@ -158,11 +158,13 @@ class CompletionRequest(BaseRequest):
         if self.max_tokens == 0 and not self.echo:
             raise ValueError("max_tokens: 0 asks for no tokens, which only makes sense with echo (the prompt's "
                              "logprobs); ask for at least 1")
+        if self.suffix is not None and self.echo:
+            raise ValueError("echo and suffix cannot be combined (a fill-in-the-middle prompt is not the text)")
         return self
 
     def _unsupported(self) -> dict[str, Any]:
         best_of = self.best_of if self.best_of not in (None, self.n) else None
-        return {**super()._unsupported(), "suffix": self.suffix, "best_of": best_of}
+        return {**super()._unsupported(), "best_of": best_of}
 
     def logprob_settings(self) -> dict[str, int | None]:
         prompt = self.logprobs if self.echo and self.logprobs is not None else 0 if self.max_tokens == 0 else None
