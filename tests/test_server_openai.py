@@ -1,5 +1,6 @@
 """The server against the official ``openai`` client: completions and chat, streaming or not, stop, seed,
-max_tokens, temperature, top_p, include_usage, n, refused logprobs, the model name, the API key, /metrics."""
+max_tokens, temperature, top_p, include_usage, n, logit processors, refused logprobs, the model name, the API key,
+/metrics."""
 import pytest
 
 openai = pytest.importorskip("openai")  # the server's packages: absent on the GPU machine
@@ -129,14 +130,84 @@ def test_several_prompts(client, reference):
     assert [c.text for c in out.choices] == expected and out.usage.prompt_tokens == 4
 
 
-def test_logprobs_and_penalties_are_refused_clearly(client):
-    with pytest.raises(openai.BadRequestError, match="logprobs is not supported"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, logprobs=1)
-    with pytest.raises(openai.BadRequestError, match="logprobs, top_logprobs are not supported"):
-        client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=True, top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="presence_penalty is not supported"):
-        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, presence_penalty=0.5)
-    assert client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=False).choices
+def _text(reference, token: int) -> str:
+    return reference.tokenizer.decode([token], skip_special_tokens=False)
+
+
+def test_completion_logprobs_equal_the_engine(client, reference):
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3)
+    expected = reference.generate([PROMPT], SamplingParams(max_tokens=6, logprobs=3))[0]
+    lp = out.choices[0].logprobs
+    assert lp.tokens == [_text(reference, t) for t in expected.token_ids]
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert [list(top) for top in lp.top_logprobs] == [[_text(reference, t) for t, _ in e.top]
+                                                      for e in expected.logprobs]
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(6)]
+    streamed = list(client.completions.create(model="tiny", prompt=PROMPT, max_tokens=6, temperature=0, logprobs=3,
+                                              stream=True))
+    assert sum((c.choices[0].logprobs.token_logprobs for c in streamed), []) == lp.token_logprobs
+
+
+def test_echo_scores_the_prompt(client, reference):
+    """lm-evaluation-harness's loglikelihood request: echo, max_tokens 0, logprobs."""
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=0, echo=True, logprobs=2, temperature=0)
+    ids = reference.tokenizer.encode(PROMPT)
+    expected = reference.generate([ids], SamplingParams(max_tokens=0, prompt_logprobs=2))[0].prompt_logprobs
+    choice = out.choices[0]
+    assert choice.text == PROMPT and out.usage.completion_tokens == 0
+    assert choice.logprobs.tokens == [_text(reference, t) for t in ids]
+    assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+    assert choice.logprobs.token_logprobs[1:] == pytest.approx([e.logprob for e in expected[1:]], abs=1e-5)
+    both = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=3, echo=True, logprobs=1, temperature=0)
+    assert both.choices[0].text == PROMPT + ref_text(reference, PROMPT, max_tokens=3)
+    assert both.choices[0].logprobs.token_logprobs[:len(ids)] == choice.logprobs.token_logprobs
+    assert len(both.choices[0].logprobs.tokens) == len(ids) + 3
+
+
+def test_chat_logprobs(client, reference):
+    out = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0, logprobs=True,
+                                         top_logprobs=2)
+    expected = reference.generate([chat_prompt(reference)], SamplingParams(max_tokens=5, logprobs=2))[0]
+    content = out.choices[0].logprobs.content
+    assert [c.token for c in content] == [_text(reference, t) for t in expected.token_ids]
+    assert [c.logprob for c in content] == pytest.approx([e.logprob for e in expected.logprobs], abs=1e-5)
+    assert all(len(c.top_logprobs) == 2 and bytes(c.bytes).decode() == c.token for c in content)
+    streamed = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=5, temperature=0,
+                                              logprobs=True, top_logprobs=2, stream=True)
+    entries = [e for chunk in streamed for c in chunk.choices if c.logprobs for e in c.logprobs.content]
+    assert [e.logprob for e in entries] == [c.logprob for c in content]
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2, logprobs=False)
+    assert plain.choices[0].logprobs is None
+
+
+def test_logit_processors_equal_the_engine(client, reference):
+    """Penalties, logit_bias and vLLM's repetition_penalty / min_tokens / ignore_eos reach the engine as given."""
+    settings = dict(frequency_penalty=0.8, presence_penalty=-0.5, logit_bias={"5": 3.0, "12": -100.0})
+    extra = dict(repetition_penalty=1.4, min_tokens=6, ignore_eos=True)
+    out = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=10, temperature=0, extra_body=extra,
+                                    **settings)
+    expected = ref_text(reference, PROMPT, max_tokens=10, frequency_penalty=0.8, presence_penalty=-0.5,
+                        logit_bias={5: 3.0, 12: -100.0}, **extra)
+    assert out.choices[0].text == expected != ref_text(reference, PROMPT, max_tokens=10)
+    chat = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=6, temperature=0,
+                                          extra_body=extra, **settings)
+    assert chat.choices[0].message.content == reference.generate([chat_prompt(reference)], SamplingParams(
+        max_tokens=6, frequency_penalty=0.8, presence_penalty=-0.5, logit_bias={5: 3.0, 12: -100.0}, **extra))[0].text
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(logit_bias={"64": 1.0}), r"logit_bias token ids must lie in \[0, 64\)"),
+    (dict(logit_bias={"t5": 1.0}), "logit_bias keys must be token ids"),
+    (dict(logit_bias={"5": 101.0}), "logit_bias values must lie in"),
+    (dict(presence_penalty=2.5), "presence_penalty: Input should be less than or equal to 2"),
+    (dict(frequency_penalty=-3), "frequency_penalty: Input should be greater than or equal to -2"),
+    (dict(extra_body=dict(repetition_penalty=0)), "repetition_penalty: Input should be greater than 0"),
+    (dict(extra_body=dict(min_tokens=5)), "min_tokens must be an integer in"),
+])
+def test_bad_processor_settings_get_a_400(client, fields, message):
+    with pytest.raises(openai.BadRequestError, match=message):
+        client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2, **fields)
+    assert client.completions.create(model="tiny", prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
 def metric_values(url: str) -> dict[tuple[str, tuple], float]:

@@ -17,6 +17,7 @@ from saguaro.engine.scheduler import Scheduler
 from saguaro.engine.sequence import Sequence, Status
 from saguaro.loading.tokenizer import Tokenizer
 from saguaro.sampling.batch import sample_next
+from saguaro.sampling.logprobs import record_prompt_logprobs
 from saguaro.sampling.params import SamplingParams
 
 
@@ -38,6 +39,8 @@ class LLMEngine:
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
         self.check_request(prompt_ids, params)
         seq = Sequence(prompt_ids, params, prompt)
+        if not params.ignore_eos:
+            seq.end_ids += sorted(self.eos_ids)
         self.scheduler.add(seq)
         return seq
 
@@ -56,6 +59,9 @@ class LLMEngine:
         vocab = self.target.config.vocab_size
         if any(not 0 <= t < vocab for t in prompt_ids):
             raise RequestError(f"prompt token ids must lie in [0, {vocab})")
+        outside = sorted(t for t in params.logit_bias if t >= vocab)
+        if outside:
+            raise RequestError(f"logit_bias token ids must lie in [0, {vocab}); got {outside[:5]}")
 
     @property
     def has_unfinished(self) -> bool:
@@ -86,23 +92,34 @@ class LLMEngine:
 
     def _prefill(self, seqs: list[Sequence], chunks: list[int]) -> list[list[int]]:
         """Feed each sequence its next ``chunks[i]`` prompt tokens; a fresh request whose prompt is then complete
-        samples its first token from the last logits."""
-        items, ends = [], []
+        samples its first token from the last logits (one asking for ``max_tokens`` 0 ends there). A request with
+        ``prompt_logprobs`` takes every row of its chunks, to score its prompt."""
+        items, ends, samples = [], [], []
         for seq, n in zip(seqs, chunks):
             start, end = seq.num_cached, seq.num_cached + n
             sample = end == len(seq) and not seq.output_ids  # a resumed request re-feeds its last token next round
-            items.append(ForwardItem(seq.tokens[start:end], start, seq.block_table, "last" if sample else "none"))
+            scored = seq.params.prompt_logprobs is not None and not seq.output_ids
+            items.append(ForwardItem(seq.tokens[start:end], start, seq.block_table,
+                                     "all" if scored else "last" if sample else "none"))
             ends.append(end)
+            samples.append(sample)
         self.decoder.prefilling(seqs, ends)
         logits = self.target.forward(items)
+        for seq, item, rows in zip(seqs, items, logits):
+            if item.logits == "all":
+                record_prompt_logprobs(seq, item.start, rows)
         for seq, end in zip(seqs, ends):
             seq.num_cached = end
             if end == seq.prefill_end:
                 self.scheduler.prefilled(seq)
-        fresh = [(i, seq) for i, seq in enumerate(seqs) if logits[i] is not None]
+        fresh = [(i, seq) for i, seq in enumerate(seqs) if samples[i]]
+        for _, seq in fresh:
+            if seq.params.max_tokens == 0:  # only the prompt's logprobs were asked for
+                seq.status, seq.finish_reason = Status.FINISHED, "length"
+        fresh = [(i, seq) for i, seq in fresh if not seq.finished]
         new_tokens: list[list[int]] = [[] for _ in seqs]
         if fresh:
-            sampled = sample_next(torch.cat([logits[i] for i, _ in fresh]), [s for _, s in fresh])
+            sampled = sample_next(torch.cat([logits[i][-1:] for i, _ in fresh]), [s for _, s in fresh])
             for (i, _), token in zip(fresh, sampled):
                 new_tokens[i] = [token]
         return new_tokens
@@ -113,15 +130,22 @@ class LLMEngine:
         gained = []
         params = seq.params
         vocab = self.target.config.vocab_size
-        for token in tokens:
+        pending, seq.pending_logprobs = seq.pending_logprobs, None
+        for i, token in enumerate(tokens):
             if not 0 <= token < vocab:
                 raise ValueError(f"sampling produced no valid token (got id {token}; the vocabulary is [0, {vocab}))"
                                  " - the logits of this request were not finite")
             seq.output_ids.append(token)
             gained.append(token)
+            if pending is not None:
+                seq.output_logprobs.append(pending[i])
             if seq.first_token_time is None:
                 seq.first_token_time = time.perf_counter()
-            if (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            if len(seq.output_ids) < params.min_tokens:  # nothing but the context's end stops it before
+                seq.finish_reason = "length" if len(seq) >= self.max_model_len else None
+                if params.stop:  # stop strings wholly inside the first min_tokens are passed over
+                    self._stop_text(seq).push(seq.output_ids[len(seq.stop_text.ids):])
+            elif (token in self.eos_ids and not params.ignore_eos) or token in params.stop_token_ids:
                 seq.finish_reason = "stop"
             elif params.stop and self._hit_stop_string(seq):
                 seq.finish_reason = "stop"
@@ -134,9 +158,7 @@ class LLMEngine:
 
     def _hit_stop_string(self, seq: Sequence) -> bool:
         """Search only the new text (plus a stop string's length before it): linear in the output, not quadratic."""
-        if seq.stop_text is None:
-            seq.stop_text = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
-        detok = seq.stop_text
+        detok = self._stop_text(seq)
         before = len(detok.text)
         if not detok.push(seq.output_ids[len(detok.ids):]):
             return False
@@ -146,6 +168,11 @@ class LLMEngine:
             seq.stop_text_cut = min(cuts)
             return True
         return False
+
+    def _stop_text(self, seq: Sequence) -> IncrementalDetokenizer:
+        if seq.stop_text is None:
+            seq.stop_text = IncrementalDetokenizer(self.tokenizer, seq.params.skip_special_tokens)
+        return seq.stop_text
 
     def _finish(self, seq: Sequence) -> None:
         seq.finish_time = time.perf_counter()
@@ -170,7 +197,9 @@ class LLMEngine:
                           decode_tokens_per_s=(n - 1) / (end - first) if n > 1 and end > first else 0.0)
         spec = summarize([seq.spec], self.decoder.reports_cache) if self.decoder.reports_spec else None
         return RequestOutput(seq.seq_id, seq.prompt, list(seq.prompt_ids), list(seq.output_ids), text,
-                             seq.finish_reason or "length", timings, spec, seq.spec)
+                             seq.finish_reason or "length", timings, spec, seq.spec,
+                             list(seq.output_logprobs) if seq.params.logprobs is not None else None,
+                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
     def close(self) -> None:
         self.decoder.close()

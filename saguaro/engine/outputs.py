@@ -38,6 +38,8 @@ class RequestOutput:
     timings: Timings
     spec: SpeculationMetrics | None = None
     spec_counts: Any = field(default=None, repr=False)  # raw SpeculationCounts, summed by LLM.spec_metrics
+    logprobs: list[Any] | None = None  # per output token a TokenLogprob (saguaro.sampling.logprobs), if asked
+    prompt_logprobs: list[Any] | None = None  # per prompt token, None for the first, if asked
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -53,3 +55,5 @@ class StreamChunk:
     finished: bool = False
     finish_reason: str | None = None
     output: RequestOutput | None = None  # set on the final chunk
+    logprobs: list[Any] | None = None  # the TokenLogprobs of ``token_ids``, when the request asked for them
+    prompt_logprobs: list[Any] | None = None  # on a request's first chunk, when it asked for them

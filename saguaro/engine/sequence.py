@@ -56,6 +56,7 @@ class Sequence:
         self.prompt_ids = list(prompt_ids)
         self.output_ids: list[int] = []
         self.params = params
+        self.end_ids: list[int] = list(params.stop_token_ids)  # what min_tokens holds back; the engine adds EOS
         self.generator: torch.Generator | None = None
         if not params.greedy:
             self.generator = torch.Generator()
@@ -73,6 +74,9 @@ class Sequence:
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
         self.spec = SpeculationCounts()
+        self.pending_logprobs: list[Any] | None = None  # this round's TokenLogprobs, taken as its tokens are appended
+        self.output_logprobs: list[Any] = []  # one TokenLogprob per output token, when params.logprobs is set
+        self.prompt_logprobs: list[Any] = []  # None, then one per prompt token after the first (prompt_logprobs)
 
     @property
     def tokens(self) -> list[int]:

@@ -5,6 +5,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from saguaro.sampling.logit_processors import apply_logit_processors
+from saguaro.sampling.logprobs import record_logprobs
 from saguaro.sampling.processors import probs_from_logits, sampling_tensors
 from saguaro.sampling.sampler import sample
 
@@ -14,9 +16,13 @@ if TYPE_CHECKING:
 INVALID_TOKEN = -1  # what ``sample_next`` gives a row it cannot sample from; the engine fails that request alone
 
 
-def processed_probs(logits: torch.Tensor, seqs: list["Sequence"], rows_per_seq: int = 1) -> torch.Tensor:
-    """Probabilities after each sequence's temperature/top-k/top-p; rows grouped per sequence."""
-    params = [s.params for s in seqs for _ in range(rows_per_seq)]
+def processed_probs(logits: torch.Tensor, seqs: list["Sequence"], rows_per_seq: int | list[int] = 1
+                    ) -> torch.Tensor:
+    """Probabilities after each sequence's temperature/top-k/top-p; rows grouped per sequence (``rows_per_seq``
+    each, or ``rows_per_seq[b]`` for ``seqs[b]``). The target's p takes its logit processors first
+    (``apply_logit_processors``)."""
+    counts = rows_per_seq if isinstance(rows_per_seq, list) else [rows_per_seq] * len(seqs)
+    params = [s.params for s, n in zip(seqs, counts) for _ in range(n)]
     temperature, top_k, top_p = sampling_tensors(params)
     return probs_from_logits(logits, temperature, top_k, top_p)
 
@@ -24,8 +30,11 @@ def processed_probs(logits: torch.Tensor, seqs: list["Sequence"], rows_per_seq: 
 def sample_next(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int]:
     """One token per sequence from its logits row, with that sequence's own generator; ``INVALID_TOKEN`` for a
     row whose probabilities are no distribution (NaN or infinite logits)."""
-    probs = processed_probs(logits, seqs)
+    processed = apply_logit_processors(logits, seqs)
+    probs = processed_probs(processed, seqs)
     greedy = torch.tensor([s.params.greedy for s in seqs])
     tokens = sample(probs, [s.generator for s in seqs], greedy)
     valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # on the device: read with the tokens
-    return torch.where(valid, tokens, torch.full_like(tokens, INVALID_TOKEN)).tolist()
+    out = torch.where(valid, tokens, torch.full_like(tokens, INVALID_TOKEN)).tolist()
+    record_logprobs(processed, seqs, [1] * len(seqs), [[t] if t != INVALID_TOKEN else [] for t in out])
+    return out

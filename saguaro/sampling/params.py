@@ -11,6 +11,9 @@ from dataclasses import dataclass, field
 
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 TOP_K_MAX = 2**31 - 1  # a vocabulary is never larger; top_k >= V disables the filter anyway
+MAX_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's API sets them
+MAX_LOGPROBS = 20  # the most top alternatives a request may ask for per token (vLLM's default bound)
+MAX_LOGIT_BIAS = 100.0  # a logit_bias value lies in [-100, 100], as OpenAI's API sets it
 
 
 def _is_int(x: object) -> bool:
@@ -32,6 +35,14 @@ class SamplingParams:
     seed: int | None = None  # seeds the request's own torch.Generator
     stop_token_ids: list[int] = field(default_factory=list)  # tokens that end the request as EOS does
     skip_special_tokens: bool = True  # leave special tokens (chat markers, EOS) out of the text
+    # logit processors (saguaro.sampling.logit_processors), applied to the target's logits before temperature
+    frequency_penalty: float = 0.0  # minus this times a token's count in the output so far
+    presence_penalty: float = 0.0  # minus this once a token is in the output
+    repetition_penalty: float = 1.0  # divides (multiplies, if negative) the logits of tokens in prompt or output
+    logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit
+    min_tokens: int = 0  # EOS and stop_token_ids cannot end the request (or be sampled) before this many tokens
+    logprobs: int | None = None  # each output token's logprob and its top-N alternatives (sampling.logprobs)
+    prompt_logprobs: int | None = None  # the same for the prompt's tokens (then max_tokens may be 0)
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or self.temperature < 0:
@@ -42,8 +53,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be an integer in [-1, {TOP_K_MAX}] (0 or -1 disables it), "
                              f"got {self.top_k!r}")
         self.top_k = max(self.top_k, 0)
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        if not _is_int(self.max_tokens) or self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(f"max_tokens must be an integer >= 1 (0 only with prompt_logprobs), "
+                             f"got {self.max_tokens!r}")
         if self.seed is not None and (not _is_int(self.seed) or not INT64_MIN <= self.seed <= INT64_MAX):
             raise ValueError(f"seed must be an integer in [{INT64_MIN}, {INT64_MAX}], got {self.seed!r}")
         if isinstance(self.stop, str):
@@ -55,9 +67,40 @@ class SamplingParams:
         if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in ids):
             raise ValueError(f"stop_token_ids must be a list of non-negative token ids, got {ids!r}")
         self.stop_token_ids = list(ids)
+        self._check_processors()
         for name in ("ignore_eos", "skip_special_tokens"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
+
+    def _check_processors(self) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_real(value) or not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-{MAX_PENALTY:g}, {MAX_PENALTY:g}], got {value!r}")
+        if not _is_real(self.repetition_penalty) or self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 disables it), "
+                             f"got {self.repetition_penalty!r}")
+        bias = self.logit_bias
+        if not isinstance(bias, dict) or not all(_is_int(t) and 0 <= t <= INT64_MAX for t in bias):
+            raise ValueError(f"logit_bias must map non-negative token ids to numbers, got {bias!r}")
+        bad = {t: v for t, v in bias.items() if not _is_real(v) or not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS}
+        if bad:
+            raise ValueError(f"logit_bias values must be numbers in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                             f"got {bad!r}")
+        self.logit_bias = {int(t): float(v) for t, v in bias.items()}
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
+                raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
+                             f"got {self.min_tokens!r}")
+
+    @property
+    def has_processors(self) -> bool:
+        """Whether any logit processor changes this request's target logits."""
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def greedy(self) -> bool:

@@ -16,6 +16,8 @@ from saguaro.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
+from saguaro.sampling.logit_processors import apply_logit_processors
+from saguaro.sampling.logprobs import record_logprobs
 from saguaro.sd.types import Proposal, Proposer
 from saguaro.verify.rejection import VerifyResult, rejection_sample
 
@@ -44,18 +46,20 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
         items = [ForwardItem(torch.cat([last[b:b + 1], draft_tokens[b, :n]]), seq.num_cached, seq.block_table, "all")
                  for b, (seq, n) in enumerate(zip(seqs, counts))]
     logits, rows = target.forward_flat(items)  # [sum of k_b + 1, V] on the target's device
-    flat = processed_probs(logits, [s for s, n in zip(seqs, rows) for _ in range(n)])
+    logits = apply_logit_processors(logits, seqs, rows, draft_tokens)  # row j follows the drafts d_1..d_j
+    flat = processed_probs(logits, seqs, rows)
     # [B, K+1, V]: row b's positions past its own k_b + 1 repeat its last row (the verifier never reads them)
     starts = torch.tensor(rows).cumsum(0) - torch.tensor(rows)
     index = starts[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], torch.tensor(rows)[:, None] - 1)
-    target_probs = flat[to_device(index, flat.device)]
+    p = flat[to_device(index, flat.device)]
     draft_probs = proposal.probs[:, :max(k_max, 1)] if proposal.probs is not None else None
     if draft_probs is not None:
         draft_probs = to_device(draft_probs, flat.device)
     result = rejection_sample(
-        target_probs, draft_tokens[:, :k_max], None if draft_probs is None else draft_probs[:, :k_max],
+        p, draft_tokens[:, :k_max], None if draft_probs is None else draft_probs[:, :k_max],
         torch.tensor(counts), proposal.point_mass,
         [s.generator for s in seqs], torch.tensor([s.params.greedy for s in seqs]))
+    record_logprobs(logits, seqs, rows, result.output_tokens)  # the emitted tokens' own rows: no extra pass
     for seq, drafted, accepted in zip(seqs, counts, result.num_accepted):
         seq.num_cached += 1 + accepted  # x_n and the accepted drafts; rejected k/v is dropped
         target.blocks.truncate(seq.block_table, seq.num_cached)

@@ -53,6 +53,7 @@ class _Live:
     sub: _Submission
     seq: Sequence
     text: StreamText
+    sent: bool = False  # whether a chunk went out (the first carries the prompt's logprobs)
 
 
 class AsyncEngine:
@@ -169,7 +170,11 @@ class AsyncEngine:
             self.metrics.on_finish(seq, live.sub.counts)
         else:
             self.metrics.on_tokens(seq, live.sub.counts)
-        chunk = StreamChunk(seq.seq_id, tokens, text, seq.finished, seq.finish_reason, final)
+        params = seq.params
+        logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(tokens):] if params.logprobs is not None else None
+        prompt_logprobs = seq.prompt_logprobs if params.prompt_logprobs is not None and not live.sent else None
+        live.sent = True
+        chunk = StreamChunk(seq.seq_id, tokens, text, seq.finished, seq.finish_reason, final, logprobs, prompt_logprobs)
         if not _safely(live.sub.deliver, chunk) and not seq.finished:
             self._end(live, "abort")  # nobody is listening any more
 

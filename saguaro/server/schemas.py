@@ -3,9 +3,13 @@
 Fields follow OpenAI's API. Supported: ``prompt`` (a string, token ids, or a list of either),
 ``messages`` (text content), ``max_tokens`` / ``max_completion_tokens``, ``temperature``,
 ``top_p``, ``top_k`` (an extension), ``stop``, ``seed``, ``n``, ``stream`` and
-``stream_options.include_usage``. Fields that would change the output in ways the engine cannot
-honour (``logprobs``, penalties, ``logit_bias``, ``echo``, ``suffix``, ``best_of``, tools,
-``response_format``) are refused with a 400 that names them, never silently ignored.
+``stream_options.include_usage``; the logit processors ``frequency_penalty``, ``presence_penalty``,
+``logit_bias`` and vLLM's ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``
+(``saguaro.sampling.logit_processors``); logprobs (completions: ``logprobs: N`` and ``echo``, where
+``max_tokens: 0`` scores the prompt alone; chat: ``logprobs`` and ``top_logprobs``), N at most
+``MAX_LOGPROBS``; ``suffix`` (fill-in-the-middle, ``saguaro.server.fim``). Fields that would change
+the output in ways the engine cannot honour (``best_of``, tools, ``response_format``) are refused
+with a 400 that names them, never silently ignored.
 
 ``n`` choices of one prompt are ``n`` engine requests; with a ``seed``, choice ``i`` uses
 ``seed + i`` (so they differ, and each is reproducible).
@@ -24,7 +28,8 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from saguaro.sampling.params import INT64_MAX, INT64_MIN, TOP_K_MAX, SamplingParams
+from saguaro.sampling.params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, TOP_K_MAX,
+                                     SamplingParams)
 
 MAX_N = 128
 MAX_TEMPERATURE = 2.0
@@ -60,7 +65,7 @@ class BaseRequest(BaseModel):
     model_config = ConfigDict(extra="allow")  # unknown fields are ignored, as OpenAI-compatible servers do
 
     model: str | None = None
-    max_tokens: int | None = Field(default=None, ge=1)
+    max_tokens: int | None = Field(default=None, ge=0)
     temperature: float | None = Field(default=None, ge=0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(default=None, gt=0, le=1)
     top_k: int | None = Field(default=None, ge=-1, le=TOP_K_MAX)
@@ -70,9 +75,12 @@ class BaseRequest(BaseModel):
     skip_special_tokens: bool = True
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float | None = Field(default=None, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float | None = Field(default=None, gt=0)
     logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(default=0, ge=0)
+    ignore_eos: bool = False
     user: str | None = None
 
     @model_validator(mode="before")
@@ -87,13 +95,22 @@ class BaseRequest(BaseModel):
             raise ValueError(f"seed: choice i uses seed + i, so seed + n - 1 must be <= {INT64_MAX}")
         return self
 
+    @model_validator(mode="after")
+    def _bias_keys_are_ids(self) -> "BaseRequest":
+        for key, value in (self.logit_bias or {}).items():
+            if not key.strip().isdigit():
+                raise ValueError(f"logit_bias keys must be token ids (strings of digits), got {key!r}")
+            if not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
+                                 f"got {value!r} for token {key}")
+        return self
+
     @property
     def include_usage(self) -> bool:
         return self.stream and self.stream_options is not None and self.stream_options.include_usage
 
     def _unsupported(self) -> dict[str, Any]:
-        return {"presence_penalty": self.presence_penalty or None, "frequency_penalty": self.frequency_penalty or None,
-                "logit_bias": self.logit_bias or None}
+        return {}
 
     def check_supported(self) -> None:
         used = [name for name, value in self._unsupported().items() if value is not None and value is not False]
@@ -105,6 +122,10 @@ class BaseRequest(BaseModel):
     def requested_max_tokens(self) -> int | None:
         return self.max_tokens
 
+    def logprob_settings(self) -> dict[str, int | None]:
+        """``logprobs`` and ``prompt_logprobs`` for the engine."""
+        return {}
+
     def sampling(self, choice: int, default_max_tokens: int, stop_token_ids: list[int] | None = None
                  ) -> SamplingParams:
         """Engine parameters for choice ``choice`` (OpenAI's defaults: temperature 1, top_p 1)."""
@@ -115,20 +136,39 @@ class BaseRequest(BaseModel):
                               max_tokens=default_max_tokens if max_tokens is None else max_tokens, stop=stop,
                               seed=None if self.seed is None else self.seed + choice,
                               stop_token_ids=list(stop_token_ids or []),
-                              skip_special_tokens=self.skip_special_tokens)
+                              skip_special_tokens=self.skip_special_tokens, **self._processors(),
+                              **self.logprob_settings())
+
+    def _processors(self) -> dict[str, Any]:
+        return dict(frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+                    repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+                    logit_bias={int(k): v for k, v in (self.logit_bias or {}).items()},
+                    min_tokens=self.min_tokens, ignore_eos=self.ignore_eos)
 
 
 class CompletionRequest(BaseRequest):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | None = None
+    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
 
+    @model_validator(mode="after")
+    def _no_tokens_needs_echo(self) -> "CompletionRequest":
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens: 0 asks for no tokens, which only makes sense with echo (the prompt's "
+                             "logprobs); ask for at least 1")
+        if self.suffix is not None and self.echo:
+            raise ValueError("echo and suffix cannot be combined (a fill-in-the-middle prompt is not the text)")
+        return self
+
     def _unsupported(self) -> dict[str, Any]:
         best_of = self.best_of if self.best_of not in (None, self.n) else None
-        return {**super()._unsupported(), "logprobs": self.logprobs, "echo": self.echo or None,
-                "suffix": self.suffix, "best_of": best_of}
+        return {**super()._unsupported(), "best_of": best_of}
+
+    def logprob_settings(self) -> dict[str, int | None]:
+        prompt = self.logprobs if self.echo and self.logprobs is not None else 0 if self.max_tokens == 0 else None
+        return {"logprobs": self.logprobs, "prompt_logprobs": prompt}
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts, each a string or token ids; raises ``ValueError`` for an empty one."""
@@ -158,14 +198,25 @@ class ChatRequest(BaseRequest):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
     response_format: dict[str, Any] | None = None
 
+    @model_validator(mode="after")
+    def _chat_limits(self) -> "ChatRequest":
+        if self.max_tokens == 0:
+            raise ValueError("max_tokens: must be at least 1")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true")
+        return self
+
     def _unsupported(self) -> dict[str, Any]:
         text_format = self.response_format is not None and self.response_format.get("type") != "text"
-        return {**super()._unsupported(), "logprobs": self.logprobs or None, "top_logprobs": self.top_logprobs,
-                "tools": self.tools or None, "response_format": self.response_format if text_format else None}
+        return {**super()._unsupported(), "tools": self.tools or None,
+                "response_format": self.response_format if text_format else None}
+
+    def logprob_settings(self) -> dict[str, int | None]:
+        return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
 
     def requested_max_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
