@@ -17,7 +17,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.parallel import TensorParallelError
 from saguaro.parallel.groups import TPGroups
 from tests.dist_harness import measure
-from tests.tiny import PROMPTS, greedy_tokens, perturbed, tiny_model, weak_pair
+from tests.tiny import PROMPTS, greedy_tokens, perturbed, save_tiny, tiny_model, weak_pair
 
 MAX_TOKENS = 10
 
@@ -101,22 +101,6 @@ def test_tp_ar_loads_an_hf_directory_by_slice(tmp_path, reference, pair):
     with LLM(str(directory), block_size=4, dtype="float32", tensor_parallel_size=2) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS))
     assert [o.token_ids for o in outs] == reference
-
-
-def save_tiny(loaded, directory):
-    import json
-
-    from safetensors.torch import save_file
-    cfg = loaded.config
-    hf = dict(model_type=cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-              max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-              rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, torch_dtype="float32")
-    (directory / "config.json").write_text(json.dumps(hf))
-    save_file({k: v.contiguous() for k, v in loaded.model.state_dict().items()}, str(directory / "model.safetensors"))
-    loaded.tokenizer.backend.save(str(directory / "tokenizer.json"))
-    return directory
 
 
 def test_tp_size_that_does_not_divide_is_refused():

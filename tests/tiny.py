@@ -73,6 +73,26 @@ def weak_pair() -> tuple[LoadedModel, LoadedModel]:
     return target, truncated(target, 1)
 
 
+def save_tiny(loaded: LoadedModel, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """``loaded`` written as an HF model directory (config.json, model.safetensors in ``dtype``, tokenizer.json):
+    what ``load_model`` maps from disk, as it maps a real checkpoint."""
+    import json
+
+    from safetensors.torch import save_file
+    cfg = loaded.config
+    hf = dict(model_type=cfg.arch, vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+              intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+              num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+              max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
+              rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+              torch_dtype=str(dtype).removeprefix("torch."))
+    (directory / "config.json").write_text(json.dumps(hf))
+    save_file({k: v.to(dtype).contiguous() for k, v in loaded.model.state_dict().items()},
+              str(directory / "model.safetensors"))
+    loaded.tokenizer.backend.save(str(directory / "tokenizer.json"))
+    return directory
+
+
 def greedy_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Greedy AR outputs from the engine: the reference every speculative mode must equal."""
     from saguaro import LLM, SamplingParams
