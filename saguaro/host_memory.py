@@ -27,6 +27,7 @@ import torch
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 MADV_DONTNEED = 4
+MADV_HUGEPAGE = 14
 _LINUX = os.path.exists("/proc/self/smaps")
 
 
@@ -63,6 +64,8 @@ def _clean_file_mappings() -> list[_Mapping]:
                 start, end, path, shared = current
                 if path.startswith("/") and not path.startswith(("/dev/zero", "/memfd:", "/SYSV")) \
                         and (shared or int(head[1]) == 0):
+                    if found and found[-1].end == start and found[-1].path == path:  # one mapping, advised in parts
+                        start = found.pop().start
                     found.append(_Mapping(start, end, path))
                 current = None
     return found
@@ -76,30 +79,36 @@ class MappedPages:
         self.starts = [m.start for m in self.mappings]
         self.released = 0  # bytes handed back
 
-    def mapped(self, tensor: torch.Tensor) -> bool:
-        """Whether ``tensor``'s bytes lie in one clean file mapping."""
+    def path(self, tensor: torch.Tensor) -> str | None:
+        """The file whose clean mapping holds all of ``tensor``'s bytes, or None."""
         if tensor.device.type != "cpu" or tensor.numel() == 0:
-            return False
+            return None
         first = tensor.data_ptr()
         i = bisect.bisect_right(self.starts, first) - 1
-        return i >= 0 and first + tensor.numel() * tensor.element_size() <= self.mappings[i].end
+        inside = i >= 0 and first + tensor.numel() * tensor.element_size() <= self.mappings[i].end
+        return self.mappings[i].path if inside else None
+
+    def mapped(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s bytes lie in one clean file mapping."""
+        return self.path(tensor) is not None
 
     def release(self, *tensors: torch.Tensor) -> None:
         """Drop the resident pages wholly inside each mapped, contiguous tensor (the edge pages, which a
         neighbour may be using, stay)."""
         for t in tensors:
-            if not (t.is_contiguous() and self.mapped(t)):
-                continue
-            start = -(-t.data_ptr() // PAGE) * PAGE
-            end = (t.data_ptr() + t.numel() * t.element_size()) // PAGE * PAGE
-            if end > start and _madvise(start, end - start, MADV_DONTNEED):
-                self.released += end - start
+            if t.is_contiguous() and self.mapped(t):
+                self.released += advise(t, MADV_DONTNEED)
 
 
-def _madvise(address: int, length: int, advice: int) -> bool:
+def advise(tensor: torch.Tensor, advice: int) -> int:
+    """``madvise`` the pages wholly inside a contiguous CPU tensor; the bytes advised (0 on failure)."""
+    start = -(-tensor.data_ptr() // PAGE) * PAGE
+    end = (tensor.data_ptr() + tensor.numel() * tensor.element_size()) // PAGE * PAGE
+    if not _LINUX or end <= start:
+        return 0
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    return libc.madvise(ctypes.c_void_p(address), ctypes.c_size_t(length), advice) == 0
+    return end - start if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0 else 0
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

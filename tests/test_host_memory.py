@@ -14,32 +14,26 @@ from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.backends.cpu_kernels.model import FastCausalLM, pass_bytes
 from saguaro.host_memory import MappedPages, lazy_zeros, resident_bytes
 from saguaro.kv.kv_cache import KVCache
-from saguaro.kv.metadata import build_metadata
 from saguaro.loading import load_model
 from saguaro.models.model_config import ModelConfig
+from tests.memory_probe import first_logits, mapped_resident
 from tests.tiny import save_tiny, tiny_model
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason="needs the CPU kernels (AVX2 or better)")
 MB = 1 << 20
 
 
-def mapped_resident(path) -> int:
-    """Resident bytes of this process's mappings of ``path``."""
-    total, inside = 0, False
-    with open("/proc/self/smaps") as f:
-        for line in f:
-            head = line.split()
-            if "-" in head[0] and not head[0].endswith(":"):
-                inside = len(head) > 5 and head[5] == str(path)
-            elif inside and head[0] == "Rss:":
-                total += int(head[1]) * 1024
-    return total
-
-
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     loaded = tiny_model(seed=5, vocab=2048, layers=6, hidden=512, sharpness=4.0)  # 4 heads of 128
     return save_tiny(loaded, tmp_path_factory.mktemp("scaled"), torch.bfloat16)
+
+
+@pytest.fixture(autouse=True)
+def packing(monkeypatch, tmp_path):
+    """Every load packs (an arena mapped from the cache reads no weights at all; test_arena_cache.py)."""
+    monkeypatch.setenv("SAGUARO_ARENA_CACHE", "off")
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
 
 
 def _load(model_dir):
@@ -58,16 +52,6 @@ def test_packing_leaves_one_resident_copy(model_dir, monkeypatch):
     assert mapped_resident(weights) > 0.9 * size
 
 
-def _logits(net, config) -> torch.Tensor:
-    """Logits of a 20-token prefill and one decode step, as an engine's first rounds run them."""
-    cache = KVCache(config, 4, 16, torch.bfloat16)
-    ids = torch.arange(3, 24) * 37 % config.vocab_size
-    with torch.inference_mode():
-        first = net.logits(net(ids[:20], torch.arange(20), cache, build_metadata([list(range(20))], [20])))
-        step = net.logits(net(ids[20:], torch.arange(20, 21), cache, build_metadata([list(range(21))], [1])))
-    return torch.cat((first, step))
-
-
 def test_released_weights_give_unchanged_outputs(model_dir):
     """Handing pages back loses nothing: the fast model equals one packed from weights in memory, bit for bit,
     and the eager model (reading its weights again from the file) still equals a fresh eager load."""
@@ -76,8 +60,9 @@ def test_released_weights_give_unchanged_outputs(model_dir):
     in_memory = _load(model_dir)
     for p in in_memory.model.parameters():
         p.data = p.data.clone()  # anonymous memory: nothing to hand back
-    assert torch.equal(_logits(fast, released.config), _logits(FastCausalLM(in_memory.model), released.config))
-    assert torch.equal(_logits(released.model, released.config), _logits(_load(model_dir).model, released.config))
+    cfg = released.config
+    assert torch.equal(first_logits(fast, cfg), first_logits(FastCausalLM(in_memory.model), cfg))
+    assert torch.equal(first_logits(released.model, cfg), first_logits(_load(model_dir).model, cfg))
 
 
 @pytest.mark.parametrize("fmt", ["int8", "int4"])

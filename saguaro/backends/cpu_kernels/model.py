@@ -21,7 +21,8 @@ faulting in 3 GB of huge pages).
 What ``FastCausalLM`` does at construction:
   * fuses q/k/v into one matrix (and bias), and gate/up into one matrix whose tiles pair
     32 gate rows with the matching 32 up rows, so SwiGLU is the GEMM's epilogue;
-  * packs every matrix, the output head included, into one arena of 2 MB pages;
+  * packs every matrix, the output head included, into one arena of 2 MB pages, or maps it packed from the
+    arena cache (``arena_cache.py``: stored by the first load of weights mapped from a file);
   * keeps the embedding table and the norms (Qwen3's per-head q/k norms included) as they are (shared with
     the eager model);
   * hands each source matrix's pages back right after packing it (``host_memory.MappedPages``), when it is
@@ -43,7 +44,7 @@ import torch.nn.functional as F
 from saguaro.host_memory import MappedPages
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata
-from saguaro.backends.cpu_kernels import build as kernels
+from saguaro.backends.cpu_kernels import arena_cache, build as kernels
 from saguaro.models.transformer import CausalLM
 
 log = logging.getLogger("saguaro.fast")
@@ -110,10 +111,10 @@ class _Arena:
     outputs' fp32 scales; int4 tiles are K/32 blocks of I4_BLOCK bytes (csrc/quant_pack.h).
     """
 
-    def __init__(self, shapes: list[tuple[int, int]], weights: str, ops):
+    def __init__(self, nbytes: int, weights: str, ops, buffer: torch.Tensor | None = None):
         assert ops.I4_BLOCK == I4_BLOCK
         self.weights = weights
-        self.buffer = ops.alloc_huge(sum(matrix_bytes(n, k, weights) for n, k in shapes))
+        self.buffer = ops.alloc_huge(nbytes) if buffer is None else buffer  # or packed already (arena_cache)
         self.offset = 0
 
     def take(self, n: int, k: int) -> torch.Tensor:
@@ -164,15 +165,22 @@ class FastCausalLM:
         d = cfg.head_dim
         self.q_cols = cfg.num_heads * d
         self.qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
-        head = source_head = model.model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
+        head = model.model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
         self.head_ids = None
         if head_ids is not None:
             self.head_ids = torch.as_tensor(head_ids, dtype=torch.long).unique()
             if len(self.head_ids) == 0 or self.head_ids[0] < 0 or self.head_ids[-1] >= cfg.vocab_size:
                 raise ValueError(f"head_ids must be non-empty token ids below {cfg.vocab_size}")
-            head = head[self.head_ids]
-        arena = _Arena(matrix_shapes(cfg, head.shape[0]), weights, self.ops)
-        self._pack(model, arena, head, source_head)
+        head_rows = head.shape[0] if self.head_ids is None else len(self.head_ids)
+        nbytes = sum(matrix_bytes(n, k, weights) for n, k in matrix_shapes(cfg, head_rows))
+        pages = MappedPages()
+        key = arena_cache.key_for([pages.path(p) for p in model.parameters()], weights, self.tier, self.head_ids,
+                                  nbytes)
+        cached = arena_cache.load(key) if key is not None else None
+        arena = _Arena(nbytes, weights, self.ops, cached)
+        self._pack(model, arena, head, pages if cached is None else None)
+        if key is not None and cached is None:
+            arena_cache.store(key, arena.buffer)
         self.arena = arena.buffer
         self.embed = model.model.embed_tokens.weight
         self.norm = model.model.norm.weight
@@ -183,16 +191,17 @@ class FastCausalLM:
             layer.gate_up, layer.down, layer.q_norm, layer.k_norm)]
         self.scale = d ** -0.5
 
-    def _pack(self, model: CausalLM, arena: _Arena, head: torch.Tensor, source_head: torch.Tensor) -> None:
-        """Pack every layer's matrices and the head into ``arena``, handing each source's mapped pages back as
-        soon as it is packed (so a quantized pack holds one bf16 matrix at a time)."""
+    def _pack(self, model: CausalLM, arena: _Arena, head: torch.Tensor, pages: MappedPages | None) -> None:
+        """Lay out every layer's matrices and the head in ``arena``, packing them unless ``pages`` is None (an
+        arena mapped packed from the cache) and handing each source's mapped pages back as soon as it is packed
+        (so a quantized pack holds one bf16 matrix at a time)."""
         cfg, h, inter, weights = self.config, self.config.hidden_size, self.config.intermediate_size, self.weights
         self.layers = []
-        pages = MappedPages()
 
         def pack(dst: torch.Tensor, sources: list[torch.Tensor], epilogue: int) -> None:
-            packer(dst, sources, epilogue)
-            pages.release(*sources)  # the arena holds them now
+            if pages is not None:
+                packer(dst, sources, epilogue)
+                pages.release(*sources)  # the arena holds them now
 
         packer = {"bf16": self.ops.pack, "int8": self.ops.pack_i8, "int4": self.ops.pack_i4}[weights]
         with torch.no_grad():
@@ -212,11 +221,12 @@ class FastCausalLM:
                 layer.down = arena.take(h, inter)
                 pack(layer.down, [mlp.down_proj.weight], 0)
                 self.layers.append(layer)
-            self.head = arena.take(head.shape[0], h)
-            pack(self.head, [head], 0)
-            pages.release(source_head)
-        log.debug("packed %d MB of %s weights; released %d MB of mapped eager weights",
-                  arena.buffer.numel() >> 20, weights, pages.released >> 20)
+            self.head = arena.take(head.shape[0] if self.head_ids is None else len(self.head_ids), h)
+            pack(self.head, [head if self.head_ids is None else head[self.head_ids]], 0)
+        if pages is not None:
+            pages.release(head)
+            log.debug("packed %d MB of %s weights; released %d MB of mapped eager weights",
+                      arena.buffer.numel() >> 20, weights, pages.released >> 20)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  meta: AttentionMetadata) -> torch.Tensor:
