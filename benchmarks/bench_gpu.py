@@ -33,6 +33,7 @@ from benchmarks.common import environment, fmt, int_list, log, median, settings,
 from benchmarks.synthetic import PAIRS, SHAPES, prompts, random_model, weight_bytes
 from saguaro import LLM, SamplingParams
 from saguaro.engine.model_runner import ForwardItem, ModelRunner, TreeRows
+from saguaro.host_memory import resident_bytes
 
 GOALS = {"ar_tok_s": 400.0, "verify5_over_decode": 1.15, "draft_step_ms": 1.3, "sd_round_over_passes": 1.1,
          "ar_batch32_tok_s": 6000.0}
@@ -125,10 +126,11 @@ def engine_run(target, draft, mode: str, k: int, batch: int, args, enforce_eager
         llm.generate(ids, SamplingParams(max_tokens=4, ignore_eos=True))  # warm-up (graphs: captured at start-up)
         outs = llm.generate(ids, params)
         spec = llm.spec_metrics(outs)
+        host = resident_bytes() / 1e9  # this process's host memory with the engine loaded (weights on the device)
     decode_s = max(o.timings.total_s - o.timings.ttft_s for o in outs)
     row = {"mode": mode, "k": k if mode != "ar" else None, "batch": batch,
            "tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_s if decode_s > 0 else None,
-           "per_request_tok_s": median(o.timings.decode_tokens_per_s for o in outs)}
+           "per_request_tok_s": median(o.timings.decode_tokens_per_s for o in outs), "host_rss_gb": host}
     if spec is not None:
         row.update(acceptance=spec.acceptance_rate, tokens_per_round=spec.tokens_per_round,
                    round_ms=1e3 * decode_s * batch / max(spec.rounds, 1))
@@ -180,7 +182,7 @@ def run_shape(shape: str, args, bandwidth: float | None) -> dict:
     target = random_model(shape, str(device), seed=0)
     draft = random_model(PAIRS[shape], str(device), seed=1)
     result: dict[str, Any] = {"target": shape, "draft": PAIRS[shape], "target_gb": weight_bytes(target.model) / 1e9,
-                              "draft_gb": weight_bytes(draft.model) / 1e9}
+                              "draft_gb": weight_bytes(draft.model) / 1e9, "host_rss_gb": resident_bytes() / 1e9}
     if bandwidth:
         result["floor_ms"] = weight_bytes(target.model) / (bandwidth * 1e9) * 1e3
     log("pass costs")
@@ -240,7 +242,8 @@ def report(results: list[dict], bandwidth: float | None, args) -> str:
                   f"(draft, {r['draft_gb']:.2f} GB)",
                   "", f"HBM floor for one target step: {fmt(r.get('floor_ms'), '.3f')} ms "
                   f"({fmt(1e3 / r['floor_ms'] if r.get('floor_ms') else None, '.0f')} tok/s); "
-                  f"backend {r['target_passes']['backend']}.", ""]
+                  f"backend {r['target_passes']['backend']}; host resident memory with both models on the device: "
+                  f"{fmt(r.get('host_rss_gb'), '.2f')} GB.", ""]
         tp, dp = r["target_passes"], r["draft_passes"]
         lines += [table(["pass", "rows", "ms"],
                         [["target decode / verification", k.split("_")[1], fmt(v, ".3f")] for k, v in tp.items()
@@ -250,11 +253,11 @@ def report(results: list[dict], bandwidth: float | None, args) -> str:
                         + [["draft tree step", k.split("_")[1], fmt(v, ".3f")] for k, v in dp.items()
                            if k.startswith("tree_")]), ""]
         lines += [table(["mode", "K", "batch", "tok/s (all requests)", "per request", "acceptance", "tokens/round",
-                         "round ms", "sum of passes ms", "round / passes"],
+                         "round ms", "sum of passes ms", "round / passes", "host RSS GB"],
                         [[e["mode"], fmt(e["k"], "d"), e["batch"], fmt(e["tok_s"], ".1f"),
                           fmt(e["per_request_tok_s"], ".1f"), fmt(e.get("acceptance")), fmt(e.get("tokens_per_round")),
                           fmt(e.get("round_ms"), ".3f"), fmt(e.get("passes_ms"), ".3f"),
-                          fmt(e.get("round_over_passes"))] for e in r["engine"]]), ""]
+                          fmt(e.get("round_over_passes")), fmt(e.get("host_rss_gb"), ".2f")] for e in r["engine"]]), ""]
         if "hf_tok_s" in r:
             lines += [f"transformers generate (eager), batch 1: {fmt(r['hf_tok_s'], '.1f')} tok/s.", ""]
         if r["target"] == "qwen2.5-1.5b":

@@ -23,6 +23,7 @@ from typing import Any
 
 from benchmarks.common import (environment, fmt, log, median, prepare_prompts, run_requests, settings, str_list,
                                table, write_results)
+from saguaro.host_memory import resident_bytes
 from saguaro.loading import load_tokenizer
 
 YES_NO = {True: "yes", False: "no", None: "-"}
@@ -45,11 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def rss_mb(pid: int) -> float | None:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            return next(int(line.split()[1]) / 1024 for line in f if line.startswith("VmRSS"))
-    except (OSError, StopIteration):
-        return None
+    rss = resident_bytes(pid)
+    return rss / 2**20 if rss else None
 
 
 def options(mode: str, size: int, args: argparse.Namespace) -> dict[str, Any]:

@@ -83,8 +83,9 @@ def greedy_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
 
 
-def save_hf(loaded: LoadedModel, directory: Path) -> Path:
-    """Write ``loaded`` as an HF directory (config.json, model.safetensors, tokenizer.json and a chat template),
+def save_hf(loaded: LoadedModel, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
+    """Write ``loaded`` as an HF directory (config.json, model.safetensors in ``dtype``, tokenizer.json and a chat
+    template),
     so that a path reaches it as it reaches a real checkpoint: the CLI, tensor-parallel ranks."""
     import json
 
@@ -95,10 +96,12 @@ def save_hf(loaded: LoadedModel, directory: Path) -> Path:
               intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
               num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
               max_position_embeddings=cfg.max_position_embeddings, rms_norm_eps=cfg.rms_norm_eps,
-              rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings, torch_dtype="float32",
+              rope_theta=cfg.rope_theta, tie_word_embeddings=cfg.tie_word_embeddings,
+              torch_dtype=str(dtype).removeprefix("torch."),
               eos_token_id=cfg.eos_token_ids or None)
     (directory / "config.json").write_text(json.dumps(hf))
-    save_file({k: v.contiguous() for k, v in loaded.model.state_dict().items()}, str(directory / "model.safetensors"))
+    save_file({k: v.to(dtype).contiguous() for k, v in loaded.model.state_dict().items()},
+              str(directory / "model.safetensors"))
     loaded.tokenizer.backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return directory

@@ -1,13 +1,17 @@
 """The paged KV cache tensors of one model.
 
 Slots are ``block * block_size + offset``; the block manager hands out blocks and the
-model writes/reads slots. Layers share one big tensor so the cache is a single allocation.
+model writes/reads slots. Layers share one big tensor so the cache is a single allocation. On the CPU
+its pages become resident as requests write them (``host_memory.lazy_zeros``): an idle cache of 32,768
+tokens costs next to nothing, where zeroing it up front made all of it resident (0.9 GB for the 1.5B).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
 import torch
+
+from saguaro.host_memory import lazy_zeros
 
 if TYPE_CHECKING:  # a hint only: models use the cache, not the other way round
     from saguaro.models.model_config import ModelConfig
@@ -19,7 +23,8 @@ class KVCache:
         self.num_blocks = num_blocks
         self.block_size = block_size
         shape = (config.num_layers, 2, num_blocks * block_size, config.num_kv_heads, config.head_dim)
-        self.data = torch.zeros(shape, dtype=dtype, device=device)
+        on_cpu = torch.device(device).type == "cpu"
+        self.data = lazy_zeros(shape, dtype) if on_cpu else torch.zeros(shape, dtype=dtype, device=device)
 
     def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.data[index, 0], self.data[index, 1]

@@ -21,10 +21,14 @@ faulting in 3 GB of huge pages).
 What ``FastCausalLM`` does at construction:
   * fuses q/k/v into one matrix (and bias), and gate/up into one matrix whose tiles pair
     32 gate rows with the matching 32 up rows, so SwiGLU is the GEMM's epilogue;
-  * packs every matrix, the output head included, into one arena of 2 MB pages;
+  * packs every matrix, the output head included, into one arena of 2 MB pages, or maps it packed from the
+    arena cache (``arena_cache.py``: stored by the first load of weights mapped from a file);
   * keeps the embedding table and the norms (Qwen3's per-head q/k norms included) as they are (shared with
-    the eager model).
-The eager weights stay untouched; the arena is a second copy (3.1 GB for the 1.5B).
+    the eager model);
+  * hands each source matrix's pages back right after packing it (``host_memory.MappedPages``), when it is
+    mapped from the weights file: the arena is then the one resident copy (3.1 GB for the 1.5B, where
+    keeping both held 6.2 GB), a quantized pack never holds more than one bf16 matrix, and the eager model
+    still reads its weights, faulting them in again from the file. Weights built in memory stay resident.
 
 Rounding follows the eager model op by op (bf16 results, fp32 accumulation), so outputs
 agree with eager up to bf16 rounding; logits are rounded to bf16 values like the eager
@@ -37,9 +41,10 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from saguaro.host_memory import MappedPages
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata
-from saguaro.backends.cpu_kernels import build as kernels
+from saguaro.backends.cpu_kernels import arena_cache, build as kernels
 from saguaro.models.transformer import CausalLM
 
 log = logging.getLogger("saguaro.fast")
@@ -106,10 +111,10 @@ class _Arena:
     outputs' fp32 scales; int4 tiles are K/32 blocks of I4_BLOCK bytes (csrc/quant_pack.h).
     """
 
-    def __init__(self, shapes: list[tuple[int, int]], weights: str, ops):
+    def __init__(self, nbytes: int, weights: str, ops, buffer: torch.Tensor | None = None):
         assert ops.I4_BLOCK == I4_BLOCK
         self.weights = weights
-        self.buffer = ops.alloc_huge(sum(matrix_bytes(n, k, weights) for n, k in shapes))
+        self.buffer = ops.alloc_huge(nbytes) if buffer is None else buffer  # or packed already (arena_cache)
         self.offset = 0
 
     def take(self, n: int, k: int) -> torch.Tensor:
@@ -157,7 +162,7 @@ class FastCausalLM:
         self.config = cfg = model.config
         self.model = model
         self.weights = weights
-        h, d, inter = cfg.hidden_size, cfg.head_dim, cfg.intermediate_size
+        d = cfg.head_dim
         self.q_cols = cfg.num_heads * d
         self.qkv_rows = (cfg.num_heads + 2 * cfg.num_kv_heads) * d
         head = model.model.embed_tokens.weight if cfg.tie_word_embeddings else model.lm_head.weight
@@ -166,10 +171,39 @@ class FastCausalLM:
             self.head_ids = torch.as_tensor(head_ids, dtype=torch.long).unique()
             if len(self.head_ids) == 0 or self.head_ids[0] < 0 or self.head_ids[-1] >= cfg.vocab_size:
                 raise ValueError(f"head_ids must be non-empty token ids below {cfg.vocab_size}")
-            head = head[self.head_ids]
-        arena = _Arena(matrix_shapes(cfg, head.shape[0]), weights, self.ops)
-        self.layers: list[_Layer] = []
-        pack = {"bf16": self.ops.pack, "int8": self.ops.pack_i8, "int4": self.ops.pack_i4}[weights]
+        head_rows = head.shape[0] if self.head_ids is None else len(self.head_ids)
+        nbytes = sum(matrix_bytes(n, k, weights) for n, k in matrix_shapes(cfg, head_rows))
+        pages = MappedPages()
+        key = arena_cache.key_for([pages.path(p) for p in model.parameters()], weights, self.tier, self.head_ids,
+                                  nbytes)
+        cached = arena_cache.load(key) if key is not None else None
+        arena = _Arena(nbytes, weights, self.ops, cached)
+        self._pack(model, arena, head, pages if cached is None else None)
+        if key is not None and cached is None:
+            arena_cache.store(key, arena.buffer)
+        self.arena = arena.buffer
+        self.embed = model.model.embed_tokens.weight
+        self.norm = model.model.norm.weight
+        self.rotary = model.rotary
+        empty = torch.empty(0, dtype=torch.bfloat16)
+        self.flat_weights = [w for layer in self.layers for w in (
+            layer.ln1, layer.qkv, empty if layer.qkv_bias is None else layer.qkv_bias, layer.o, layer.ln2,
+            layer.gate_up, layer.down, layer.q_norm, layer.k_norm)]
+        self.scale = d ** -0.5
+
+    def _pack(self, model: CausalLM, arena: _Arena, head: torch.Tensor, pages: MappedPages | None) -> None:
+        """Lay out every layer's matrices and the head in ``arena``, packing them unless ``pages`` is None (an
+        arena mapped packed from the cache) and handing each source's mapped pages back as soon as it is packed
+        (so a quantized pack holds one bf16 matrix at a time)."""
+        cfg, h, inter, weights = self.config, self.config.hidden_size, self.config.intermediate_size, self.weights
+        self.layers = []
+
+        def pack(dst: torch.Tensor, sources: list[torch.Tensor], epilogue: int) -> None:
+            if pages is not None:
+                packer(dst, sources, epilogue)
+                pages.release(*sources)  # the arena holds them now
+
+        packer = {"bf16": self.ops.pack, "int8": self.ops.pack_i8, "int4": self.ops.pack_i4}[weights]
         with torch.no_grad():
             for block in model.model.layers:
                 attn, mlp, layer = block.self_attn, block.mlp, _Layer()
@@ -187,17 +221,12 @@ class FastCausalLM:
                 layer.down = arena.take(h, inter)
                 pack(layer.down, [mlp.down_proj.weight], 0)
                 self.layers.append(layer)
-            self.head = arena.take(head.shape[0], h)
-            pack(self.head, [head], 0)
-        self.arena = arena.buffer
-        self.embed = model.model.embed_tokens.weight
-        self.norm = model.model.norm.weight
-        self.rotary = model.rotary
-        empty = torch.empty(0, dtype=torch.bfloat16)
-        self.flat_weights = [w for layer in self.layers for w in (
-            layer.ln1, layer.qkv, empty if layer.qkv_bias is None else layer.qkv_bias, layer.o, layer.ln2,
-            layer.gate_up, layer.down, layer.q_norm, layer.k_norm)]
-        self.scale = d ** -0.5
+            self.head = arena.take(head.shape[0] if self.head_ids is None else len(self.head_ids), h)
+            pack(self.head, [head if self.head_ids is None else head[self.head_ids]], 0)
+        if pages is not None:
+            pages.release(head)
+            log.debug("packed %d MB of %s weights; released %d MB of mapped eager weights",
+                      arena.buffer.numel() >> 20, weights, pages.released >> 20)
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: KVCache,
                  meta: AttentionMetadata) -> torch.Tensor:

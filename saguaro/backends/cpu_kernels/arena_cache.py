@@ -1,0 +1,137 @@
+"""The packed arena cached on disk and mapped: a later load maps the file instead of packing again.
+
+Packing reads every weight once and writes every tile (2-5 s for the 1.5B, most of it faulting pages in). The
+packed bytes depend only on the weights file, the format, the kernel tier and the head's rows, so the first load
+stores them and every later load maps them: it costs about as long as touching the pages (the checksum reads
+them all), the eager weights are never read, and two engines of one model on a machine share the pages through
+the page cache. Weights that are not mapped from files (a model built in memory) are never cached.
+
+Where: ``<weights dir>/arenas/`` when the weights are in Saguaro's cache directory (a converted GGUF), else
+``<cache root>/arenas/`` (an HF directory stays as its owner left it). ``SAGUARO_ARENA_CACHE=off`` turns it off.
+
+A file is a 4096-byte header (JSON, NUL padded) and then the arena. The header holds the format version, the key
+(each weights file's path, size and modification time; format; tier; head digest; length) and a checksum (the
+sum of the arena's 64-bit words mod 2**64, so any changed byte changes it). A file of another version, another
+key, the wrong size or a bad checksum is logged and packed again, never used. Writers write a temporary sibling
+and rename it into place, so a reader sees a whole file or none; a lock lets one process at a time store a
+given arena (another packing the same model at once uses its own arena and stores nothing).
+"""
+from __future__ import annotations
+
+import errno
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import uuid
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from saguaro.host_memory import MADV_HUGEPAGE, advise
+from saguaro.loading.paths import cache_root, remove_dead_temporaries
+
+log = logging.getLogger("saguaro.fast")
+ARENA_VERSION = 1
+HEADER = 4096
+ENV = "SAGUARO_ARENA_CACHE"
+
+
+@dataclass(frozen=True)
+class ArenaKey:
+    sources: tuple[tuple[str, int, int], ...]  # each weights file: path, size, mtime_ns
+    weights: str
+    tier: str
+    head: str  # "all" rows, or a digest of the kept token ids
+    nbytes: int
+
+    def as_dict(self) -> dict:
+        return json.loads(json.dumps(asdict(self)))  # tuples as lists, as a header reads back
+
+    def path(self) -> Path:
+        root = cache_root()
+        first = Path(self.sources[0][0])
+        directory = first.parent / "arenas" if first.is_relative_to(root) else root / "arenas"
+        digest = hashlib.sha256(json.dumps([s[0] for s in self.sources]).encode()).hexdigest()[:12]
+        return directory / f"{first.parent.name}-{digest}.{self.weights}.{self.tier}.{self.head}.arena"
+
+
+def key_for(paths: list[str | None], weights: str, tier: str, head_ids: torch.Tensor | None,
+            nbytes: int) -> ArenaKey | None:
+    """The key of an arena packed from weights mapped from ``paths`` (one per parameter; None: in memory)."""
+    if os.environ.get(ENV, "").lower() in ("off", "0", "false", "no") or not paths or None in paths:
+        return None
+    try:
+        sources = tuple((p, (st := os.stat(p)).st_size, st.st_mtime_ns) for p in sorted(set(paths)))
+    except OSError:
+        return None
+    head = "all" if head_ids is None else hashlib.sha256(head_ids.numpy().tobytes()).hexdigest()[:12]
+    return ArenaKey(sources, weights, tier, head, nbytes)
+
+
+def checksum(buffer: torch.Tensor) -> int:
+    """Sum of the 64-bit words of a uint8 tensor (its tail zero padded), mod 2**64."""
+    data = buffer.numpy()
+    whole = len(data) // 8 * 8
+    total = int(np.add.reduce(data[:whole].view(np.uint64), dtype=np.uint64)) if whole else 0
+    tail = int.from_bytes(data[whole:].tobytes().ljust(8, b"\0"), "little") if whole < len(data) else 0
+    return (total + tail) % (1 << 64)
+
+
+def load(key: ArenaKey) -> torch.Tensor | None:
+    """The cached arena mapped from its file, or None (absent, or unusable: logged)."""
+    path = key.path()
+    if not path.is_file():
+        return None
+    try:
+        with open(path, "rb") as f:
+            header = json.loads(f.read(HEADER).rstrip(b"\0"))
+        if header.get("version") != ARENA_VERSION:
+            problem = f"format version {header.get('version')}, not {ARENA_VERSION}"
+        elif header.get("key") != key.as_dict():
+            problem = "stale (the weights, format, tier or head differ)"
+        elif path.stat().st_size != HEADER + key.nbytes:
+            problem = f"{path.stat().st_size} bytes, not {HEADER + key.nbytes} (partial)"
+        else:
+            data = torch.from_file(str(path), shared=False, size=HEADER + key.nbytes, dtype=torch.uint8)[HEADER:]
+            advise(data, MADV_HUGEPAGE)  # where the kernel maps file pages huge
+            if checksum(data) == header.get("checksum"):
+                log.info("mapped the packed %s arena from %s", key.weights, path)
+                return data
+            problem = "bad checksum (corrupted)"
+    except (OSError, ValueError, RuntimeError, AttributeError) as e:
+        problem = f"unreadable ({e})"
+    log.warning("packed arena cache %s: %s; packing again", path, problem)
+    return None
+
+
+def store(key: ArenaKey, buffer: torch.Tensor) -> None:
+    """Write ``buffer`` (a uint8 arena) as ``key``'s file, unless another process is writing it now."""
+    path = key.path()
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path.with_name(path.name + ".lock"), "w") as lock:
+            try:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as e:
+                if e.errno in (errno.EAGAIN, errno.EACCES):
+                    return  # another process is storing this arena
+                raise
+            remove_dead_temporaries(path.parent, f".{path.name}.tmp-")
+            tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
+            header = json.dumps({"version": ARENA_VERSION, "key": key.as_dict(), "checksum": checksum(buffer)})
+            if len(header) > HEADER:
+                raise OSError(f"a header of {len(header)} bytes (its weights files' names are too long)")
+            with open(tmp, "wb") as f:
+                f.write(header.encode().ljust(HEADER, b"\0"))
+                f.write(memoryview(buffer.numpy()))
+            os.replace(tmp, path)
+            log.info("stored the packed %s arena in %s", key.weights, path)
+    except OSError as e:  # a read-only or full disk: this load keeps its arena, the next packs again
+        log.warning("could not store the packed arena in %s: %s", path, e)
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
