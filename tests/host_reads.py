@@ -80,3 +80,45 @@ def reads_per_call(monkeypatch, cls, method: str):
     monkeypatch.setattr(cls, method, counted)
     with counting_device_reads(monkeypatch) as reads:
         yield counts
+
+
+def mark_graph_builds(monkeypatch) -> None:
+    """Mark what a replay of the speculator's build graph writes (``GraphBuild.run``): device values on a GPU,
+    like a pass's logits; the model passes inside it do not go through ``forward_flat``."""
+    from saguaro.ssd.graph_build import GraphBuild
+    real = GraphBuild.run
+
+    def run(self, shape, rows):
+        out = real(self, shape, rows)
+        mark([out.keys, out.tokens, out.rank_ids, out.rank_probs, out.probs])
+        return out
+
+    monkeypatch.setattr(GraphBuild, "run", run)
+
+
+class TorchCalls(TorchFunctionMode):
+    """Counts the torch calls the host makes (every function, method and tensor operator torch dispatches in
+    Python). A graph replay counts as one call: on a GPU it is one launch, whatever its stand-in runs on the CPU
+    (``replayed`` wraps it)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+        self.paused = False
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if not self.paused:
+            self.count += 1
+        return func(*args, **(kwargs or {}))
+
+    def replayed(self, replay):
+        def counted():
+            if self.paused:
+                return replay()
+            self.count += 1
+            self.paused = True
+            try:
+                return replay()
+            finally:
+                self.paused = False
+        return counted
