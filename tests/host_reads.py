@@ -15,6 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from benchmarks.build_counters import TorchCalls  # noqa: F401  (the torch-call counter, shared with the benchmark)
+
 MARK = "_saguaro_on_device"
 READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
          torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
@@ -94,31 +96,3 @@ def mark_graph_builds(monkeypatch) -> None:
         return out
 
     monkeypatch.setattr(GraphBuild, "run", run)
-
-
-class TorchCalls(TorchFunctionMode):
-    """Counts the torch calls the host makes (every function, method and tensor operator torch dispatches in
-    Python). A graph replay counts as one call: on a GPU it is one launch, whatever its stand-in runs on the CPU
-    (``replayed`` wraps it)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.count = 0
-        self.paused = False
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if not self.paused:
-            self.count += 1
-        return func(*args, **(kwargs or {}))
-
-    def replayed(self, replay):
-        def counted():
-            if self.paused:
-                return replay()
-            self.count += 1
-            self.paused = True
-            try:
-                return replay()
-            finally:
-                self.paused = False
-        return counted

@@ -17,7 +17,9 @@ step. Each finished step makes its branches one token longer: every branch for t
 narrow steps buy the likeliest outcomes a longer speculation). If the next request arrives
 early the build stops and branches keep the tokens they have. The build reads from the device
 once, for the glue's ranking (it chooses the branches); the branches' tokens stay in the cache's
-token table there.
+token table there. On the paged backend with graphs (a GPU) the whole build is one graph replay instead
+(``graph_build.py``): its branches are chosen on the device and it reads nothing; the next ``respond``
+reads its keys with the hits' tokens.
 
 The glue is usually one row. A speculation drafted by the primary comes with the draft's
 ranked ids at each of its positions (from the tree step or the just-in-time step that drew
