@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from benchmarks.bench_gpu import pass_costs
+from benchmarks.build_counters import BuildCounts, build_kind, counting
 from benchmarks.common import (Prompt, environment, float_list, fmt, group_records, int_list, log, parse_fan_out,
                                ratio, run_engine, settings, table, temp_key, write_results)
 from benchmarks.gpu_projection import PROFILE_PATH, load_profile, project
@@ -69,6 +70,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"target:draft shape pairs to project onto, comma separated, or 'none' (default {PROJECT})")
     p.add_argument("--profile", type=Path, default=PROFILE_PATH, help=f"the real pair's profile ({PROFILE_PATH})")
     p.add_argument("--enforce-eager", action="store_true", help="the eager reference instead of CUDA graphs")
+    p.add_argument("--builds", type=builds, default=["python", "graph"],
+                   help="the speculator's builds to run each SSD configuration with, comma separated: python, graph "
+                        "(default both; the graph build needs the paged backend: a GPU's, or --paged on a CPU)")
+    p.add_argument("--paged", action="store_true",
+                   help="run every configuration on the paged backend (on a CPU its stand-in, so the graph build runs)")
     p.add_argument("--warmup-tokens", type=int, default=32,
                    help="tokens of one warm-up request per engine (CUDA graphs are captured at start-up; this warms "
                         "the allocator and caches before the timed requests; default 32)")
@@ -95,6 +101,13 @@ def ssd_shapes(text: str) -> list[SSDShape]:
         out.append(SSDShape(int(k), fan_out, steps))
     if not out:
         raise argparse.ArgumentTypeError("no SSD configuration given")
+    return out
+
+
+def builds(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in ("python", "graph") for x in out):
+        raise argparse.ArgumentTypeError(f"builds are python and/or graph, got {text!r}")
     return out
 
 
@@ -130,17 +143,28 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
                 max_model_len=longest, kv_cache_tokens=2 * longest + 1024)
     configs: list[tuple[str, str, int | None, SSDShape | None, dict[str, Any]]] = [("AR", "ar", None, None, {})]
     configs += [(f"SD K={k}", "sd", k, None, dict(draft=draft, num_speculative_tokens=k)) for k in args.sd_k]
-    configs += [(s.name, "ssd", s.k, s, dict(draft=draft, num_speculative_tokens=s.k, fan_out=s.fan_out,
-                                             branch_steps=s.branch_steps, deep_branches=s.deep, miss_strategy="jit",
-                                             speculator_transport="thread")) for s in args.ssd]
+    paged = args.paged or (torch.device(args.device).type == "cuda" and not args.enforce_eager)
+    configs += [(f"{s.name}, {b} build", "ssd", s.k, s, dict(draft=draft, num_speculative_tokens=s.k,
+                                                             fan_out=s.fan_out, branch_steps=s.branch_steps,
+                                                             deep_branches=s.deep, miss_strategy="jit",
+                                                             speculator_transport="thread"))
+                for s in args.ssd for b in args.builds if b == "python" or paged]
     rows = []
     for name, mode, k, shape, extra in configs:
-        records = run_engine(name, dict(base, mode=mode, **extra), batch, args, target=target)
+        graph = name.endswith("graph build")
+        with build_kind(graph, args.paged):
+            records = run_engine(name, dict(base, mode=mode, **extra), batch, args, target=target)
+            counts = count_builds(name, dict(base, mode=mode, **extra), batch, args, target) if mode == "ssd" else None
         summaries = group_records(records)
         for t in args.temperatures:
             at_t = [r for r in records if r.temperature == t]
-            rows.append(config_row(name, mode, t, summaries[temp_key(t)]["all"], [x for r in at_t for x in r.rounds],
-                                   k, shape))
+            row = config_row(name, mode, t, summaries[temp_key(t)]["all"], [x for r in at_t for x in r.rounds], k,
+                             shape)
+            if counts is not None:
+                row.build = "graph" if graph else "python"
+                row.torch_calls_per_build, row.device_reads_per_round = (counts.torch_calls_per_build,
+                                                                         counts.device_reads_per_round)
+            rows.append(row)
         free_memory(torch.device(args.device))
     log("pass costs of the pair")
     device, eager = torch.device(args.device), args.enforce_eager
@@ -148,6 +172,18 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
               "draft": pass_costs(draft, device, eager, args, [1, 2], sorted({sum(s.fan_out) for s in args.ssd}))}
     complete(rows, passes["target"], passes["draft"])
     return rows, passes
+
+
+def count_builds(name: str, options: dict[str, Any], batch: list[Prompt], args, target) -> BuildCounts:
+    """Torch calls per build and device reads per round, in a short run of their own (counting slows a build);
+    a graph-build row whose builds did not all replay the graph fails loudly rather than report the Python's."""
+    short = argparse.Namespace(**{**vars(args), "max_tokens": min(args.max_tokens, 24), "warmup_tokens": 0,
+                                  "temperatures": args.temperatures[:1]})
+    with counting() as counts:
+        run_engine(f"{name} (counted)", options, batch[:1], short, target=target)
+    if name.endswith("graph build") and counts.graph_builds < len(counts.calls) // 2:
+        log(f"{name}: only {counts.graph_builds} of {len(counts.calls)} builds replayed the graph")
+    return counts
 
 
 def projections(args) -> tuple[list[ProjectionRow], list[str]]:
@@ -205,19 +241,25 @@ def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected,
              "tok/s: decode tokens per second, median over prompts. Times: medians over rounds (ms). verify: SSD's "
              "verification beside the build; alone: SD's at the same K; pass: the bare K+1-row target pass. "
              "predicted: Thm 2 from the pass costs with this run's p_hit, E_hit and E_miss (benchmarks/"
-             "gpu_ssd_rows.py).", ""]
+             "gpu_ssd_rows.py). SSD rows run the speculator's Python build or its graph build (one replay per "
+             "round); calls/build: torch calls the host makes per build; reads/round: the speculator's device reads "
+             "per round (benchmarks/build_counters.py, counted in a short run after the timed one)."
+             + (" Every configuration ran on the paged backend (--paged)." if args.paged else ""), ""]
     for t in args.temperatures:
         at_t = [r for r in rows if r.temperature == t]
         sd_best = best[t].sd_tok_s if t in best else None
         lines += [f"## {temp_key(t)}{' (greedy)' if t == 0 else ''}", "",
                   table(["config", "tok/s", "xAR", "xSD best", "tok/rnd", "accept", "p_hit", "verify", "alone",
-                         "beside/alone", "pass", "build", "wait", "E_hit", "E_miss", "predicted tok/s", "error"],
+                         "beside/alone", "pass", "build", "wait", "E_hit", "E_miss", "predicted tok/s", "error",
+                         "calls/build", "reads/round"],
                         [[r.name + (" FAILED" if r.failure else ""), fmt(r.tok_s, ".1f"),
                           fmt(ratio(r.tok_s, ar.get(t))), fmt(ratio(r.tok_s, sd_best)),
                           fmt(r.tokens_per_round), fmt(r.acceptance), fmt(r.p_hit), fmt(r.verify_ms, ".3f"),
                           fmt(r.verify_alone_ms, ".3f"), fmt(r.beside_over_alone), fmt(r.verify_pass_ms, ".3f"),
                           fmt(r.build_ms, ".3f"), fmt(r.wait_ms, ".3f"), fmt(r.e_hit), fmt(r.e_miss),
-                          fmt(r.predicted_tok_s, ".1f"), fmt(r.prediction_error, "+.1%")] for r in at_t]), ""]
+                          fmt(r.predicted_tok_s, ".1f"), fmt(r.prediction_error, "+.1%"),
+                          fmt(r.torch_calls_per_build, ".0f"), fmt(r.device_reads_per_round, ".2f")]
+                         for r in at_t]), ""]
         lines += [f"**{r.name} FAILED**: SSD fell back to n-gram SD: {r.failure}. Its figures are n-gram SD's." for r
                   in at_t if r.failure] + ([""] if any(r.failure for r in at_t) else [])
         if t in best:

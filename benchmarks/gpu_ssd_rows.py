@@ -7,6 +7,10 @@ Glossary (per configuration and temperature; times are medians over rounds, in m
   * *verify alone* -- the same verification with nothing beside it: SD's at the same K (same rows, same code).
   * *pass* -- the bare target forward over K+1 rows, replayed on its own (``bench_gpu.pass_costs``).
   * *E_hit / E_miss* -- tokens a verification gave its sequence, in rounds whose speculation was a cache hit / miss.
+  * *build* -- the speculator's build: the Python build, or the graph build (one graph replay per round,
+    ``saguaro/ssd/graph_build.py``; on the paged backend only). *calls/build*: torch calls the host makes per build;
+    *reads/round*: the speculator's device reads per round (``benchmarks/build_counters.py``, in a short counted run
+    after the timed one).
   * *predicted* -- Thm 2 (``saguaro.theory.ssd_speedup``) for this configuration: the measured p_hit, E_hit and
     E_miss, with the round's times from the pass costs alone: t_v the K+1-row pass, T_p the build laid beside it
     (``calibration.timeline.build_time``), T_b the just-in-time drafting of a miss (``calibration.policy``). It
@@ -65,6 +69,9 @@ class ConfigRow:
     predicted_tok_s: float | None = None
     prediction_error: float | None = None  # predicted / measured - 1
     failure: str | None = None  # SSD: why its speculator failed; the row then measured n-gram SD and is failed
+    build: str | None = None  # SSD: the speculator's build, "python" or "graph" (``ssd/graph_build.py``)
+    torch_calls_per_build: float | None = None  # SSD: host torch calls per build, median (``build_counters``)
+    device_reads_per_round: float | None = None  # SSD: the speculator's device reads per round
 
 
 @dataclass

@@ -39,6 +39,8 @@ for p in sorted(pathlib.Path('benchmarks').glob('*.py')):
     importlib.import_module('benchmarks.' + p.stem)
 from benchmarks.gpu_overlap import parse_args
 parse_args([])
+from benchmarks.bench_gpu_ssd import parse_args as ssd_args
+assert ssd_args(['--ssd', '4:last3', '--builds', 'python,graph']).builds == ['python', 'graph']
 print('imported', len(list(pathlib.Path('benchmarks').glob('*.py'))), 'benchmark modules')" || return 1
     marked=$(grep -l "mark\.gpu" "$tests_dir"/*.py)
     expected=$(PYTHONPATH=$PWD collect_gpu_tests $marked) || return 1
@@ -79,10 +81,12 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember a 
 step gpu_tests 170 python3 -m pytest -o addopts= -o faulthandler_timeout=45 -q -m gpu -p no:cacheprovider -rs tests
 step bench_gpu 110 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b --max-tokens 64 --sd-k 3,4 \
     --out "$OUT"
-# SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), Thm 2 against the
-# measurement, and projections from the real pair's profile (results/profile_qwen2.5-coder_code.json, tracked)
+# SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), with the speculator's
+# Python build and its graph build (torch calls per build and device reads per round counted in a short run after
+# each), Thm 2 against the measurement, and projections from the real pair's profile
+# (results/profile_qwen2.5-coder_code.json, tracked)
 step bench_gpu_ssd 130 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 2 --max-tokens 96 \
-    --sd-k 3,4 --ssd "4:last3;4:last3@2" --reps 10 --project qwen2.5-1.5b:qwen2.5-0.5b --out "$OUT"
+    --sd-k 3,4 --ssd "4:last3" --builds python,graph --reps 10 --project qwen2.5-1.5b:qwen2.5-0.5b --out "$OUT"
 # a verification graph beside draft graphs on two streams of one process, under its own watchdog
 step overlap_probe 40 python3 -m benchmarks.gpu_overlap --watchdog-s 30 --out "$OUT"
 exit $status

@@ -15,6 +15,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
+from benchmarks.build_counters import TorchCalls  # noqa: F401  (the torch-call counter, shared with the benchmark)
+
 MARK = "_saguaro_on_device"
 READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
          torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
@@ -80,3 +82,17 @@ def reads_per_call(monkeypatch, cls, method: str):
     monkeypatch.setattr(cls, method, counted)
     with counting_device_reads(monkeypatch) as reads:
         yield counts
+
+
+def mark_graph_builds(monkeypatch) -> None:
+    """Mark what a replay of the speculator's build graph writes (``GraphBuild.run``): device values on a GPU,
+    like a pass's logits; the model passes inside it do not go through ``forward_flat``."""
+    from saguaro.ssd.graph_build import GraphBuild
+    real = GraphBuild.run
+
+    def run(self, shape, rows):
+        out = real(self, shape, rows)
+        mark([out.keys, out.tokens, out.rank_ids, out.rank_probs, out.probs])
+        return out
+
+    monkeypatch.setattr(GraphBuild, "run", run)

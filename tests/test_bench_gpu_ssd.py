@@ -23,11 +23,14 @@ def test_ssd_mode_end_to_end_on_cpu(tmp_path):
     assert result["pair"]["shape"] == "tiny" and result["pair"]["draft_layers"] == 2
     assert "CPU" in result["pair"]["hardware"] and "random token ids" in result["pair"]["prompt_source"]
     rows = {r["name"]: r for r in result["rows"]}
-    assert set(rows) == {"AR", "SD K=2", "SSD K=2 F=[1,1,1]", "SSD K=2 F=[1,1,2], tapered 1+1"}
+    # on the CPU's own backend only the Python build runs (the graph build needs the paged backend: --paged)
+    ssd_names = ("SSD K=2 F=[1,1,1], python build", "SSD K=2 F=[1,1,2], tapered 1+1, python build")
+    assert set(rows) == {"AR", "SD K=2", *ssd_names}
     for r in rows.values():
         assert r["tok_s"] > 0 and r["verify_ms"] > 0
-    for name in ("SSD K=2 F=[1,1,1]", "SSD K=2 F=[1,1,2], tapered 1+1"):
+    for name in ssd_names:
         ssd = rows[name]
+        assert ssd["build"] == "python" and ssd["torch_calls_per_build"] > 0 and ssd["device_reads_per_round"] > 0
         assert ssd["mode"] == "ssd" and 0.0 <= ssd["p_hit"] <= 1.0 and ssd["tokens_per_round"] >= 1.0
         assert ssd["verify_alone_ms"] == rows["SD K=2"]["verify_ms"] and ssd["beside_over_alone"] > 0
         assert ssd["verify_pass_ms"] > 0 and ssd["predicted_tok_s"] > 0 and ssd["prediction_error"] is not None
@@ -36,6 +39,24 @@ def test_ssd_mode_end_to_end_on_cpu(tmp_path):
     assert {"rows_1", "rows_3"} <= set(result["passes"]["target"]) and "tree_3" in result["passes"]["draft"]
     (projection,) = result["projections"]
     assert projection["target"] == "tiny" and projection["ssd_tok_s"] > 0 and projection["sd_k"] in range(2, 7)
+
+
+def test_the_graph_build_rows_on_the_paged_stand_in(tmp_path):
+    """--paged: every configuration on the paged backend's CPU stand-in, each SSD configuration with the Python
+    build and the graph build; the new columns in the table and the JSON."""
+    assert bench_gpu.main(["--mode", "ssd", "--device", "cpu", "--shape", "tiny", "--paged", "--prompts", "1",
+                           "--prompt-len", "16", "--max-tokens", "8", "--sd-k", "2", "--ssd", "2:uniform", "--reps",
+                           "1", "--verify-rows", "2,3", "--tree-rows", "4", "--project", "none", "--warmup-tokens",
+                           "0", "--out", str(tmp_path), "--name", "paged"]) == 0
+    result = json.loads((tmp_path / "paged.json").read_text())
+    rows = {r["name"]: r for r in result["rows"]}
+    python, graph = rows["SSD K=2 F=[1,1,1], python build"], rows["SSD K=2 F=[1,1,1], graph build"]
+    assert python["build"] == "python" and graph["build"] == "graph" and graph["tok_s"] > 0
+    assert graph["torch_calls_per_build"] <= 25 < python["torch_calls_per_build"]
+    assert 1 <= graph["device_reads_per_round"] <= 2
+    assert graph["device_reads_per_round"] < python["device_reads_per_round"]
+    text = (tmp_path / "paged.md").read_text()
+    assert "calls/build" in text and "reads/round" in text and "--paged" in text
 
 
 def test_ssd_configurations_parse_and_refuse_what_they_cannot_predict():
@@ -69,8 +90,9 @@ def test_a_speculator_killed_mid_benchmark_fails_its_row_and_the_command(tmp_pat
                            "--out", str(tmp_path), "--name", "killed"]) == 1
     result = json.loads((tmp_path / "killed.json").read_text())
     rows = {r["name"]: r for r in result["rows"]}
-    failure = rows["SSD K=2 F=[1,1,1]"]["failure"]
-    assert "speculator killed by the test" in failure and result["failed"] == {"SSD K=2 F=[1,1,1]": failure}
+    failure = rows["SSD K=2 F=[1,1,1], python build"]["failure"]
+    assert "speculator killed by the test" in failure
+    assert result["failed"] == {"SSD K=2 F=[1,1,1], python build": failure}
     assert rows["AR"]["failure"] is None and rows["SD K=2"]["failure"] is None
     assert result["best"] == []  # no SSD row stands: nothing is compared as SSD
-    assert "SSD K=2 F=[1,1,1] FAILED" in (tmp_path / "killed.md").read_text()
+    assert "SSD K=2 F=[1,1,1], python build FAILED" in (tmp_path / "killed.md").read_text()

@@ -59,6 +59,12 @@ def test_the_checker_refuses_host_syncs_and_data_dependent_shapes(name):
     FORBIDDEN[name]()  # fine outside a capture
 
 
+@pytest.mark.parametrize("name", ["item", "int()", "if tensor"])
+def test_the_checker_refuses_host_reads_under_inference_mode(name):
+    with torch.inference_mode(), CaptureChecker(), pytest.raises(HostSyncError):
+        FORBIDDEN[name]()
+
+
 @pytest.mark.parametrize("name", list(ALLOWED))
 def test_the_checker_lets_capturable_ops_through(name):
     with CaptureChecker():

@@ -40,3 +40,30 @@ class FeatureLog:
         if self._buf is None or not 0 <= start <= end <= self._len:
             raise RuntimeError(f"target features {start}..{end - 1} requested, {self._len} are known")
         return self._buf[start:end]
+
+
+def fence_features(tensors: list[torch.Tensor | None]) -> "torch.cuda.Event | None":
+    """Producer side (the target's thread): an event recorded on its current stream after the features in
+    ``tensors`` were written, or None when none is on a GPU. The consumer waits on it (``cross_fence``): it copies
+    them on a stream of its own, which nothing else orders after the target's pass."""
+    cuda = [t for t in tensors if t is not None and t.is_cuda]
+    if not cuda:
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(cuda[0].device))
+    return event
+
+
+def cross_fence(event: "torch.cuda.Event | None", tensors: list[torch.Tensor | None]) -> None:
+    """Consumer side (the speculator's thread): order its current stream after ``event`` and tell the caching
+    allocator the features are used there too (else their memory could go back to the target's stream while this
+    one still reads them)."""
+    if event is None:
+        return
+    stream = None
+    for t in tensors:
+        if t is not None and t.is_cuda:
+            stream = stream or torch.cuda.current_stream(t.device)
+            t.record_stream(stream)
+    if stream is not None:
+        stream.wait_event(event)

@@ -110,7 +110,9 @@ def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """
     cdf = torch.cumsum(probs.to(torch.float64), dim=-1)
     total = cdf[:, -1:].contiguous()
-    target = u.to(device=probs.device, dtype=torch.float64).reshape(-1, 1) * total
+    if u.device != probs.device or u.dtype != torch.float64:  # no call at all inside a graph's capture
+        u = u.to(device=probs.device, dtype=torch.float64)
+    target = u.reshape(-1, 1) * total
     idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
     # Rounding can put the target at (or past) the end of the CDF, where the search returns V. Use the
     # first position at which the CDF reaches its total instead: the CDF rises there, so it has mass.

@@ -1,11 +1,16 @@
 """The speculation cache: verification outcome -> speculation prepared in advance.
 
-The keys, (sequence id, accepted count k, bonus token t*), are known on the host: the build read the
-draft's ranking after the glue to choose them. The drafted tokens are not: they stay where the build drew
-them, in one fixed-size ``[R, K]`` table on the draft's device (a row per branch), with the branches'
+The keys are (sequence id, accepted count k, bonus token t*). The Python build knows them on the host: it
+read the draft's ranking after the glue to choose them. The drafted tokens stay where the build drew them,
+in one fixed-size ``[R, K]`` table on the draft's device (a row per branch), with the branches'
 distributions and ranked ids beside it. ``respond`` gathers the rows that hit on the device and reads them
 together with the misses' drafts, so a build ends without waiting for the device and a round's answer is
 one read.
+
+A graph build (``graph_build.py``) reads nothing: its keys stay on the device too (``fill_pending``).
+``resolve``, at the start of the next ``respond``, reads its keys, token table and ranked ids in one read;
+the hits' tokens are then on the host already, and the round reads the device again only for the misses'
+just-in-time drafts.
 """
 from __future__ import annotations
 
@@ -13,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from saguaro.device import to_device
+from saguaro.device import read_together, to_device
 from saguaro.sampling.ranked import RankTable
 
 
@@ -57,6 +62,8 @@ class SpeculationCache:
         self.tokens: torch.Tensor | None = None  # [R, K] long on the draft's device; -1 past a row's length
         self.ranks: RankTable | None = None  # every position of every branch, ranked
         self.probs: torch.Tensor | None = None  # [rows, V] every pass row's distribution; None if all greedy
+        self._pending: tuple[list[int], list[BranchGroup], torch.Tensor] | None = None  # a graph build's keys
+        self._host: list[list] | None = None  # [tokens, rank ids, rank probs] as read by ``resolve``
 
     def fill(self, groups: list[BranchGroup], drawn: list[torch.Tensor], ranks: RankTable | None,
              probs: torch.Tensor | None, k: int, device: torch.device) -> None:
@@ -72,25 +79,57 @@ class SpeculationCache:
                 for g in groups:
                     cell.extend(range(g.first_row * k + j, (g.first_row + g.widths[j]) * k + j, k))
             table.view(-1)[to_device(torch.tensor(cell, dtype=torch.long), device)] = torch.cat(drawn).to(device)
-        self._entries.clear()
+        self.clear()
         self.tokens, self.ranks, self.probs = table, ranks, probs
+
+    def fill_pending(self, seq_ids: list[int], groups: list[BranchGroup], keys: torch.Tensor, tokens: torch.Tensor,
+                     ranks: RankTable, probs: torch.Tensor | None) -> None:
+        """Start a graph build's cache: ``keys`` [B, branches, 2] (sequence n's branch q was prepared for outcome
+        ``keys[n, q]``; rows past ``seq_ids`` are ghosts) stay on the device until ``resolve``."""
+        self.clear()
+        self.tokens, self.ranks, self.probs = tokens, ranks, probs
+        self._pending = (seq_ids, groups, keys)
+
+    def resolve(self) -> None:
+        """Read a graph build's keys, token table and ranked ids in one read, and enter its sequences."""
+        if self._pending is None:
+            return
+        seq_ids, groups, keys = self._pending
+        self._pending = None
+        values = read_together([keys[:len(seq_ids)], self.tokens, self.ranks.ids, self.ranks.probs])
+        for seq_id, group, pairs in zip(seq_ids, groups, values[0]):
+            self.put(seq_id, [tuple(p) for p in pairs], group)
+        self._host = values[1:]
 
     def put(self, seq_id: int, keys: list[tuple[int, int]], group: BranchGroup) -> None:
         """Enter a sequence's branches: ``keys[q]`` = (k, t*), the outcome branch q was prepared for."""
         self._entries[seq_id] = (group, dict(zip(keys, range(len(keys)))))
 
     def get(self, seq_id: int, k: int, token: int) -> CachedBranch | None:
+        self.resolve()
         group, index = self._entries.get(seq_id, (None, {}))
         q = index.get((k, token))
         return None if q is None else group.branch(q)
 
-    def gather(self, hits: list[CachedBranch]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
-        """[tokens [H, K], rank ids [N, W], rank probs [N, W]] of ``hits`` on the device, for one read
-        (``read_together``; the rank rows are every hit's ``rank_rows`` in order), and each hit's [length, V]
-        distributions (None for a greedy one), gathered on the device in one index."""
-        device = self.tokens.device
-        rows = to_device(torch.tensor([h.row for h in hits], dtype=torch.long), device)
-        ranks = self.ranks.take([r for h in hits for r in h.rank_rows])
+    def gather(self, hits: list[CachedBranch]
+               ) -> tuple[list[list] | None, list[torch.Tensor], list[torch.Tensor | None]]:
+        """[tokens [H, K], rank ids [N, W], rank probs [N, W]] of ``hits`` (the rank rows are every hit's
+        ``rank_rows`` in order): as Python values where ``resolve`` read them already (else None), or on the
+        device, for one read with others (``read_together``); and each hit's [length, V] distributions (None for
+        a greedy one), gathered on the device in one index."""
+        if not hits:
+            return ([[], [], []] if self._host is not None else None), [], []
+        values, pieces = None, []
+        if self._host is not None:
+            tokens, ids, probs = self._host
+            rank_rows = [r for h in hits for r in h.rank_rows]
+            values = [[tokens[h.row] for h in hits], [ids[r] for r in rank_rows], [probs[r] for r in rank_rows]]
+        else:
+            rows = to_device(torch.tensor([h.row for h in hits], dtype=torch.long), self.tokens.device)
+            pieces = [self.tokens[rows]] + self.ranks.take([r for h in hits for r in h.rank_rows])
+        return values, pieces, self._hit_probs(hits)
+
+    def _hit_probs(self, hits: list[CachedBranch]) -> list[torch.Tensor | None]:
         probs: list[torch.Tensor | None] = [None] * len(hits)
         sampled = [b for b, h in enumerate(hits) if h.sampled]
         if sampled:
@@ -98,7 +137,7 @@ class SpeculationCache:
             blocks = self.probs[to_device(index, self.probs.device)].split([hits[b].length for b in sampled])
             for b, block in zip(sampled, blocks):
                 probs[b] = block
-        return [self.tokens[rows]] + ranks, probs
+        return probs
 
     def read_tokens(self, branch: CachedBranch) -> list[int]:
         """One entry's tokens (a read of its own; the engine reads hits through ``gather``)."""
@@ -107,13 +146,17 @@ class SpeculationCache:
     def clear(self) -> None:
         self._entries.clear()
         self.tokens = self.ranks = self.probs = None
+        self._pending = self._host = None
 
     def keys(self) -> list[tuple[int, int, int]]:
+        self.resolve()
         return [(seq_id, k, t) for seq_id, (_, index) in self._entries.items() for k, t in index]
 
     def items(self) -> list[tuple[tuple[int, int, int], CachedBranch]]:
+        self.resolve()
         return [((seq_id, k, t), group.branch(q)) for seq_id, (group, index) in self._entries.items()
                 for (k, t), q in index.items()]
 
     def __len__(self) -> int:
+        self.resolve()
         return sum(len(index) for _, index in self._entries.values())

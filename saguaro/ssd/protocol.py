@@ -35,6 +35,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 import torch
 
@@ -75,6 +76,12 @@ class RoundRequest:
     releases: list[int] = field(default_factory=list)
     order: list[int] = field(default_factory=list)  # sequence ids to answer, in response order
     command: int = CMD_ROUND
+    # in a thread: a GPU event after the target's pass that wrote its features (``eagle.features.fence_features``)
+    fence: Any = None
+
+    def feature_tensors(self) -> list[torch.Tensor]:
+        """The target's features it carries (an EAGLE-3 speculator's), outcomes' then admissions'."""
+        return [x.features for x in [*self.outcomes, *self.admissions] if x.features is not None]
 
 
 @dataclass

@@ -28,6 +28,7 @@ class SeqState:
     ranked: list[Ranked] | None = None  # the draft's ranked ids at each position of it (primary only)
     scratch: list[int] = field(default_factory=list)  # blocks of the last build's branches, until the next respond
     ngram: NgramIndex = field(default_factory=NgramIndex)  # the n-gram backup's index of its tokens
+    seed: int = 0  # the request's seed (``Admission.seed``): keys its build's counter uniforms (``counter_rng``)
 
     def take_features(self, start: int, rows: torch.Tensor | None, device: torch.device) -> None:
         """Record the target's features of positions ``start``.. (an EAGLE-3 speculator's messages carry them)."""

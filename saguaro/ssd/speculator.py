@@ -17,7 +17,9 @@ step. Each finished step makes its branches one token longer: every branch for t
 narrow steps buy the likeliest outcomes a longer speculation). If the next request arrives
 early the build stops and branches keep the tokens they have. The build reads from the device
 once, for the glue's ranking (it chooses the branches); the branches' tokens stay in the cache's
-token table there.
+token table there. On the paged backend with graphs (a GPU) the whole build is one graph replay instead
+(``graph_build.py``): its branches are chosen on the device and it reads nothing; the next ``respond``
+reads its keys with the hits' tokens.
 
 The glue is usually one row. A speculation drafted by the primary comes with the draft's
 ranked ids at each of its positions (from the tree step or the just-in-time step that drew
@@ -48,14 +50,18 @@ from typing import Callable
 
 import torch
 
+from saguaro.backends.paged.backend import PagedBackend
 from saguaro.device import read_together, to_device
 from saguaro.engine.model_runner import DraftRunner, ForwardItem
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.ranked import RankTable, rank_positions, rank_table, ranked_rows
-from saguaro.sampling.sampler import sample
+from saguaro.sampling.sampler import inverse_cdf, sample
 from saguaro.sd.draft_model import DraftModelProposer
+from saguaro.ssd import graph_staging
 from saguaro.ssd.cache import BranchGroup, CachedBranch, SpeculationCache
+from saguaro.ssd.counter_rng import branch_counter, counter_uniforms
+from saguaro.ssd.graph_build import GraphBuild
 from saguaro.ssd.miss_drafts import MissDrafts
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
@@ -90,7 +96,13 @@ def seq_temperature(seq: Sequence) -> float:
 class Speculator:
     """The SSD draft side: ``respond`` answers a round from the speculation cache, ``build`` fills it for the
     next one. Synchronous; a transport (``link.py``) runs it in a thread or a process beside the target
-    (``host.py`` starts and serves it). K, the fan-outs, C and the miss strategy are ``plan``'s."""
+    (``host.py`` starts and serves it). K, the fan-outs, C and the miss strategy are ``plan``'s.
+
+    On the paged backend with graphs (the GPU path, and its CPU stand-in in tests) a build that fits one
+    ``BuildShape`` replays a graph of the whole build (``graph_build.py``); ``graph_build = False`` turns that
+    off. There every draw of a build, the Python build's too, comes from ``counter_rng``."""
+
+    graph_build = True
 
     def __init__(self, runner: DraftRunner, plan: SpecPlan):
         self.plan = plan
@@ -115,6 +127,16 @@ class Speculator:
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
         self._rng = random.Random(0)
+        self.graph = self._graph_build()
+        self.counter_rng = self.graph is not None  # the Python build draws what the graph build would
+
+    def _graph_build(self) -> GraphBuild | None:
+        backend = getattr(self.runner, "backend", None)
+        graphs = getattr(backend, "graphs", None)
+        if (not self.graph_build or not isinstance(backend, PagedBackend) or graphs is None
+                or type(self)._glued is not Speculator._glued):  # a recorder reads the Python build's glue
+            return None
+        return GraphBuild(backend.net, self.runner.cache, graphs.capture, self.runner.device)
 
     def fan_out_for(self, state: SeqState) -> list[int]:
         """F_0..F_K for the cache of a sequence's speculation under verification."""
@@ -193,15 +215,17 @@ class Speculator:
         order = [self.states[i] for i in req.order]
         hit_states = [s for s in order if s.seq.seq_id in hits]
         hit_list = [hits[s.seq.seq_id] for s in hit_states]
-        pieces, hit_probs = self.cache.gather(hit_list) if hit_list else ([], [])  # on the device
+        hit_values, pieces, hit_probs = self.cache.gather(hit_list)  # read already (a graph build's), or on the device
         self.cache.clear()
         self._free_scratch()
         misses = [s for s in order if s.seq.seq_id not in hits]
         drafts = self._draft_misses(misses)
         values = read_together(pieces + drafts.pieces)  # the round's one read from the draft's device
-        rows = dict(drafts.answer(misses, values[len(pieces):]))
+        if hit_values is None:
+            hit_values, values = values[:len(pieces)], values[len(pieces):]
+        rows = dict(drafts.answer(misses, values))
         if hit_list:
-            tokens, ranked = values[0], iter(ranked_rows(values[1], values[2]))
+            tokens, ranked = hit_values[0], iter(ranked_rows(hit_values[1], hit_values[2]))
             for state, hit, row, probs in zip(hit_states, hit_list, tokens, hit_probs):
                 state.ranked = [next(ranked) for _ in hit.rank_rows]
                 rows[state.seq.seq_id] = SpecRow(True, row[:hit.length], probs)
@@ -222,6 +246,7 @@ class Speculator:
         state.prefilled = None
         seq = state.seq = Sequence(adm.tokens, adm.params)
         seq.seq_id = adm.seq_id
+        state.seed = adm.seed
         if seq.generator is not None:
             seq.generator.manual_seed(adm.seed)
 
@@ -288,15 +313,25 @@ class Speculator:
         self._free_scratch()
         states = [s for s in self.states.values() if s.sent and s.seq is not None]
         if states and not interrupted():
-            layouts = self._glue(states)
             try:  # the scratch is kept until the next respond: a hit adopts its branch's k/v from there
-                stats = self._decode_branches(states, layouts, interrupted)
+                staged = graph_staging.stage(self, states, seq_temperature) if self.graph is not None else None
+                if staged is not None:
+                    stats = self._replay_build(states, staged)
+                else:
+                    stats = self._decode_branches(states, self._glue(states), interrupted)
             except BaseException:
                 self._free_scratch()
                 raise
         stats.seconds = time.perf_counter() - start
         self.last_build = stats
         return stats
+
+    def _replay_build(self, states: list[SeqState], staged: graph_staging.StagedBuild) -> BuildStats:
+        """The build as one graph replay: one staging copy, no read; its keys stay on the device."""
+        out = self.graph.run(staged.shape, staged.rows)
+        self.cache.fill_pending([s.seq.seq_id for s in states], staged.groups, out.keys, out.tokens,
+                                RankTable(out.rank_ids, out.rank_probs), out.probs)
+        return BuildStats(steps=self.k, branches=len(states) * staged.shape.branches)
 
     def _glue(self, states: list[SeqState]) -> list[BranchLayout]:
         """Extend each draft cache with the speculation under verification; pick the branches.
@@ -354,11 +389,12 @@ class Speculator:
         widths = [[layouts[i].width(j) for i in live] for j in range(self.k)]  # [step][live sequence]
         starts = [list(accumulate(w, initial=0))[:-1] for w in widths]  # each one's first row in the step's pass
         steps: list[DraftStep] = []
+        seeds = [states[i].seed for i in live]
         for step in range(self.k):
             if step > 0 and interrupted():
                 break
             steps.append(self._draft_step(step, live, layouts, seqs, widths, starts,
-                                          steps[-1] if steps else None, greedy_only))
+                                          steps[-1] if steps else None, greedy_only, seeds))
         done = list(accumulate((len(d.drawn) for d in steps), initial=0))  # pass rows before each step
         groups, first_row = [], 0
         for n, i in enumerate(live):
@@ -377,7 +413,7 @@ class Speculator:
 
     def _draft_step(self, step: int, live: list[int], layouts: list[BranchLayout], seqs: list[Sequence],
                     widths: list[list[int]], starts: list[list[int]], last: DraftStep | None,
-                    greedy_only: bool) -> DraftStep:
+                    greedy_only: bool, seeds: list[int]) -> DraftStep:
         """One build step: every decoded branch's input (its root at step 0, else what ``last`` drew for it:
         widths never grow, so ``last`` decoded every branch of this step) -> one tree-masked pass -> the
         tokens drawn, left on the draft's device to feed the next step and fill the token table there.
@@ -401,7 +437,14 @@ class Speculator:
         if self.saguaro_sampling is not None:
             probs = self.saguaro_sampling.apply(probs, step, row_seqs)  # Def. 14 for index ``step``
         greedy = torch.tensor([s.params.greedy for s in row_seqs])
-        return DraftStep(sample(probs, [s.generator for s in row_seqs], greedy), ranks, probs)
+        if not self.counter_rng:
+            return DraftStep(sample(probs, [s.generator for s in row_seqs], greedy), ranks, probs)
+        lays = [layouts[i] for i in live]  # the graph build's draws: counter uniforms of (seed, L, k, q, step)
+        keys = torch.tensor([(seed, lay.verified_len, lay.fork_depths[q], q)
+                             for seed, lay, w in zip(seeds, lays, width) for q in range(w)], dtype=torch.int64)
+        u = counter_uniforms(keys[:, 0], branch_counter(keys[:, 1], keys[:, 2], keys[:, 3], step))
+        drawn = torch.where(to_device(greedy, probs.device), probs.argmax(dim=-1), inverse_cdf(probs, u))
+        return DraftStep(drawn, ranks, probs)
 
     def close(self) -> None:
         for seq_id in list(self.states):

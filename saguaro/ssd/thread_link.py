@@ -16,7 +16,9 @@ Where the thread runs (its "lane"):
     holding ``sms`` of the GPU's SMs (``torch.cuda.green_contexts``, where the installed torch
     has it with ``GreenContext.Stream``; elsewhere it warns and shares all SMs). Attention sizes
     its split count to the lane's SMs. Each response carries a CUDA event recorded on that stream after ``respond``;
-    the target's stream waits on it before reading the response's device tensors. No NCCL.
+    the target's stream waits on it before reading the response's device tensors; and a request carrying an
+    EAGLE-3 head's target features carries an event recorded on the target's stream after they were written,
+    which the speculator's stream waits on before copying them (``eagle.features.cross_fence``). No NCCL.
 
 Failure never hangs the target: an exception in the thread travels to the next ``exchange``,
 and a thread that does not answer within ``opts.timeout_s`` is given up on; both raise
@@ -40,6 +42,7 @@ from typing import Any
 import torch
 
 from saguaro.backends.paged.attention_triton import lane_sm_count
+from saguaro.eagle.features import cross_fence, fence_features
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.host import SpeculatorOptions, serve, start_speculator
 from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse
@@ -85,10 +88,12 @@ class ThreadLink:
     # -- the target's side -------------------------------------------------------
     def prefill(self, request: RoundRequest) -> None:
         self._check_alive()
+        request.fence = fence_features(request.feature_tensors())
         self.requests.put(request)
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
         self._check_alive()
+        request.fence = fence_features(request.feature_tensors())
         self.requests.put(request)
         return self._receive(self.opts.timeout_s)
 
@@ -149,7 +154,10 @@ class ThreadLink:
 
     def _next_request(self) -> RoundRequest | None:
         req = self.requests.get()
-        return None if self.stopping.is_set() else req
+        if self.stopping.is_set():
+            return None
+        cross_fence(req.fence, req.feature_tensors())  # the target's features are written before they are copied
+        return req
 
 
 class _SwitchInterval:

@@ -36,6 +36,9 @@ class HostSyncError(RuntimeError):
 _HOST_READS = {  # Python-level calls that read a tensor's values on the host
     torch.Tensor.item: ".item()", torch.Tensor.tolist: ".tolist()", torch.Tensor.cpu: ".cpu()",
     torch.Tensor.numpy: ".numpy()",
+    # what the dispatcher does not always see: under inference mode int(t) reads without a dispatched op
+    torch.Tensor.__int__: "int(t)", torch.Tensor.__float__: "float(t)", torch.Tensor.__bool__: "bool(t)",
+    torch.Tensor.__index__: "a tensor used as an index",
 }
 _SYNCING_OPS = {  # aten ops that read values on the host or size their output by them
     aten._local_scalar_dense.default: "a tensor read to the host (.item(), int(t), float(t), bool(t), if t)",

@@ -1,0 +1,102 @@
+"""The host's part of a graph build: choose its ``BuildShape``, lay out each sequence's cache, pack its staging row.
+
+Per build this is Python over the sequences (block bookkeeping and a list of ints each) and no torch call: the
+rows become one tensor and one copy in ``GraphBuild.run``. Where the sequences do not share one shape, or one
+of them needs what the graph does not do (see ``graph_build.py``), ``stage`` answers None and the speculator
+runs its Python build, which computes the same thing.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from saguaro.ssd.cache import BranchGroup
+from saguaro.ssd.graph_build import SEQ_BUCKETS, BuildShape, float_bits
+from saguaro.ssd.seq_state import SeqState
+
+
+@dataclass
+class StagedBuild:
+    shape: BuildShape
+    rows: list[list[int]]  # one staging row per sequence, in ``states`` order
+    groups: list[BranchGroup]  # each sequence's branches in the build's tables
+
+
+def outcome_counts(fan_out: list[int], k: int, ranked: int) -> tuple[int, ...]:
+    """Outcomes ``predict_outcomes`` prepares at each depth for a full speculation of K tokens, when the ranking
+    holds ``ranked`` ids per position: F_k, or fewer where the ranking (the drafted token excluded) runs out."""
+    return tuple(min(fan_out[min(d, len(fan_out) - 1)], ranked - (d < k)) for d in range(k + 1))
+
+
+def glue_start(state: SeqState) -> int:
+    """The first position the glue feeds (``Speculator._glue``): the draft cache's end, or the last verified
+    token when its logits are needed; positions whose k/v and ranked ids came with the speculation are kept."""
+    base = len(state.seq) - 1
+    start = min(state.draft.num_cached, base)
+    if state.ranked is not None and state.draft.num_cached >= base:
+        start = min(state.draft.num_cached, base + len(state.ranked), base + len(state.sent))
+    return start
+
+
+def choose_shape(spec, states: list[SeqState], temperature) -> BuildShape | None:
+    """The one shape every sequence of the build fits, or None. ``spec``: the ``Speculator``."""
+    k, graphs = spec.k, spec.runner.backend.graphs
+    if (len(states) > SEQ_BUCKETS[-1] or spec.conditioned or spec.saguaro_sampling is not None
+            or any(len(s.sent) != k or glue_start(s) < len(s.seq) - 1 for s in states)):
+        return None
+    width = min(spec.width, spec.runner.config.vocab_size)
+    if any(len(r.ids) < width for s in states for r in (s.ranked or [])[:glue_start(s) - len(s.seq) + 1]):
+        return None  # a staged ranking shorter than the graph's
+    fan_outs = {tuple(spec.fan_out_for(s)) for s in states}
+    temps = {spec.plan.steps_for(temperature(s.seq)) for s in states}
+    if len(fan_outs) != 1 or len(temps) != 1:
+        return None
+    counts = outcome_counts(list(fan_outs.pop()), k, width)
+    branches = sum(counts)
+    need = -(-(max(len(s.seq) for s in states) + k) // spec.runner.block_size)
+    if not branches or need > graphs.max_table_blocks:
+        return None
+    widths = tuple(min(branches, w) for w in spec.plan.branch_widths(branches, temperature(states[0].seq)))
+    params = [s.seq.params for s in states]
+    sampled = not all(p.greedy for p in params)
+    filters = any(not p.greedy and (0 < p.top_k < spec.runner.config.vocab_size or p.top_p < 1) for p in params)
+    bucket = next(b for b in SEQ_BUCKETS if b >= len(states))
+    return BuildShape(bucket, k, counts, widths, width, graphs.max_table_blocks, sampled, filters)
+
+
+def stage(spec, states: list[SeqState], temperature) -> StagedBuild | None:
+    """Lay out every sequence's glue and scratch and pack its staging row; None where the graph cannot build.
+    ``temperature(seq)``: the temperature its plan is looked up at."""
+    shape = choose_shape(spec, states, temperature)
+    if shape is None:
+        return None
+    blocks, k, size = spec.runner.blocks, shape.k, shape.offsets[-1]
+    done = shape.pass_rows
+    rows, groups = [], []
+    for n, state in enumerate(states):
+        seq, draft = state.seq, state.draft
+        base, start = len(seq) - 1, glue_start(state)
+        blocks.truncate(draft.block_table, start)
+        blocks.reserve(draft.block_table, base + k + 1)
+        draft.num_cached = base + k + 1
+        blocks.reserve(state.scratch, size)
+        scratch = spec.runner.slots(state.scratch, 0, size)
+        known = start - base
+        ids, probs = _known_ranks(state, known, k, shape.width)
+        p = seq.params
+        rows.append([1, base, known, int(p.greedy), float_bits(p.temperature), int(p.top_k), float_bits(p.top_p),
+                     state.seed] + (seq.tokens[base:] + state.sent) + draft.block_table
+                    + [0] * (shape.table_width - len(draft.block_table)) + scratch + ids + probs)
+        step_rows = [done[j] + n * w for j, w in enumerate(shape.widths)]
+        groups.append(BranchGroup(n * shape.branches, shape.branches, step_rows, list(shape.widths), not p.greedy,
+                                  scratch, shape.offsets[:k]))
+    return StagedBuild(shape, rows, groups)
+
+
+def _known_ranks(state: SeqState, known: int, k: int, width: int) -> tuple[list[int], list[int]]:
+    """The staged ranked ids and probabilities (float bits) of depths 0..K: the known depths', zeros past them."""
+    ids, probs = [0] * ((k + 1) * width), [0] * ((k + 1) * width)
+    for d in range(known):
+        r = state.ranked[d]
+        ids[d * width:d * width + len(r.ids[:width])] = r.ids[:width]
+        probs[d * width:d * width + len(r.probs[:width])] = [float_bits(x) for x in r.probs[:width]]
+    return ids, probs

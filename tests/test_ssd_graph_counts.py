@@ -1,0 +1,90 @@
+"""What the host does per round with the graph build, counted on the paged backend's CPU stand-in.
+
+* Device reads (``tests/host_reads.py``, values followed from every pass and every build graph): a graph build
+  reads nothing; a round whose sequences all hit reads once (the build's keys and tables, with the hits' tokens);
+  a round with just-in-time drafts for misses reads once more, for them.
+* Torch calls on the host per build (a ``TorchFunctionMode`` counter; the graph's replay counts as one, as on a
+  GPU it is one launch): at most 25, the same for K = 2 and K = 5 and for batches of 1 and 8.
+* Negative control: the Python build, counted the same way, reads the glue's ranking every build and makes more
+  torch calls as K and the batch grow.
+"""
+import pytest
+
+from saguaro import SamplingParams
+from saguaro.ssd.graph_build import GraphBuild
+from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
+from saguaro.ssd.speculator import Speculator
+from tests.host_reads import TorchCalls, counting_device_reads, mark_graph_builds
+from tests.test_ssd_graph_build import VOCAB, paged_speculator
+from tests.tiny import perturbed, tiny_model
+
+MAX_CALLS = 25
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return perturbed(tiny_model(seed=5, vocab=VOCAB, layers=1), noise=0.05)
+
+
+def _measure(draft, monkeypatch, k: int, batch: int, graph: bool, rounds: int = 3) -> dict:
+    """Torch calls and device reads of each build, and reads of each round (respond + build), after a warm-up
+    round (the build graph is captured there, at start-up on a GPU)."""
+    spec = paged_speculator(draft, [1] * k + [2], graph=graph)
+    calls = TorchCalls()
+    if graph:
+        real = GraphBuild._graph
+
+        def counted_graph(self, shape):
+            host, staged, replay, out = real(self, shape)
+            return host, staged, calls.replayed(replay), out
+        monkeypatch.setattr(GraphBuild, "_graph", counted_graph)
+    mark_graph_builds(monkeypatch)
+    params = [SamplingParams(temperature=0.8 * (i % 2)) for i in range(batch)]
+    order = list(range(batch))
+    spec.respond(RoundRequest([], [Admission(i, [3, 7, 1 + i], p, seed=i) for i, p in enumerate(params)], [], order))
+    spec.build()
+    seen = {"calls": [], "build_reads": [], "hit_round_reads": [], "miss_round_reads": []}
+    with counting_device_reads(monkeypatch) as reads:
+        for round_ in range(2 * rounds):
+            miss = round_ % 2 == 1
+            before = reads.count
+            keys = {i: (kk, t) for i, kk, t in spec.cache.keys()} if not miss else {}
+            outcomes = [Outcome(i, *keys[i]) if not miss else Outcome(i, 0, _unprepared(spec, i)) for i in order]
+            spec.respond(RoundRequest(outcomes, [], [], order))
+            at_build = reads.count
+            with calls:
+                calls.count = 0
+                spec.build()
+            seen["calls"].append(calls.count)
+            seen["build_reads"].append(reads.count - at_build)
+            seen["miss_round_reads" if miss else "hit_round_reads"].append(reads.count - before)
+    assert spec.last_build.steps == k
+    return seen
+
+
+def _unprepared(spec: Speculator, seq_id: int) -> int:
+    """A bonus token at depth 0 that the cache did not prepare for (nor the drafted token)."""
+    taken = {t for i, kk, t in spec.cache.keys() if i == seq_id and kk == 0}
+    return next(t for t in range(VOCAB) if t not in taken and t != spec.states[seq_id].sent[0])
+
+
+def test_a_graph_build_reads_nothing_and_makes_the_same_few_torch_calls(draft, monkeypatch):
+    calls = {}
+    for k, batch in [(2, 1), (5, 1), (2, 8), (5, 8)]:
+        seen = _measure(draft, monkeypatch, k, batch, graph=True, rounds=2)
+        assert seen["build_reads"] == [0] * len(seen["build_reads"]), (k, batch)
+        assert seen["hit_round_reads"] == [1] * len(seen["hit_round_reads"]), (k, batch)
+        assert max(seen["miss_round_reads"]) <= 2, (k, batch)
+        calls[(k, batch)] = seen["calls"]
+    assert len({c for counts in calls.values() for c in counts}) == 1, calls  # every build, every K and batch
+    assert calls[(2, 1)][0] <= MAX_CALLS, calls
+    print(f"torch calls per graph build: {calls[(2, 1)][0]}")
+
+
+def test_the_counters_see_the_python_builds_reads_and_calls(draft, monkeypatch):
+    """Negative control: the Python build reads the glue's ranking each build, and calls torch more as K and the
+    batch grow."""
+    small = _measure(draft, monkeypatch, 2, 1, graph=False, rounds=1)
+    large = _measure(draft, monkeypatch, 5, 8, graph=False, rounds=1)
+    assert min(small["build_reads"]) >= 1
+    assert min(large["calls"]) > max(small["calls"]) > MAX_CALLS
