@@ -85,8 +85,8 @@ CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% en
 
 def save_hf(loaded: LoadedModel, directory: Path, dtype: torch.dtype = torch.float32) -> Path:
     """Write ``loaded`` as an HF directory (config.json, model.safetensors in ``dtype``, tokenizer.json and a chat
-    template),
-    so that a path reaches it as it reaches a real checkpoint: the CLI, tensor-parallel ranks."""
+    template), so that a path reaches it as it reaches a real checkpoint: the CLI, tensor-parallel ranks, the
+    mapped loader."""
     import json
 
     from safetensors.torch import save_file
