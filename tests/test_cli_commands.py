@@ -23,8 +23,6 @@ from tests.eagle_heads import random_head_dir
 from tests.tiny import PROMPTS, greedy_tokens, perturbed, save_hf, tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
-openai = pytest.importorskip("openai")  # the server's packages: absent on the GPU machine
-from tests.serving import free_port, http  # noqa: E402
 
 
 def saguaro(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
@@ -87,6 +85,7 @@ def test_info_names_the_cpu_and_each_models_path(dirs):
 
 
 def healthy(port: int) -> bool:
+    from tests.serving import http
     try:
         return http(f"http://127.0.0.1:{port}/health")[0] == 200
     except urllib.error.URLError:  # not listening yet
@@ -94,6 +93,8 @@ def healthy(port: int) -> bool:
 
 
 def test_serve_answers_a_completion_and_a_chat(dirs, pair):
+    openai = pytest.importorskip("openai")  # the server's packages: absent on the GPU machine
+    from tests.serving import free_port
     target, _ = dirs
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "saguaro.cli", "serve", "--model", str(target), "--port",
@@ -167,8 +168,8 @@ def bench_cases(target: Path, draft: Path, head: str, out: Path) -> dict[str, tu
         "eagle": ([*pair, *serve, "--k", "2", "--head", head, "--temperatures", "0", "--warmup-tokens", "0"],
                   "bench_eagle.json"),
         "peers": ([*pair, *serve, "--only", "saguaro-ar,saguaro-sd"], "bench_peers.json"),
-        "cpu_tiers": ([*pair, "--n", "64", "--k", "64", "--reps", "1", "--steps", "2", "--out", out],
-                      "cpu_tiers.json"),
+        "cpu_tiers": ([*pair, "--tiers", "portable", "--n", "64", "--k", "64", "--reps", "1", "--steps", "2",
+                       "--out", out], "cpu_tiers.json"),
         "gpu": (["--device", "cpu", "--shapes", "tiny", "--context", "16", "--max-tokens", "4", "--batches", "1",
                  "--sd-k", "2", "--verify-rows", "2", "--tree-rows", "4", "--reps", "1", "--no-hf", "--out", out,
                  "--name", "gpu"], "gpu.json"),
