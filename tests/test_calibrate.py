@@ -203,3 +203,15 @@ def test_calibrate_an_int8_draft(pair, tmp_path, monkeypatch):
     assert profile.temperatures["0.0"].primary.ranked_rounds > 0
     assert save_profile(profile) == profile_path(pair[0].name, pair[1].name, "float32", True, "int8-v48")
     assert next(pair[1].model.parameters()).dtype == torch.float32  # the caller's draft is not converted
+
+
+def test_b_star_is_said_in_words():
+    """A b* at or below 1 (Thm 18 returns one, possibly negative, when n-gram wins from batch 1) is never printed
+    as a batch threshold."""
+    import math
+
+    from saguaro.calibration.command import _b_star_line
+    assert "n-gram at every batch size" in _b_star_line(-3.0)
+    assert "n-gram at every batch size" in _b_star_line(1.0)
+    assert "jit at every batch size" in _b_star_line(math.inf)
+    assert "jit for batch < 4.50" in _b_star_line(4.5)

@@ -93,7 +93,15 @@ def run(args: argparse.Namespace) -> int:
     print(f"fan_out='auto', saguaro_c='auto', miss_strategy='auto' at K={args.k}: "
           f"{chosen.report.describe(settings.miss_strategy)}")
     b_star = chosen.plan.b_star
-    print(f"miss_strategy='auto': jit for batch < {b_star:.2f}, n-gram from then on"
-          if math.isfinite(b_star) else "miss_strategy='auto': jit at every batch size")
+    print(_b_star_line(b_star))
     print(f"num_speculative_tokens='auto' would pick K={recommended_k(profile, 'jit', vocab)}")
     return 0
+
+
+def _b_star_line(b_star: float) -> str:
+    """Thm 18's b* in words: below 1 (it may be negative) the n-gram strategy wins from batch 1 on."""
+    if not math.isfinite(b_star):
+        return "miss_strategy='auto': jit at every batch size"
+    if b_star <= 1.0:
+        return "miss_strategy='auto': n-gram at every batch size"
+    return f"miss_strategy='auto': jit for batch < {b_star:.2f}, n-gram from then on"
