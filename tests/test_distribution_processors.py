@@ -71,8 +71,8 @@ def ssd(pair_):
                block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
 
 
-@pytest.mark.parametrize("make, params, n", [(sd, PENALTIES, 50_000), (sd, BIAS, 50_000),
-                                             (ssd, replace(PENALTIES, logit_bias=BIAS.logit_bias), 30_000)],
+@pytest.mark.parametrize("make, params, n", [(sd, PENALTIES, 30_000), (sd, BIAS, 30_000),
+                                             (ssd, replace(PENALTIES, logit_bias=BIAS.logit_bias), 20_000)],
                          ids=["sd-penalties", "sd-logit_bias", "ssd-penalties-logit_bias"])
 def test_distribution(pair, make, params, n):
     with make(pair) as llm:
