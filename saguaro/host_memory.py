@@ -111,6 +111,15 @@ def advise(tensor: torch.Tensor, advice: int) -> int:
     return end - start if libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), advice) == 0 else 0
 
 
+def trim_heap() -> None:
+    """Return the C heap's free memory to the system (glibc ``malloc_trim``): a quantized pack frees its
+    temporaries in pieces the heap would otherwise keep resident (0.9 GB after packing the 1.5B in int4)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A zeroed CPU tensor whose pages become resident only when written (or read): an anonymous mapping,
     which the kernel fills with zero pages on demand."""

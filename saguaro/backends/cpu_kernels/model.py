@@ -41,7 +41,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from saguaro.host_memory import MappedPages
+from saguaro.host_memory import MappedPages, trim_heap
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata
 from saguaro.backends.cpu_kernels import arena_cache, build as kernels
@@ -225,6 +225,7 @@ class FastCausalLM:
             pack(self.head, [head if self.head_ids is None else head[self.head_ids]], 0)
         if pages is not None:
             pages.release(head)
+            trim_heap()
             log.debug("packed %d MB of %s weights; released %d MB of mapped eager weights",
                       arena.buffer.numel() >> 20, weights, pages.released >> 20)
 
