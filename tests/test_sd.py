@@ -17,15 +17,17 @@ def ar_outputs(pair):
     return greedy_tokens(pair[0], PROMPTS, 20)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_sd_equals_ar(pair, ar_outputs, k):
+def test_greedy_sd_equals_ar(pair, ar_outputs, k, adaptive):
     target, draft = pair
-    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=k, block_size=4)
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=k, block_size=4, adaptive=adaptive)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=20))
     assert [o.token_ids for o in outs] == ar_outputs
     metrics = llm.spec_metrics(outs)
     assert 0 < metrics.acceptance_rate < 1  # a weaker draft: some rejections exercised
-    assert len(metrics.acceptance_by_position) == k
+    if not adaptive:  # fixed K drafts K every round
+        assert len(metrics.acceptance_by_position) == k
     runner = llm.engine.decoder.proposer.runner
     assert runner.blocks.num_free == runner.blocks.num_blocks
     assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
@@ -46,8 +48,10 @@ def test_self_draft_accepts_everything(pair):
 
 
 def test_mixed_batch_matches_alone(pair):
+    """At a fixed K a seeded request draws the same numbers alone or in a batch. (Adaptive K depends on the
+    batch and on measured pass times, so the draws differ from run to run; their law does not.)"""
     target, draft = pair
-    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4)
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4, adaptive=False)
     params = [SamplingParams(temperature=1.0, seed=11, max_tokens=12),
               SamplingParams(max_tokens=12),
               SamplingParams(temperature=0.6, top_p=0.9, seed=5, max_tokens=12),
@@ -73,7 +77,7 @@ def test_draft_prefills_the_prompt_with_the_target(pair):
     token, as in a serving engine), so the first round feeds it only the last prompt token and the first
     sampled one."""
     target, draft = pair
-    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4)
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4, adaptive=False)
     engine, proposer = llm.engine, llm.engine.decoder.proposer
     seq = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8))
     engine.step()  # the prefill

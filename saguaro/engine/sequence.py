@@ -33,6 +33,13 @@ class SpeculationCounts:
     rounds_after_hit: int = 0
     hits_after_miss: int = 0
     rounds_after_miss: int = 0
+    k_per_round: list[int] = field(default_factory=list)  # the K chosen for each round (saguaro.adapt)
+    rounds_at_k0: int = 0  # rounds chosen at K = 0 (an AR step)
+    acceptance_estimate: list[float] = field(default_factory=list)  # the adaptive estimate's a_j, last round
+
+    def chose(self, k: int) -> None:
+        self.k_per_round.append(k)
+        self.rounds_at_k0 += k == 0
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
         self.rounds += 1

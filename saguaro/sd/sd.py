@@ -9,8 +9,11 @@ One round, per sequence with n tokens (the target caches the first n-1):
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from saguaro.adapt.schedule import FixedK, KSchedule
 from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
 from saguaro.device import to_device
@@ -66,21 +69,33 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
 
 
 class SDDecoder(Decoder):
+    """SD rounds; each sequence drafts the K its ``schedule`` chooses for the round (up to ``k``; 0: an AR step),
+    so sequences of one batch may draft different K within one verification."""
     reports_spec = True
 
-    def __init__(self, target: ModelRunner, proposer: Proposer, k: int, max_model_len: int):
+    def __init__(self, target: ModelRunner, proposer: Proposer, k: int, max_model_len: int,
+                 schedule: KSchedule | None = None):
         self.target = target
         self.proposer = proposer
         self.k = k
         self.lookahead = k + 1
         self.max_model_len = max_model_len
+        self.schedule = schedule if schedule is not None else FixedK(k)
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
-        budgets = [draft_budget(s, self.k, self.max_model_len) for s in seqs]
+        ks = self.schedule.choose(seqs)  # from rounds verified before this one only
+        budgets = [draft_budget(s, min(k, self.k), self.max_model_len) for s, k in zip(seqs, ks)]
+        t0 = time.perf_counter()
         proposal = self.proposer.propose(seqs, budgets, read=False)  # drafts read with the outcome
+        t1 = time.perf_counter()
         result = verify_round(self.target, seqs, proposal)
-        for seq, drafted, accepted in zip(seqs, proposal.num_drafts(), result.num_accepted):
+        t2 = time.perf_counter()
+        counts = proposal.num_drafts()
+        for seq, drafted, accepted in zip(seqs, counts, result.num_accepted):
             self.proposer.commit(seq, drafted, accepted)
+            self.schedule.observe(seq, drafted, accepted)
+        self.schedule.observe_draft(sum(1 for n in counts if n), max(counts, default=0), t1 - t0)
+        self.schedule.observe_verify(len(seqs) + sum(counts), t2 - t1)
         return result.output_tokens
 
     def prefilling(self, seqs: list[Sequence], ends: list[int]) -> None:
@@ -88,15 +103,17 @@ class SDDecoder(Decoder):
 
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
+        self.schedule.release(seq.seq_id)
 
 
 def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None, num_blocks: int,
                      max_len: int) -> SDDecoder:
+    from saguaro.adapt.build import k_schedule  # reads the calibration profile: imported only to build
     if cfg.proposer == "ngram":
         from saguaro.sd.ngram_proposer import NgramProposer
-        return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len)
+        return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len, k_schedule(cfg))
     from saguaro.sd.draft_model import DraftModelProposer
     runner = draft_runner(cfg.draft_format, draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device,
                           cfg.enforce_eager)
     runner.capture_graphs(cfg.graph_rows)
-    return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len)
+    return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len, k_schedule(cfg))

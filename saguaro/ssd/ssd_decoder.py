@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from saguaro.adapt.schedule import FixedK, KSchedule
 from saguaro.config import Config
 from saguaro.eagle.runner import EagleDraft
 from saguaro.engine.decoder import Decoder
@@ -57,7 +58,7 @@ class SSDDecoder(Decoder):
     reports_cache = True
 
     def __init__(self, target: ModelRunner, link: SpeculatorLink, plan: SpecPlan, max_model_len: int,
-                 features: TargetFeatures | None = None):
+                 features: TargetFeatures | None = None, schedule: KSchedule | None = None):
         self.target = target
         self.features = features  # the target's features for an EAGLE-3 speculator (None: a draft model's)
         self.link: SpeculatorLink | None = link
@@ -72,6 +73,8 @@ class SSDDecoder(Decoder):
         self.local_sd: SDDecoder | None = None  # n-gram SD in the target once the speculator is gone
         self.failure: str | None = None
         self.miss_strategies = MissStrategyTracker(plan)  # the speculator's, followed here for trace and log
+        # each sequence's K for its next speculation (0: an AR step, and no build for it in the speculator)
+        self.schedule = schedule if schedule is not None else FixedK(self.k)
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
@@ -88,10 +91,15 @@ class SSDDecoder(Decoder):
                 outcomes.append(Outcome(seq.seq_id, k, bonus, self.features.verified(b, k) if self.features else None))
                 out[seq.seq_id] = tokens
                 hits.append(self._record_hit(seq, self.pending.pop(seq.seq_id).hit))
+                self.schedule.observe(seq, len(proposal.tokens[b]), k, hits[-1])
         t1 = time.perf_counter()
+        if ready:
+            self.schedule.observe_verify(len(ready) + sum(len(t) for t in proposal.tokens), t1 - t0)
         verified = {s.seq_id for s in ready}
         admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s.seq_id not in verified]
-        request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs])
+        # the next speculation's K, from the rounds verified so far (this one included): never from its own drafts
+        ks = self.schedule.choose(seqs)
+        request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs], ks=ks)
         self.released = []
         try:
             response = self.link.exchange(request)
@@ -100,6 +108,8 @@ class SSDDecoder(Decoder):
             return [out[s.seq_id] for s in seqs]
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
+        if response.build_steps:
+            self.schedule.observe_build(response.build_s)
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
                                      response.build_steps, hits, self.miss_strategies.at(len(seqs)),
                                      [len(out[s.seq_id]) for s in ready]))
@@ -174,6 +184,7 @@ class SSDDecoder(Decoder):
     def release(self, seq: Sequence) -> None:
         self.pending.pop(seq.seq_id, None)
         self.prev_hit.pop(seq.seq_id, None)
+        self.schedule.release(seq.seq_id)
         if self.link is not None:
             self.released.append(seq.seq_id)
         elif self.local_sd is not None:
@@ -198,5 +209,7 @@ def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: L
     opts = SpeculatorOptions.from_config(cfg, plan)
     # an EAGLE-3 head reads the target's features: tap them before the speculator's first message
     features = TargetFeatures(target, draft.aux_layers) if isinstance(draft, EagleDraft) else None
+    from saguaro.adapt.build import k_schedule  # reads the calibration profile: imported only to build
+    schedule = k_schedule(cfg, plan)
     link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
-    return SSDDecoder(target, link, plan, max_model_len, features)
+    return SSDDecoder(target, link, plan, max_model_len, features, schedule)

@@ -1,0 +1,169 @@
+"""Each request's K for the coming round: fixed, or chosen online from what was verified before it.
+
+``choose`` runs before a round's drafting (SD) or before the speculator answers (SSD), ``observe`` after the
+round's verification. The choice for round t therefore reads only outcomes of rounds before t -- never round
+t's own drafts judged by the target -- and K only says how many drafts are verified, so every K is exact
+(see ``AdaptiveK``). K = 0 is an AR step for that request.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from saguaro.adapt.costs import LiveCosts
+from saguaro.adapt.estimate import AcceptanceEstimate
+from saguaro.adapt.settings import AdaptSettings
+from saguaro.adapt.speed import SSDRound, sd_gain, ssd_gain
+from saguaro.engine.sequence import Sequence
+
+
+class KSchedule(ABC):
+    """K per sequence per round; records each choice in the sequence's counters (``seq.spec``)."""
+
+    def __init__(self, max_k: int):
+        if max_k < 0:
+            raise ValueError(f"max K must be >= 0, got {max_k}")
+        self.max_k = max_k
+
+    def choose(self, seqs: list[Sequence]) -> list[int]:
+        ks = self._choose(seqs)
+        for seq, k in zip(seqs, ks):
+            seq.spec.chose(k)
+        return ks
+
+    @abstractmethod
+    def _choose(self, seqs: list[Sequence]) -> list[int]:
+        """K for each sequence's next round, from its rounds verified so far."""
+
+    def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
+        """``seq``'s round was verified: ``drafted`` drafts, ``kept`` accepted (and, in SSD, whether it was a
+        cache hit)."""
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        """A verification over ``rows`` target rows took ``seconds``."""
+
+    def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
+        """Drafting took ``seconds`` for ``steps`` passes, the widest over ``rows`` rows."""
+
+    def observe_build(self, seconds: float) -> None:
+        """The SSD speculator's last cache build took ``seconds``."""
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished or preempted sequence."""
+
+
+class FixedK(KSchedule):
+    """Every request speculates ``max_k`` tokens every round (adaptation off)."""
+
+    def _choose(self, seqs: list[Sequence]) -> list[int]:
+        return [self.max_k] * len(seqs)
+
+
+@dataclass
+class Priors:
+    """What the calibration profile says before a request's first round, per calibrated temperature."""
+    temperatures: list[float]
+    acceptance: list[list[float]]  # the primary draft's a_j by position
+    backup_acceptance: list[float]  # the point-mass backup's (SSD, n-gram misses)
+    p_hit: list[float]  # SSD's cache-hit rate at batch 1 under the plan
+
+    def index(self, seq: Sequence) -> int:
+        t = 0.0 if seq.params.greedy else float(seq.params.temperature)
+        return min(range(len(self.temperatures)), key=lambda i: abs(self.temperatures[i] - t))
+
+
+@dataclass
+class RequestState:
+    estimate: AcceptanceEstimate
+    hit_rate: AcceptanceEstimate  # SSD: a one-position estimate of the cache-hit rate
+    at_zero: int = 0  # rounds in a row at K = 0 since the last probe
+    interval: int = 8  # rounds at K = 0 before the next probe
+    probing: bool = False  # the last round was a probe
+
+
+@dataclass
+class SSDModel:
+    """The SSD side of the speed model: the miss strategy by batch size and the measured build."""
+    jit_misses_at: Callable[[int], bool]  # batch size -> whether misses are drafted just in time (Thm 18)
+    build_prior_s: float  # the build's time before one is measured
+
+
+class AdaptiveK(KSchedule):
+    """Per request: a running acceptance estimate by position (``AcceptanceEstimate``, prior from the profile),
+    and each round the K in 0..max with the best predicted speedup (``speed.py``: Thm 2 with the live pass
+    costs). Speculation must be predicted to beat AR by ``settings.min_gain``; a request at K = 0 probes with
+    ``probe_k`` drafts every ``interval`` rounds (doubling while probes do not pay), so it returns to
+    speculation when its text becomes predictable."""
+
+    def __init__(self, max_k: int, settings: AdaptSettings, costs: LiveCosts, priors: Priors,
+                 ssd: SSDModel | None = None):
+        super().__init__(settings.cap(max_k))
+        self.settings = settings
+        self.costs = costs
+        self.priors = priors
+        self.ssd = ssd
+        self.states: dict[int, RequestState] = {}
+
+    def state(self, seq: Sequence) -> RequestState:
+        state = self.states.get(seq.seq_id)
+        if state is None:
+            s, i = self.settings, self.priors.index(seq)
+            prior = [s.prior] if s.prior is not None else self.priors.acceptance[i]
+            state = self.states[seq.seq_id] = RequestState(
+                AcceptanceEstimate(prior, s.prior_rounds, s.decay),
+                AcceptanceEstimate([self.priors.p_hit[i]], s.prior_rounds, s.decay), interval=s.probe_interval)
+        return state
+
+    def _choose(self, seqs: list[Sequence]) -> list[int]:
+        return [self._one(seq, len(seqs)) for seq in seqs]
+
+    def gains(self, seq: Sequence, batch: int) -> list[float]:
+        """Predicted speedup over AR of ``seq``'s next round at K = 0..max_k."""
+        state = self.state(seq)
+        if self.ssd is None:
+            return [sd_gain(state.estimate, k, self.costs, batch) for k in range(self.max_k + 1)]
+        i = self.priors.index(seq)
+        round_ = SSDRound(state.hit_rate.rate(0), self.costs.build_s or self.ssd.build_prior_s,
+                          self.ssd.jit_misses_at(batch), self.priors.backup_acceptance[i])
+        return [ssd_gain(state.estimate, k, self.costs, batch, round_) for k in range(self.max_k + 1)]
+
+    def _one(self, seq: Sequence, batch: int) -> int:
+        state, s = self.state(seq), self.settings
+        if self.max_k == 0:
+            return 0
+        gains = self.gains(seq, batch)
+        best = max(range(1, len(gains)), key=gains.__getitem__)
+        if gains[best] >= s.min_gain:
+            state.at_zero, state.probing, state.interval = 0, False, s.probe_interval
+            return best
+        if state.probing:  # the probe did not pay: wait longer for the next one
+            state.interval = min(2 * state.interval, s.max_probe_interval)
+            state.probing = False
+        state.at_zero += 1
+        if state.at_zero > state.interval:
+            state.at_zero, state.probing = 0, True
+            return min(s.probe_k, self.max_k)
+        return 0
+
+    def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
+        state = self.state(seq)
+        state.estimate.observe(drafted, kept)
+        if hit is not None and drafted:
+            state.hit_rate.observe(1, int(hit))
+        seq.spec.acceptance_estimate = state.estimate.rates(self.max_k)
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        self.costs.observe_verify(rows, seconds)
+
+    def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
+        self.costs.observe_draft(rows, steps, seconds)
+
+    def observe_build(self, seconds: float) -> None:
+        self.costs.observe_build(seconds)
+
+    def release(self, seq_id: int) -> None:
+        self.states.pop(seq_id, None)
+
+
+__all__ = ["AdaptiveK", "FixedK", "KSchedule", "Priors", "RequestState", "SSDModel"]
