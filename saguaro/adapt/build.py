@@ -43,16 +43,20 @@ def k_schedule(cfg: Config, plan: SpecPlan | None = None) -> KSchedule:
 def _priors(profile: Profile, k: int, plan: SpecPlan | None, ngram: bool) -> Priors:
     temperatures = sorted(float(t) for t in profile.temperatures)
     acceptance, backup, p_hit = [], [], []
+    # the hit rate is predicted as for a point-mass backup when misses draw random tokens (which are rarely
+    # accepted: no acceptance is assumed for them)
+    random = plan is not None and plan.miss_strategy_for(1) == MissStrategy.RANDOM
     for t in temperatures:
         entry = entry_at(profile, t)
         source = entry.backup if ngram else entry.primary
         acceptance.append(list(source.acceptance_by_position) or [float(source.acceptance)])
-        backup.append(float(entry.backup.acceptance))
+        backup.append(0.0 if random else float(entry.backup.acceptance))
         if plan is None:
             p_hit.append(0.0)
             continue
         predicted = predict_fixed(profile, t, k, 1, plan.fan_out(t, DraftedBy.PRIMARY),
-                                  plan.fan_out(t, DraftedBy.BACKUP), plan.miss_strategy_for(1),
+                                  plan.fan_out(t, DraftedBy.BACKUP),
+                                  MissStrategy.NGRAM if random else plan.miss_strategy_for(1),
                                   branch_steps=plan.steps_for(t), deep=plan.deep_branches)
         p_hit.append(min(max(float(predicted.p_hit), 0.0), 1.0))
     return Priors(temperatures, acceptance, backup, p_hit)
