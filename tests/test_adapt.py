@@ -142,14 +142,16 @@ def test_ssd_chooser_uses_the_hit_rate():
 
 def test_live_costs_follow_the_rounds():
     c = costs()
-    c.observe_verify(5, 0.0108)  # the first timing rescales the (relative) tables to seconds, shape kept
+    c.observe_verify(5, 0.0108)  # the first timing sets the (relative) tables' level in seconds, shape kept
     assert c.verify(5) == pytest.approx(0.0108) and c.verify(1) == pytest.approx(0.01)
     assert c.draft_step(1) == pytest.approx(0.001)  # the draft's with it, until it is timed itself
     c.observe_draft(1, 4, 0.008)
     assert c.draft_step(1) == pytest.approx(0.002) and c.verify(1) == pytest.approx(0.01)
-    for _ in range(30):
-        c.observe_verify(5, 0.03)
-    assert c.verify(5) == pytest.approx(0.03, rel=1e-3)
+    for _ in range(40):  # the machine got three times slower: the level follows, the shape stays
+        c.observe_verify(5, 0.0324)
+    assert c.verify(5) == pytest.approx(0.0324, rel=1e-3) and c.verify(1) == pytest.approx(0.03, rel=1e-3)
+    c.observe_verify(2, 10.0)  # one pass in a burst of load moves the level a step, not the shape
+    assert c.verify(3) / c.verify(1) == pytest.approx(1.04)
     c.observe_build(0.5)
     c.observe_build(1.0)
     assert 0.5 < c.build_s < 1.0
