@@ -72,6 +72,8 @@ def test_ssd_gain_hits_hide_the_draft():
     always = SSDRound(p_hit=1.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3)
     never = SSDRound(p_hit=0.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3)
     assert ssd_gain(est, 3, c, 1, always) > sd_gain(est, 3, c, 1) == pytest.approx(ssd_gain(est, 3, c, 1, never))
+    busy_bus = SSDRound(p_hit=1.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3, slowdown=1.5)
+    assert ssd_gain(est, 3, c, 1, busy_bus) == pytest.approx(ssd_gain(est, 3, c, 1, always) / 1.5)
 
 
 def seq(temperature=0.0):
@@ -138,6 +140,9 @@ def test_ssd_chooser_uses_the_hit_rate():
     c, s = ssd(0.5), seq()
     c.observe(s, 4, 2, hit=True)
     assert c.states[s.seq_id].hit_rate.rate(0) > 0.5
+    c.ssd.slowdown = 2.0
+    c.observe_verify(5, 0.0216, beside_build=True)  # the table keeps the verification alone
+    assert c.costs.verify(5) == pytest.approx(0.0108)
 
 
 def test_live_costs_follow_the_rounds():

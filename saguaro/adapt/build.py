@@ -12,7 +12,7 @@ from saguaro.calibration.policy import entry_at, predict_fixed
 from saguaro.calibration.profile import Profile
 from saguaro.calibration.resolve import _timed_eager
 from saguaro.calibration.store import resolve_profile
-from saguaro.calibration.timeline import build_time
+from saguaro.calibration.timeline import build_time, slowdowns
 from saguaro.config import Config
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd_settings import DraftedBy, MissStrategy
@@ -34,9 +34,10 @@ def k_schedule(cfg: Config, plan: SpecPlan | None = None) -> KSchedule:
     ssd = None
     if plan is not None:
         t0 = priors.temperatures[0]
-        build = build_time(profile.timing, k, 1, max(sum(plan.fan_out(t0, DraftedBy.PRIMARY)), 1),
-                           plan.steps_for(t0), plan.deep_branches)
-        ssd = SSDModel(lambda b: plan.miss_strategy_for(b) == MissStrategy.JIT, build.t_hit * build.t_v)
+        branches = max(sum(plan.fan_out(t0, DraftedBy.PRIMARY)), 1)
+        build = build_time(profile.timing, k, 1, branches, plan.steps_for(t0), plan.deep_branches)
+        ssd = SSDModel(lambda b: plan.miss_strategy_for(b) == MissStrategy.JIT, build.t_hit * build.t_v,
+                       slowdowns(profile.timing, branches)[0])
     return AdaptiveK(k, cfg.adapt, costs, priors, ssd)
 
 

@@ -40,8 +40,9 @@ class KSchedule(ABC):
         """``seq``'s round was verified: ``drafted`` drafts, ``kept`` accepted (and, in SSD, whether it was a
         cache hit)."""
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        """A verification over ``rows`` target rows took ``seconds``."""
+    def observe_verify(self, rows: int, seconds: float, beside_build: bool = False) -> None:
+        """A verification over ``rows`` target rows took ``seconds`` (SSD: ``beside_build`` while the speculator
+        built its cache)."""
 
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         """Drafting took ``seconds`` for ``steps`` passes, the widest over ``rows`` rows."""
@@ -87,6 +88,7 @@ class SSDModel:
     """The SSD side of the speed model: the miss strategy by batch size and the measured build."""
     jit_misses_at: Callable[[int], bool]  # batch size -> whether misses are drafted just in time (Thm 18)
     build_prior_s: float  # the build's time before one is measured
+    slowdown: float = 1.0  # the verification's beside a build (the profile's contention probe; 1 without one)
 
 
 class AdaptiveK(KSchedule):
@@ -125,7 +127,7 @@ class AdaptiveK(KSchedule):
             return [sd_gain(state.estimate, k, self.costs, batch) for k in range(self.max_k + 1)]
         i = self.priors.index(seq)
         round_ = SSDRound(state.hit_rate.rate(0), self.costs.build_s or self.ssd.build_prior_s,
-                          self.ssd.jit_misses_at(batch), self.priors.backup_acceptance[i])
+                          self.ssd.jit_misses_at(batch), self.priors.backup_acceptance[i], self.ssd.slowdown)
         return [ssd_gain(state.estimate, k, self.costs, batch, round_) for k in range(self.max_k + 1)]
 
     def _one(self, seq: Sequence, batch: int) -> int:
@@ -153,8 +155,10 @@ class AdaptiveK(KSchedule):
             state.hit_rate.observe(1, int(hit))
         seq.spec.acceptance_estimate = state.estimate.rates(self.max_k)
 
-    def observe_verify(self, rows: int, seconds: float) -> None:
-        self.costs.observe_verify(rows, seconds)
+    def observe_verify(self, rows: int, seconds: float, beside_build: bool = False) -> None:
+        # the tables hold the verification alone: one timed beside a build is divided by the bus slowdown
+        slowdown = self.ssd.slowdown if self.ssd is not None and beside_build else 1.0
+        self.costs.observe_verify(rows, seconds / slowdown)
 
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         self.costs.observe_draft(rows, steps, seconds)

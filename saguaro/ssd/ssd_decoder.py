@@ -94,7 +94,8 @@ class SSDDecoder(Decoder):
                 self.schedule.observe(seq, len(proposal.tokens[b]), k, hits[-1])
         t1 = time.perf_counter()
         if ready:
-            self.schedule.observe_verify(len(ready) + sum(len(t) for t in proposal.tokens), t1 - t0)
+            drafted = sum(len(t) for t in proposal.tokens)  # none: the speculator had nothing to build meanwhile
+            self.schedule.observe_verify(len(ready) + drafted, t1 - t0, beside_build=drafted > 0)
         verified = {s.seq_id for s in ready}
         admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s.seq_id not in verified]
         # the next speculation's K, from the rounds verified so far (this one included): never from its own drafts
