@@ -48,7 +48,8 @@ class RoundTrace:
     wait_s: float  # from sending the outcome to holding the next speculation
     build_s: float  # speculator's cache build for this round (overlapping verification)
     build_steps: int
-    hits: list[bool] = field(default_factory=list)  # per verified sequence: was its speculation a cache hit
+    # per verified sequence that speculated (its K > 0): was its speculation a cache hit
+    hits: list[bool] = field(default_factory=list)
     miss_strategy: str = ""  # the miss strategy for this round's batch size (plan.MissStrategyTracker)
     emitted: list[int] = field(default_factory=list)  # per verified sequence: tokens the verification emitted
 
@@ -90,8 +91,10 @@ class SSDDecoder(Decoder):
                                                              result.output_tokens)):
                 outcomes.append(Outcome(seq.seq_id, k, bonus, self.features.verified(b, k) if self.features else None))
                 out[seq.seq_id] = tokens
-                hits.append(self._record_hit(seq, self.pending.pop(seq.seq_id).hit))
-                self.schedule.observe(seq, len(proposal.tokens[b]), k, hits[-1])
+                hit = self.pending.pop(seq.seq_id).hit
+                if seq.spec.k_per_round[-1]:  # a round asked at K = 0 (an AR step) neither hit nor missed
+                    hits.append(self._record_hit(seq, hit))
+                self.schedule.observe(seq, len(proposal.tokens[b]), k, hit)
         t1 = time.perf_counter()
         if ready:
             drafted = sum(len(t) for t in proposal.tokens)  # none: the speculator had nothing to build meanwhile
