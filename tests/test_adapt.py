@@ -1,11 +1,12 @@
 """The adaptive K chooser: settings validation, the acceptance estimate, the speed model and the schedule."""
+import numpy as np
 import pytest
 
 from saguaro.adapt.costs import LiveCosts
 from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.adapt.schedule import AdaptiveK, FixedK, Priors, SSDModel
 from saguaro.adapt.settings import AdaptSettings
-from saguaro.adapt.speed import SSDRound, sd_gain, ssd_gain
+from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
 from saguaro.config import Config
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.params import SamplingParams
@@ -27,7 +28,7 @@ def test_settings_out_of_range_are_refused(bad, message):
 def test_estimate_starts_at_the_prior_and_follows_rounds():
     est = AcceptanceEstimate([0.8, 0.6], prior_rounds=2.0, decay=0.5)
     assert est.rates(3) == pytest.approx([0.8, 0.6, 0.6])
-    assert est.expected_tokens(0) == 1.0
+    assert est.expected_tokens(0) == [1.0]
     est.observe(4, 1)  # position 1 accepted, position 2 rejected, 3 and 4 never judged
     assert est.tried == [1.0, 1.0, 0.0, 0.0] and est.accepted == [1.0, 0.0, 0.0, 0.0]
     assert est.prior_weight == [1.0, 1.0, 2.0, 2.0]
@@ -48,8 +49,7 @@ def test_estimate_starts_at_the_prior_and_follows_rounds():
 
 def test_expected_tokens_matches_thm2_for_a_constant_rate():
     est = AcceptanceEstimate([0.7])
-    for k in range(6):
-        assert est.expected_tokens(k) == pytest.approx(expected_tokens(0.7, k))
+    assert est.expected_tokens(5) == pytest.approx([expected_tokens(0.7, k) for k in range(6)])
 
 
 def costs(verify_slope=0.02, draft_ratio=0.1) -> LiveCosts:
@@ -63,17 +63,20 @@ def test_sd_gain_is_thm2_with_measured_costs():
     est = AcceptanceEstimate([0.6])
     verify = 1.0 + 0.02 * 4
     want = sd_speedup(expected_tokens(0.6, 4), 4 * 0.1 / verify) * 1.0 / verify
-    assert sd_gain(est, 4, c, 1) == pytest.approx(want)
-    assert sd_gain(est, 0, c, 1) == 1.0
+    gains = sd_gains(np.array(est.expected_tokens(4)), BatchCosts.at(c, 1, 4))
+    assert gains[4] == pytest.approx(want) and gains[0] == 1.0
 
 
 def test_ssd_gain_hits_hide_the_draft():
     c, est = costs(draft_ratio=0.3), AcceptanceEstimate([0.6])
     always = SSDRound(p_hit=1.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3)
     never = SSDRound(p_hit=0.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3)
-    assert ssd_gain(est, 3, c, 1, always) > sd_gain(est, 3, c, 1) == pytest.approx(ssd_gain(est, 3, c, 1, never))
+    tokens, batch = np.array(est.expected_tokens(3)), BatchCosts.at(c, 1, 3)
+    sd, ssd_always = sd_gains(tokens, batch), ssd_gains(tokens, batch, always)
+    ssd_never = ssd_gains(tokens, batch, never)
+    assert (ssd_always[1:] > sd[1:]).all() and ssd_never == pytest.approx(sd)
     busy_bus = SSDRound(p_hit=1.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3, slowdown=1.5)
-    assert ssd_gain(est, 3, c, 1, busy_bus) == pytest.approx(ssd_gain(est, 3, c, 1, always) / 1.5)
+    assert ssd_gains(tokens, batch, busy_bus)[1:] == pytest.approx(ssd_always[1:] / 1.5)
 
 
 def seq(temperature=0.0):
@@ -94,7 +97,7 @@ def test_chooser_picks_k_from_the_estimate():
     assert s.spec.k_per_round == [5, 0] and s.spec.rounds_at_k0 == 1
     middle = chooser(prior=0.5)
     k = middle.choose([seq()])[0]
-    gains = middle.gains(seq(), 1)
+    gains = middle.gains([seq()], BatchCosts.at(middle.costs, 1, 5))[0].tolist()
     assert 1 <= k < 5 and gains[k] == max(gains)
     assert chooser(max_k=0).choose([seq()]) == [0]
     capped = AdaptiveK(5, AdaptSettings(max_k=2), costs(), Priors([0.0], [[0.97]], [0.3], [0.0]))
@@ -136,13 +139,29 @@ def test_ssd_chooser_uses_the_hit_rate():
     def ssd(p_hit):
         return AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.5),
                          Priors([0.0], [[0.45]], [0.3], [p_hit]), SSDModel(lambda b: True, 0.9))
-    assert ssd(1.0).gains(seq(), 1)[4] > ssd(0.0).gains(seq(), 1)[4]
+    def at_k4(c):
+        return c.gains([seq()], BatchCosts.at(c.costs, 1, 4))[0, 4]
+    assert at_k4(ssd(1.0)) > at_k4(ssd(0.0))
     c, s = ssd(0.5), seq()
     c.observe(s, 4, 2, hit=True)
     assert c.states[s.seq_id].hit_rate.rate(0) > 0.5
     c.ssd.slowdown = 2.0
     c.observe_verify(5, 0.0216, beside_build=True)  # the table keeps the verification alone
     assert c.costs.verify(5) == pytest.approx(0.0108)
+
+
+def test_a_batch_is_judged_row_by_row():
+    """The batch's one array computation gives each sequence the gains it gets on its own (same round costs)."""
+    c = AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.4), Priors([0.0, 1.0], [[0.5], [0.8]], [0.3, 0.2],
+                                                                  [0.4, 0.7]), SSDModel(lambda b: False, 0.9, 1.3))
+    seqs = [seq(), seq(1.0), seq()]
+    c.observe(seqs[2], 4, 4, hit=True)
+    batch = BatchCosts.at(c.costs, 3, 4)
+    together = c.gains(seqs, batch)
+    assert together.shape == (3, 5)
+    for s, row in zip(seqs, together):
+        assert row == pytest.approx(c.gains([s], batch)[0])
+    assert len({tuple(r) for r in together.round(6)}) == 3
 
 
 def test_live_costs_follow_the_rounds():

@@ -13,8 +13,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
-
 PRIOR_FLOOR = 0.05  # share of prior_rounds the prior keeps however long a position is observed
 
 
@@ -54,10 +52,20 @@ class AcceptanceEstimate:
 
     def rate(self, j: int) -> float:
         """a_{j+1}: the estimated acceptance of draft position j (0-based)."""
-        prior = self.prior[min(j, len(self.prior) - 1)]
-        if j and self.prior[0] > 0:
-            prior = min(1.0, prior * self._posterior(0, self.prior[0]) / self.prior[0])
-        return self._posterior(j, prior)
+        return self.rates(j + 1)[j]
+
+    def rates(self, k: int) -> list[float]:
+        """[a_1, ..., a_k] (plain Python: the chooser asks for every request every round, K is small)."""
+        first = self.prior[0]
+        scale = self._posterior(0, first) / first if first > 0 else 1.0  # the first position's estimate / prior
+        last, seen = len(self.prior) - 1, len(self.tried)
+        out = []
+        for j in range(k):
+            prior = self.prior[min(j, last)]
+            if j and first > 0:
+                prior = min(1.0, prior * scale)
+            out.append(self._posterior(j, prior) if j < seen else prior)
+        return out
 
     def _posterior(self, j: int, prior: float) -> float:
         if j >= len(self.tried):
@@ -65,10 +73,12 @@ class AcceptanceEstimate:
         w = self.prior_weight[j]
         return (self.accepted[j] + w * prior) / (self.tried[j] + w)
 
-    def rates(self, k: int) -> list[float]:
-        return [self.rate(j) for j in range(k)]
-
-    def expected_tokens(self, k: int) -> float:
-        """E(K): expected tokens a round of ``k`` drafts yields, 1 + sum_{i<=k} prod_{j<=i} a_j (positional
-        form of ``theory.speedup.expected_tokens``, which it equals when every a_j is the same)."""
-        return float(1.0 + np.cumprod(self.rates(k)).sum()) if k else 1.0
+    def expected_tokens(self, k: int) -> list[float]:
+        """[E(0), ..., E(k)]: expected tokens a round of K drafts yields, E(K) = 1 + sum_{i<=K} prod_{j<=i} a_j
+        (positional form of ``theory.speedup.expected_tokens``, which it equals when every a_j is the same)."""
+        out, run, total = [1.0], 1.0, 1.0
+        for a in self.rates(k):
+            run *= a
+            total += run
+            out.append(total)
+        return out

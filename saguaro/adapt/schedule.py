@@ -11,10 +11,12 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from saguaro.adapt.costs import LiveCosts
 from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.adapt.settings import AdaptSettings
-from saguaro.adapt.speed import SSDRound, sd_gain, ssd_gain
+from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
 from saguaro.engine.sequence import Sequence
 
 
@@ -54,6 +56,10 @@ class KSchedule(ABC):
         """Forget a finished or preempted sequence."""
 
 
+def _column(values: list[float]) -> np.ndarray:
+    return np.array(values, dtype=float)[:, None]
+
+
 class FixedK(KSchedule):
     """Every request speculates ``max_k`` tokens every round (adaptation off)."""
 
@@ -76,6 +82,7 @@ class Priors:
 
 @dataclass
 class RequestState:
+    prior_index: int  # the calibrated temperature its priors come from
     estimate: AcceptanceEstimate
     hit_rate: AcceptanceEstimate  # SSD: a one-position estimate of the cache-hit rate
     at_zero: int = 0  # rounds in a row at K = 0 since the last probe
@@ -113,29 +120,32 @@ class AdaptiveK(KSchedule):
             s, i = self.settings, self.priors.index(seq)
             prior = [s.prior] if s.prior is not None else self.priors.acceptance[i]
             state = self.states[seq.seq_id] = RequestState(
-                AcceptanceEstimate(prior, s.prior_rounds, s.decay),
+                i, AcceptanceEstimate(prior, s.prior_rounds, s.decay),
                 AcceptanceEstimate([self.priors.p_hit[i]], s.prior_rounds, s.decay), interval=s.probe_interval)
         return state
 
     def _choose(self, seqs: list[Sequence]) -> list[int]:
-        return [self._one(seq, len(seqs)) for seq in seqs]
+        if self.max_k == 0 or not seqs:
+            return [0] * len(seqs)
+        gains = self.gains(seqs, BatchCosts.at(self.costs, len(seqs), self.max_k))
+        return [self._one(seq, row) for seq, row in zip(seqs, gains)]
 
-    def gains(self, seq: Sequence, batch: int) -> list[float]:
-        """Predicted speedup over AR of ``seq``'s next round at K = 0..max_k."""
-        state = self.state(seq)
+    def gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
+        """[B, max_k + 1]: each sequence's predicted speedup over AR at K = 0..max_k in a round of ``costs``
+        (one array computation for the batch: the chooser runs every round)."""
+        states = [self.state(seq) for seq in seqs]
+        tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
         if self.ssd is None:
-            return [sd_gain(state.estimate, k, self.costs, batch) for k in range(self.max_k + 1)]
-        i = self.priors.index(seq)
-        round_ = SSDRound(state.hit_rate.rate(0), self.costs.build_s or self.ssd.build_prior_s,
-                          self.ssd.jit_misses_at(batch), self.priors.backup_acceptance[i], self.ssd.slowdown)
-        return [ssd_gain(state.estimate, k, self.costs, batch, round_) for k in range(self.max_k + 1)]
+            return sd_gains(tokens, costs)
+        round_ = SSDRound(_column([state.hit_rate.rate(0) for state in states]),
+                          self.costs.build_s or self.ssd.build_prior_s, self.ssd.jit_misses_at(costs.batch),
+                          _column([self.priors.backup_acceptance[state.prior_index] for state in states]),
+                          self.ssd.slowdown)
+        return ssd_gains(tokens, costs, round_)
 
-    def _one(self, seq: Sequence, batch: int) -> int:
+    def _one(self, seq: Sequence, gains: np.ndarray) -> int:
         state, s = self.state(seq), self.settings
-        if self.max_k == 0:
-            return 0
-        gains = self.gains(seq, batch)
-        best = max(range(1, len(gains)), key=gains.__getitem__)
+        best = 1 + int(np.argmax(gains[1:]))
         if gains[best] >= s.min_gain:
             state.at_zero, state.probing, state.interval = 0, False, s.probe_interval
             return best

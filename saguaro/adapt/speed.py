@@ -18,45 +18,54 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from saguaro.adapt.costs import LiveCosts
-from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.theory.speedup import expected_tokens, sd_speedup, ssd_speedup_batch
 
 
-def _to_ar(costs: LiveCosts, k: int, batch: int) -> tuple[float, float]:
-    """(one verification's seconds, AR steps per verification) at K = k and batch size ``batch``."""
-    verify = costs.verify(batch * (k + 1))
-    return verify, costs.verify(batch) / verify
+@dataclass
+class BatchCosts:
+    """The pass costs of one round at batch size ``batch``, for K = 0..max_k: computed once per round and shared
+    by every request in it (only the acceptance and the hit rate are the request's own)."""
+    batch: int
+    verify: np.ndarray  # [max_k + 1]: seconds of one verification of the batch at each K
+    draft_step: float  # seconds of one draft step over the batch
+
+    @classmethod
+    def at(cls, costs: LiveCosts, batch: int, max_k: int) -> "BatchCosts":
+        verify = np.array([costs.verify(batch * (k + 1)) for k in range(max_k + 1)])
+        return cls(batch, verify, costs.draft_step(batch))
 
 
-def sd_gain(estimate: AcceptanceEstimate, k: int, costs: LiveCosts, batch: int) -> float:
-    if k == 0:
-        return 1.0
-    verify, ar_steps = _to_ar(costs, k, batch)
-    t_sd = k * costs.draft_step(batch) / verify
-    return float(sd_speedup(estimate.expected_tokens(k), t_sd)) * ar_steps
+def sd_gains(tokens: np.ndarray, costs: BatchCosts) -> np.ndarray:
+    """Predicted speedup over AR at K = 0..max_k: ``tokens[..., k]`` = E(k) of a request (a row per request)."""
+    k = np.arange(tokens.shape[-1])
+    gains = np.array(sd_speedup(tokens, k * costs.draft_step / costs.verify) * costs.verify[0] / costs.verify)
+    gains[..., 0] = 1.0
+    return gains
 
 
 @dataclass
 class SSDRound:
     """What an SSD round of one request looks like besides its acceptance."""
-    p_hit: float  # the request's estimated cache-hit rate
+    # per request (a float, or a column [B, 1] for a batch of requests):
+    p_hit: float | np.ndarray  # the estimated cache-hit rate
     build_s: float  # the speculator's build beside a verification
     jit_misses: bool  # a miss is drafted just in time (K draft steps); else by a point-mass backup (free)
-    backup_acceptance: float  # a point-mass backup's acceptance (E_miss when not just in time)
+    backup_acceptance: float | np.ndarray  # a point-mass backup's acceptance (E_miss when not just in time)
     slowdown: float = 1.0  # the verification's, beside a build (the bus contention)
 
 
-def ssd_gain(estimate: AcceptanceEstimate, k: int, costs: LiveCosts, batch: int, round_: SSDRound) -> float:
-    if k == 0:
-        return 1.0
-    alone, ar_steps = _to_ar(costs, k, batch)
-    verify = alone * round_.slowdown
-    ar_steps *= alone / verify
-    e_hit = estimate.expected_tokens(k)
+def ssd_gains(tokens: np.ndarray, costs: BatchCosts, round_: SSDRound) -> np.ndarray:
+    """Predicted speedup over AR at K = 0..max_k (Cor. 17 at the batch size): ``tokens[..., k]`` = E_hit(k)."""
+    k = np.arange(tokens.shape[-1])
+    verify = costs.verify * round_.slowdown
     if round_.jit_misses:
-        e_miss, t_miss = e_hit, k * costs.draft_step(batch) / verify
+        e_miss, t_miss = tokens, k * costs.draft_step / verify
     else:
-        e_miss, t_miss = float(expected_tokens(round_.backup_acceptance, k)), 0.0
-    speedup = ssd_speedup_batch(round_.p_hit, e_hit, e_miss, round_.build_s / verify, t_miss, batch)
-    return float(speedup) * ar_steps
+        e_miss, t_miss = np.asarray(expected_tokens(round_.backup_acceptance, k)), np.zeros(len(k))
+    speedup = ssd_speedup_batch(round_.p_hit, tokens, e_miss, round_.build_s / verify, t_miss, costs.batch)
+    gains = np.array(speedup * costs.verify[0] / verify)
+    gains[..., 0] = 1.0
+    return gains
