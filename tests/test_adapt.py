@@ -164,6 +164,23 @@ def test_a_batch_is_judged_row_by_row():
     assert len({tuple(r) for r in together.round(6)}) == 3
 
 
+def test_a_seeded_request_chooses_from_its_own_rounds_only():
+    """Its K sequence does not depend on the clock or the batch: the same outcomes give the same K's."""
+    def run(batch_size, verify_s):
+        c = chooser(prior=0.6, draft_ratio=0.3, probe_interval=1, max_probe_interval=2)
+        s = Sequence([1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_tokens=100))
+        others = [seq() for _ in range(batch_size - 1)]
+        ks = []
+        for kept in [2, 0, 0, 0, 1, 3, 0, 4, 4, 0]:
+            c.observe_verify(3, verify_s)  # the machine's measured speed differs between the runs
+            k = c.choose([s] + others)[0]
+            ks.append(k)
+            c.observe(s, k, min(k, kept))
+        return ks
+    alone = run(1, 0.01)
+    assert alone == run(8, 0.5) and len(set(alone)) > 1
+
+
 def test_live_costs_follow_the_rounds():
     c = costs()
     c.observe_verify(5, 0.0108)  # the first timing sets the (relative) tables' level in seconds, shape kept

@@ -47,11 +47,12 @@ def test_self_draft_accepts_everything(pair):
     assert llm.spec_metrics(outs).acceptance_rate == 1.0
 
 
-def test_mixed_batch_matches_alone(pair):
-    """At a fixed K a seeded request draws the same numbers alone or in a batch. (Adaptive K depends on the
-    batch and on measured pass times, so the draws differ from run to run; their law does not.)"""
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_mixed_batch_matches_alone(pair, adaptive):
+    """A seeded request draws the same numbers alone or in a batch: at a fixed K, and adaptive (a seeded request
+    chooses its K from its own rounds only)."""
     target, draft = pair
-    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4, adaptive=False)
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4, adaptive=adaptive)
     params = [SamplingParams(temperature=1.0, seed=11, max_tokens=12),
               SamplingParams(max_tokens=12),
               SamplingParams(temperature=0.6, top_p=0.9, seed=5, max_tokens=12),

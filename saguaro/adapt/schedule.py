@@ -103,13 +103,18 @@ class AdaptiveK(KSchedule):
     and each round the K in 0..max with the best predicted speedup (``speed.py``: Thm 2 with the live pass
     costs). Speculation must be predicted to beat AR by ``settings.min_gain``; a request at K = 0 probes with
     ``probe_k`` drafts every ``interval`` rounds (doubling while probes do not pay), so it returns to
-    speculation when its text becomes predictable."""
+    speculation when its text becomes predictable.
+
+    A sampled request with a seed chooses from its own verified rounds only: the profile's costs at batch 1,
+    its prior hit rate, never a clock or its neighbours. Its K, and so its draws, are then the same alone or
+    in any batch, run after run, as at a fixed K; requests without a seed use everything measured."""
 
     def __init__(self, max_k: int, settings: AdaptSettings, costs: LiveCosts, priors: Priors,
                  ssd: SSDModel | None = None):
         super().__init__(settings.cap(max_k))
         self.settings = settings
         self.costs = costs
+        self.profile = LiveCosts(dict(costs.target), dict(costs.draft))  # never timed: for seeded requests
         self.priors = priors
         self.ssd = ssd
         self.states: dict[int, RequestState] = {}
@@ -127,18 +132,28 @@ class AdaptiveK(KSchedule):
     def _choose(self, seqs: list[Sequence]) -> list[int]:
         if self.max_k == 0 or not seqs:
             return [0] * len(seqs)
-        gains = self.gains(seqs, BatchCosts.at(self.costs, len(seqs), self.max_k))
-        return [self._one(seq, row) for seq, row in zip(seqs, gains)]
+        seeded = [s.generator is not None and s.params.seed is not None for s in seqs]
+        ks: dict[int, int] = {}
+        for reproducible in (False, True):
+            group = [s for s, flag in zip(seqs, seeded) if flag == reproducible]
+            if group:
+                costs = (BatchCosts.at(self.profile, 1, self.max_k) if reproducible
+                         else BatchCosts.at(self.costs, len(seqs), self.max_k))
+                for seq, row in zip(group, self.gains(group, costs, reproducible)):
+                    ks[seq.seq_id] = self._one(seq, row)
+        return [ks[s.seq_id] for s in seqs]
 
-    def gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
+    def gains(self, seqs: list[Sequence], costs: BatchCosts, reproducible: bool = False) -> np.ndarray:
         """[B, max_k + 1]: each sequence's predicted speedup over AR at K = 0..max_k in a round of ``costs``
-        (one array computation for the batch: the chooser runs every round)."""
+        (one array computation for the batch: the chooser runs every round). ``reproducible``: from the
+        profile's hit rate and build time, not the measured ones."""
         states = [self.state(seq) for seq in seqs]
         tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
         if self.ssd is None:
             return sd_gains(tokens, costs)
-        round_ = SSDRound(_column([state.hit_rate.rate(0) for state in states]),
-                          self.costs.build_s or self.ssd.build_prior_s, self.ssd.jit_misses_at(costs.batch),
+        hit = [self.priors.p_hit[st.prior_index] if reproducible else st.hit_rate.rate(0) for st in states]
+        build = self.ssd.build_prior_s if reproducible else self.costs.build_s or self.ssd.build_prior_s
+        round_ = SSDRound(_column(hit), build, self.ssd.jit_misses_at(costs.batch),
                           _column([self.priors.backup_acceptance[state.prior_index] for state in states]),
                           self.ssd.slowdown)
         return ssd_gains(tokens, costs, round_)
