@@ -133,16 +133,18 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
              *(fmt(c[f"{n} x AR"]) for n in adaptive)] for c in cells]
     equal, compared = greedy_equal(runs)
     env = environment()
+    from benchmarks.bench_peers import cpu_description
+    cpu = cpu_description()
     lines = [f"# Adaptive K against the best fixed configuration and AR: {args.target} target, {args.draft} draft "
              f"({args.draft_weights})", "",
-             f"{args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
+             f"CPU: {cpu['summary']}. {args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
              f"the speculator on the next core. tok/s: every request's new tokens over its batch's wall time "
              f"(prefill included), median over batches. Load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in env['loadavg'] or [])} on {env['cpus']} cores.", "",
              table(headers, rows), "",
              f"Greedy speculative outputs equal to AR's: {equal}/{compared}."]
     payload = {"benchmark": "adapt", "description": __doc__.split("\n\n")[0], "settings": settings(args),
-               "environment": env, "rows": names, "cells": cells, "greedy_equal_ar": [equal, compared],
+               "environment": env, "cpu": cpu, "rows": names, "cells": cells, "greedy_equal_ar": [equal, compared],
                "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]}
     return payload, "\n".join(lines)
 
