@@ -137,7 +137,8 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
     cpu = cpu_description()
     lines = [f"# Adaptive K against the best fixed configuration and AR: {args.target} target, {args.draft} draft "
              f"({args.draft_weights})", "",
-             f"CPU: {cpu['summary']}. {args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
+             f"CPU: {cpu['summary']}.",
+             f"{args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
              f"the speculator on the next core. tok/s: every request's new tokens over its batch's wall time "
              f"(prefill included), median over batches. Load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in env['loadavg'] or [])} on {env['cpus']} cores.", "",
