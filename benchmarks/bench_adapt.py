@@ -19,6 +19,7 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.bench_peers import cpu_description
 from benchmarks.common import (DRAFT, TARGET, Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, median, prepare_prompts, ratio, sampling_params, settings, str_list,
                                table, temp_key, write_results)
@@ -133,7 +134,6 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
              *(fmt(c[f"{n} x AR"]) for n in adaptive)] for c in cells]
     equal, compared = greedy_equal(runs)
     env = environment()
-    from benchmarks.bench_peers import cpu_description
     cpu = cpu_description()
     lines = [f"# Adaptive K against the best fixed configuration and AR: {args.target} target, {args.draft} draft "
              f"({args.draft_weights})", "",
