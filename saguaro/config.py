@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from saguaro.adapt.settings import AdaptSettings
+from saguaro.adapt_settings import AdaptSettings
 from saguaro.device import default_draft_cores, default_target_cores
 from saguaro.models.draft_format import WEIGHT_FORMATS, DraftFormat
 from saguaro.placement import check_transport, gpu_index, place_speculator

@@ -81,9 +81,10 @@ class LLM:
         if self._eagle is not None and cfg.mode == "sd":
             from saguaro.eagle.proposer import build_eagle_decoder
             return build_eagle_decoder(cfg, runner, self._eagle, num_blocks, self.max_model_len)
+        from saguaro.adapt.build import k_schedule  # each request's K per round (adaptive unless cfg.adaptive is off)
         if cfg.mode == "sd":
             from saguaro.sd.sd import build_sd_decoder
-            return build_sd_decoder(cfg, runner, self.draft, num_blocks, self.max_model_len)
+            return build_sd_decoder(cfg, runner, self.draft, num_blocks, self.max_model_len, k_schedule(cfg))
         from saguaro.calibration.resolve import ssd_plan
         from saguaro.ssd.ssd_decoder import build_ssd_decoder
         plan = ssd_plan(cfg, runner.config.vocab_size)
@@ -91,7 +92,7 @@ class LLM:
         if self._eagle is not None:  # the head, and what it reads of the target (shared, not copied, by a thread)
             from saguaro.eagle.runner import EagleDraft
             draft = EagleDraft(self._eagle, runner.config, runner.model.model.embed_tokens.weight)
-        return build_ssd_decoder(cfg, plan, runner, draft, self.max_model_len)
+        return build_ssd_decoder(cfg, plan, runner, draft, self.max_model_len, k_schedule(cfg, plan))
 
     # -- generation ----------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:

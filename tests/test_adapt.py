@@ -4,8 +4,9 @@ import pytest
 
 from saguaro.adapt.costs import LiveCosts
 from saguaro.adapt.estimate import AcceptanceEstimate
-from saguaro.adapt.schedule import AdaptiveK, FixedK, Priors, SSDModel
-from saguaro.adapt.settings import AdaptSettings
+from saguaro.adapt.schedule import AdaptiveK, Priors, SSDModel
+from saguaro.engine.k_schedule import FixedK
+from saguaro.adapt_settings import AdaptSettings
 from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
 from saguaro.config import Config
 from saguaro.engine.sequence import Sequence

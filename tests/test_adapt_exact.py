@@ -4,8 +4,8 @@ speculator no build meanwhile, and leaks no KV block."""
 import pytest
 
 from saguaro import LLM, SamplingParams
-from saguaro.adapt.schedule import KSchedule
-from saguaro.adapt.settings import AdaptSettings
+from saguaro.engine.k_schedule import KSchedule
+from saguaro.adapt_settings import AdaptSettings
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest

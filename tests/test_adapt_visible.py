@@ -2,7 +2,7 @@
 from prometheus_client import generate_latest
 
 from saguaro import LLM, SamplingParams
-from saguaro.adapt.settings import AdaptSettings
+from saguaro.adapt_settings import AdaptSettings
 from saguaro.server.metrics import RequestCounts, ServerMetrics
 from tests.tiny import PROMPTS, weak_pair
 

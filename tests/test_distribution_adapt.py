@@ -12,8 +12,8 @@ import pytest
 import saguaro.sd.sd as sd_module
 
 from saguaro import LLM, SamplingParams
-from saguaro.adapt.schedule import KSchedule
-from saguaro.adapt.settings import AdaptSettings
+from saguaro.engine.k_schedule import KSchedule
+from saguaro.adapt_settings import AdaptSettings
 from saguaro.sd.types import Proposal
 from tests.dist_harness import measure
 from tests.tiny import perturbed, tiny_model

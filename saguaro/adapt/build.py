@@ -7,7 +7,8 @@ the prior acceptance by position per temperature, the backup's acceptance, SSD's
 from __future__ import annotations
 
 from saguaro.adapt.costs import LiveCosts
-from saguaro.adapt.schedule import AdaptiveK, FixedK, KSchedule, Priors, SSDModel
+from saguaro.adapt.schedule import AdaptiveK, Priors, SSDModel
+from saguaro.engine.k_schedule import FixedK, KSchedule
 from saguaro.calibration.policy import entry_at, predict_fixed
 from saguaro.calibration.profile import Profile
 from saguaro.calibration.resolve import _timed_eager

@@ -13,7 +13,7 @@ import time
 
 import torch
 
-from saguaro.adapt.schedule import FixedK, KSchedule
+from saguaro.engine.k_schedule import FixedK, KSchedule
 from saguaro.config import Config
 from saguaro.engine.decoder import Decoder
 from saguaro.device import to_device
@@ -107,13 +107,13 @@ class SDDecoder(Decoder):
 
 
 def build_sd_decoder(cfg: Config, target: ModelRunner, draft: LoadedModel | None, num_blocks: int,
-                     max_len: int) -> SDDecoder:
-    from saguaro.adapt.build import k_schedule  # reads the calibration profile: imported only to build
+                     max_len: int, schedule: KSchedule | None = None) -> SDDecoder:
+    """``schedule``: each request's K per round (``saguaro.adapt.build.k_schedule``; None: a fixed K)."""
     if cfg.proposer == "ngram":
         from saguaro.sd.ngram_proposer import NgramProposer
-        return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len, k_schedule(cfg))
+        return SDDecoder(target, NgramProposer(), cfg.num_speculative_tokens, max_len, schedule)
     from saguaro.sd.draft_model import DraftModelProposer
     runner = draft_runner(cfg.draft_format, draft, num_blocks, cfg.block_size, cfg.draft_device or cfg.device,
                           cfg.enforce_eager)
     runner.capture_graphs(cfg.graph_rows)
-    return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len, k_schedule(cfg))
+    return SDDecoder(target, DraftModelProposer(runner), cfg.num_speculative_tokens, max_len, schedule)

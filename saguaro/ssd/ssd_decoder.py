@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from saguaro.adapt.schedule import FixedK, KSchedule
+from saguaro.engine.k_schedule import FixedK, KSchedule
 from saguaro.config import Config
 from saguaro.eagle.runner import EagleDraft
 from saguaro.engine.decoder import Decoder
@@ -207,13 +207,12 @@ def _seed(seq: Sequence) -> int:
 
 
 def build_ssd_decoder(cfg: Config, plan: SpecPlan, target: ModelRunner, draft: LoadedModel | EagleDraft | str,
-                      max_model_len: int) -> SSDDecoder:
+                      max_model_len: int, schedule: KSchedule | None = None) -> SSDDecoder:
     """The verifier side, with the speculator started on ``plan`` (``calibration.resolve.ssd_plan``) over the
-    transport Config placed it on (``saguaro.placement``)."""
+    transport Config placed it on (``saguaro.placement``). ``schedule``: each request's K per round
+    (``saguaro.adapt.build.k_schedule``; None: a fixed K)."""
     opts = SpeculatorOptions.from_config(cfg, plan)
     # an EAGLE-3 head reads the target's features: tap them before the speculator's first message
     features = TargetFeatures(target, draft.aux_layers) if isinstance(draft, EagleDraft) else None
-    from saguaro.adapt.build import k_schedule  # reads the calibration profile: imported only to build
-    schedule = k_schedule(cfg, plan)
     link = ThreadLink(draft, opts) if cfg.speculator_transport == "thread" else WorkerLink(draft, opts)
     return SSDDecoder(target, link, plan, max_model_len, features, schedule)
