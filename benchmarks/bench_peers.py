@@ -200,10 +200,10 @@ def saguaro_options(row: Row, args: argparse.Namespace) -> dict[str, Any]:
 
 def saguaro_label(row: Row, args: argparse.Namespace) -> str:
     target = "int4 target" if row.key.startswith("saguaro-q4-") else "bf16 target"
-    if row.key.endswith("-sd"):
-        return f"Saguaro SD K={args.k}, {target}, int4 draft"
+    if row.key.endswith("-sd"):  # K adapts per request and round, up to --k (the engine's default)
+        return f"Saguaro SD K={args.k} (adaptive), {target}, int4 draft"
     if row.key.endswith("-ssd"):
-        return (f"Saguaro SSD K={len(args.fan_out) - 1} F=[{','.join(map(str, args.fan_out))}] tapered "
+        return (f"Saguaro SSD K={len(args.fan_out) - 1} (adaptive) F=[{','.join(map(str, args.fan_out))}] tapered "
                 f"{args.branch_steps}, {target}, int4 draft (speculator on its own cores)")
     return row.label
 

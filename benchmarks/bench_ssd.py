@@ -115,8 +115,10 @@ def fan_out_label(f: list[int] | str) -> str:
 def plan(args: argparse.Namespace) -> dict[str, Any]:
     k, sd_ks = args.k, args.sd_k or [args.k]
     sd_k = sd_ks[0]
-    one = engine_options(args.enforce_eager, threads=1, target_cores=[0])
-    two = engine_options(args.enforce_eager, threads=2, target_cores=[0, 1])
+    # fixed K (adaptive=False): the SSD rounds are compared with SD's at the same K (benchmarks/bench_adapt.py
+    # measures adaptation)
+    one = dict(engine_options(args.enforce_eager, threads=1, target_cores=[0]), adaptive=False)
+    two = dict(engine_options(args.enforce_eager, threads=2, target_cores=[0, 1]), adaptive=False)
     names = {"ar1": "AR (1 core)", "sd1": f"SD K={sd_k} (1 core)", "ar2": "AR (2 threads)",
              "sd2": f"SD K={sd_k} (2 threads)"}
     fmt_ = draft_options(args)

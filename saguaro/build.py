@@ -51,10 +51,11 @@ def build_decoder(cfg: Config, target: Target, draft: Draft) -> Decoder:
     runner.capture_graphs(cfg.graph_rows, taps=draft.taps)
     if cfg.mode == "ar":
         return ARDecoder(runner)
+    from saguaro.adapt.build import k_schedule  # each request's K per round (adaptive unless cfg.adaptive is off)
     if cfg.mode == "sd":
         from saguaro.sd.sd import SDDecoder
         return SDDecoder(runner, draft.proposer(cfg, runner, runner.blocks.num_blocks), cfg.num_speculative_tokens,
-                         target.max_model_len)
+                         target.max_model_len, k_schedule(cfg))
     from saguaro.calibration.resolve import ssd_plan
     from saguaro.ssd.host import SpeculatorOptions
     from saguaro.ssd.ssd_decoder import SSDDecoder
@@ -69,4 +70,4 @@ def build_decoder(cfg: Config, target: Target, draft: Draft) -> Decoder:
     else:
         from saguaro.ssd.worker import WorkerLink
         link = WorkerLink(draft, opts)
-    return SSDDecoder(runner, link, plan, target.max_model_len, features)
+    return SSDDecoder(runner, link, plan, target.max_model_len, features, k_schedule(cfg, plan))

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from saguaro.adapt_settings import AdaptSettings
 from saguaro.cores import default_draft_cores, default_target_cores
 from saguaro.models.draft_format import WEIGHT_FORMATS, DraftFormat
 from saguaro.placement import check_transport, gpu_index, place_speculator
@@ -66,6 +67,9 @@ class Config:
     calibration_workload: str = "mixed"  # which profile "auto" reads: "mixed", "code" or "chat" (saguaro calibrate)
     tensor_parallel_size: int = 1  # the target's devices (ranks): >1 shards it with torch.distributed (parallel/)
     draft_kind: str = "auto"  # the draft: a model, an EAGLE-3 head directory (SD, SSD), or "auto" to tell them apart
+    # SD, SSD: each request's K chosen every round, 0 (AR) to num_speculative_tokens (saguaro.adapt); False: fixed K
+    adaptive: bool = True
+    adapt: AdaptSettings = field(default_factory=AdaptSettings)
     # the flat spellings of ``ssd``'s fields (SSDSettings), as LLM(...) and the CLI take them
     fan_out: InitVar[list[int] | str | None] = _UNSET
     miss_strategy: InitVar[str] = _UNSET
@@ -80,6 +84,8 @@ class Config:
     def __post_init__(self, *flat: Any) -> None:
         self._gather_ssd(dict(zip(SETTINGS, flat)))
         check_workload(self.calibration_workload, "calibration_workload")
+        if isinstance(self.adapt, dict):
+            self.adapt = AdaptSettings(**self.adapt)
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         k = self.num_speculative_tokens  # "auto": checked against K once it is resolved (calibration.resolve)

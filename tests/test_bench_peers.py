@@ -203,7 +203,7 @@ def test_a_saguaro_row_this_cpu_cannot_run_is_reported_and_the_run_goes_on(tmp_p
     import json
     payload = json.loads((tmp_path / "bench_peers.json").read_text())
     assert set(payload["rows_failed"]) == {"saguaro-sd", "saguaro-ssd"} and payload["summary"] == {}
-    assert "Not run here: Saguaro SD K=4" in (tmp_path / "bench_peers.md").read_text()
+    assert "Not run here: Saguaro SD K=4 (adaptive)" in (tmp_path / "bench_peers.md").read_text()
 
 
 def test_int4_target_rows_quantize_the_target_only():

@@ -10,6 +10,8 @@ SSD (thread transport, K=1, fan-out [2, 3], vocabulary 8 so that the exact law o
 token 0 comes from the prefill and round 1 is a miss (the sequence is new), so tokens 3 and 4 come from rounds
 whose speculation was a cache hit (drafted with the head's own features past the verified prefix) or a
 just-in-time miss. The same shifted-ids control, planted in the speculator's draws, must fail.
+Every engine here runs a fixed K (``adaptive=False``), the paths it names; adaptive K has its own
+check, tests/test_distribution_adapt.py.
 """
 import pytest
 import saguaro.eagle.proposer as proposer_module
@@ -31,7 +33,7 @@ def setup(tmp_path_factory):
 
 
 def eagle_llm(setup, k):
-    return LLM(target=setup[0], draft=setup[1], mode="sd", num_speculative_tokens=k, block_size=4,
+    return LLM(adaptive=False, target=setup[0], draft=setup[1], mode="sd", num_speculative_tokens=k, block_size=4,
                max_num_seqs=1024, kv_cache_tokens=1024 * 16)
 
 
@@ -72,7 +74,7 @@ def ssd_setup(tmp_path_factory):
 
 def eagle_ssd_run(ssd_setup, n):
     llm = LLM(target=ssd_setup[0], draft=ssd_setup[1], mode="ssd", num_speculative_tokens=1, fan_out=[2, 3],
-              speculator_transport="thread", block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
+              adaptive=False, speculator_transport="thread", block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)
     try:
         tv, threshold = measure(llm, ssd_setup[0], SamplingParams(temperature=1.0), SSD_POSITIONS, n=n)
         assert llm.engine.decoder.failure is None  # every round went through the speculator

@@ -14,6 +14,8 @@ have their own prompts. K = 1, vocabulary 8; tokens 1 and 2 come from the first 
 The negative control restores the unpacking the explicit wire format replaced (a row got a block
 whenever it was not a point mass and had tokens, so a greedy row took the next sampled row's), with
 the old decoder's reading of a row without distributions as a point mass. It must fail the check.
+Every engine here runs a fixed K (``adaptive=False``), the paths it names; adaptive K has its own
+check, tests/test_distribution_adapt.py.
 """
 import pytest
 
@@ -46,7 +48,7 @@ def engine(pair, mode: str) -> LLM:
     options = dict(block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16, num_speculative_tokens=1)
     if mode == "ssd":
         options["fan_out"] = [1, 2]
-    return LLM(target=pair[0], draft=pair[1], mode=mode, **options)
+    return LLM(adaptive=False, target=pair[0], draft=pair[1], mode=mode, **options)
 
 
 def check(results, classes) -> None:

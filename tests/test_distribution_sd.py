@@ -4,6 +4,8 @@ The first two generated tokens' joint law is compared with the exact AR law by t
 variation; the threshold derivation is in tests/dist_harness.py and tests/stats.py.
 A deliberately wrong verifier (after a rejection it draws the bonus token from p instead of
 the residual max(p - q, 0)) must fail the same check, which shows the test has teeth.
+Every engine here runs a fixed K (``adaptive=False``), the paths it names; adaptive K has its own
+check, tests/test_distribution_adapt.py.
 """
 import pytest
 import torch
@@ -28,7 +30,7 @@ def pair():
 
 
 def sd_llm(pair, k):
-    return LLM(target=pair[0], draft=pair[1], mode="sd", num_speculative_tokens=k, block_size=4,
+    return LLM(adaptive=False, target=pair[0], draft=pair[1], mode="sd", num_speculative_tokens=k, block_size=4,
                max_num_seqs=1024, kv_cache_tokens=1024 * 16)
 
 
@@ -39,7 +41,7 @@ def test_sd_distribution(pair, k, params):
 
 
 def test_ngram_sd_distribution(pair):
-    llm = LLM(target=pair[0], mode="sd", proposer="ngram", num_speculative_tokens=3, block_size=4,
+    llm = LLM(adaptive=False, target=pair[0], mode="sd", proposer="ngram", num_speculative_tokens=3, block_size=4,
               max_num_seqs=1024, kv_cache_tokens=1024 * 16)
     tv, threshold = measure(llm, pair[0], SamplingParams(temperature=1.0), positions=[1, 2])
     assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"

@@ -14,6 +14,8 @@ The negative control plants a wrong verifier and must fail the same check.
 The mixed case and the negative control also run through the thread transport (the
 speculator in a thread of the engine's process, messages passed as objects); the others
 through the process only, to keep the suite's time down.
+Every engine here runs a fixed K (``adaptive=False``), the paths it names; adaptive K has its own
+check, tests/test_distribution_adapt.py.
 """
 import pytest
 
@@ -34,7 +36,7 @@ def pair():
 
 def run(pair, fan_out, params, n=50_000, positions=POSITIONS, **options):
     llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=len(fan_out) - 1, fan_out=fan_out,
-              block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16, **options)
+              adaptive=False, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16, **options)
     try:
         tv, threshold = measure(llm, pair[0], params, positions, n)
         trace = llm.engine.decoder.trace
@@ -69,7 +71,7 @@ def test_tapered_tree_distribution(pair):
 def test_all_hits_after_the_first_round(pair):
     """With every outcome cached, only each request's first verified round can miss."""
     llm = in_process(LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[8, 8],
-                         block_size=4))  # every build completes: no round misses for want of time
+                         adaptive=False, block_size=4))  # every build completes: no round misses for want of time
     with llm:
         outs = llm.generate([[3, 7, 1]] * 8, [SamplingParams(temperature=1.0, seed=i, max_tokens=12) for i in range(8)])
         metrics = llm.spec_metrics(outs)

@@ -31,7 +31,9 @@ VERIFY_ROUND = sd_module.verify_round  # before any test wraps it
 
 
 def eagle_ssd(target, head_dir, **kw):  # noqa: F811
-    options = dict(mode="ssd", num_speculative_tokens=3, block_size=4, worker_timeout_s=60, dtype="float32")
+    # a fixed K: these cases exercise the head's hits and misses (adaptive K: tests/test_adapt_exact.py)
+    options = dict(mode="ssd", num_speculative_tokens=3, block_size=4, worker_timeout_s=60, dtype="float32",
+                   adaptive=False)
     options.update(kw)
     return LLM(target=target, draft=head_dir, **options)
 

@@ -7,7 +7,8 @@ from tests.tiny import weak_pair
 def test_round_timer_times_sd_rounds_and_keeps_the_output():
     target, draft = weak_pair()
     params = SamplingParams(max_tokens=8)
-    with LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4) as llm:
+    with LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4,
+             adaptive=False) as llm:  # K = 3 every round: the drafts the timer counts
         plain = llm.generate([[1, 2, 3]], params)[0].token_ids
         timer = RoundTimer(llm.engine.decoder)
         timed = llm.generate([[1, 2, 3]], params)[0].token_ids

@@ -88,7 +88,8 @@ def test_every_primary_draw_uses_the_down_weighted_law(pair):
 
 def _hit_and_acceptance(pair, c: float, n: int = 2000) -> tuple[float, float]:
     with in_process(LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[1, 1],
-                        saguaro_c=c, block_size=4, max_num_seqs=512, kv_cache_tokens=512 * 32)) as llm:
+                        saguaro_c=c, block_size=4, max_num_seqs=512, kv_cache_tokens=512 * 32,
+                        adaptive=False)) as llm:  # K = 1 every round, as Thm 15 compares
         outs = llm.generate([[3, 7, 1]] * n, [SamplingParams(temperature=1.0, seed=i, max_tokens=16, ignore_eos=True)
                                               for i in range(n)])
         m = llm.spec_metrics(outs)

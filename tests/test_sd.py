@@ -17,15 +17,17 @@ def ar_outputs(pair):
     return greedy_tokens(pair[0], PROMPTS, 20)
 
 
+@pytest.mark.parametrize("adaptive", [False, True])
 @pytest.mark.parametrize("k", [1, 3, 5])
-def test_greedy_sd_equals_ar(pair, ar_outputs, k):
+def test_greedy_sd_equals_ar(pair, ar_outputs, k, adaptive):
     target, draft = pair
-    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=k, block_size=4)
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=k, block_size=4, adaptive=adaptive)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=20))
     assert [o.token_ids for o in outs] == ar_outputs
     metrics = llm.spec_metrics(outs)
     assert 0 < metrics.acceptance_rate < 1  # a weaker draft: some rejections exercised
-    assert len(metrics.acceptance_by_position) == k
+    if not adaptive:  # fixed K drafts K every round
+        assert len(metrics.acceptance_by_position) == k
     runner = llm.engine.decoder.proposer.runner
     assert runner.blocks.num_free == runner.blocks.num_blocks
     assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
@@ -45,9 +47,12 @@ def test_self_draft_accepts_everything(pair):
     assert llm.spec_metrics(outs).acceptance_rate == 1.0
 
 
-def test_mixed_batch_matches_alone(pair):
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_mixed_batch_matches_alone(pair, adaptive):
+    """A seeded request draws the same numbers alone or in a batch: at a fixed K, and adaptive (a seeded request
+    chooses its K from its own rounds only)."""
     target, draft = pair
-    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4)
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4, adaptive=adaptive)
     params = [SamplingParams(temperature=1.0, seed=11, max_tokens=12),
               SamplingParams(max_tokens=12),
               SamplingParams(temperature=0.6, top_p=0.9, seed=5, max_tokens=12),
@@ -73,7 +78,7 @@ def test_draft_prefills_the_prompt_with_the_target(pair):
     token, as in a serving engine), so the first round feeds it only the last prompt token and the first
     sampled one."""
     target, draft = pair
-    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4)
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4, adaptive=False)
     engine, proposer = llm.engine, llm.engine.decoder.proposer
     seq = engine.add_request(PROMPTS[1], SamplingParams(max_tokens=8))
     engine.step()  # the prefill

@@ -30,7 +30,8 @@ def ar_outputs(pair):
 
 
 def ssd(pair, **kw):
-    options = dict(mode="ssd", num_speculative_tokens=3, block_size=4, worker_timeout_s=60)
+    # a fixed K: these cases exercise hits, misses and the transports (adaptive K: tests/test_adapt_exact.py)
+    options = dict(mode="ssd", num_speculative_tokens=3, block_size=4, worker_timeout_s=60, adaptive=False)
     options.update(kw)
     return LLM(target=pair[0], draft=pair[1], **options)
 

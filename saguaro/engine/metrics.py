@@ -36,6 +36,12 @@ def summarize(stats: list[SpeculationCounts], with_cache: bool = False) -> Specu
         acceptance_by_position=[a / d if d else 0.0 for a, d in
                                 zip(total.accepted_by_position, total.drafted_by_position)],
     )
+    chosen = [k for s in stats for k in s.k_per_round]
+    metrics.rounds_at_k0 = sum(s.rounds_at_k0 for s in stats)
+    metrics.mean_k = _ratio(sum(chosen), len(chosen)) or 0.0
+    if len(stats) == 1:  # one request's schedule and estimate (summed over several they mean nothing)
+        metrics.k_per_round = list(stats[0].k_per_round)
+        metrics.acceptance_estimate = list(stats[0].acceptance_estimate)
     if with_cache:
         metrics.cache_hit_rate = _ratio(total.cache_hits, total.rounds)
         metrics.hit_rate_after_hit = _ratio(total.hits_after_hit, total.rounds_after_hit)

@@ -25,6 +25,12 @@ class SpeculationMetrics:
     cache_hit_rate: float | None = None  # SSD: p_hit
     hit_rate_after_hit: float | None = None  # SSD: p_hit,p
     hit_rate_after_miss: float | None = None  # SSD: p_hit,b
+    # per-request adaptive K (saguaro.adapt): the K chosen each round (one request's; [] summed over several),
+    # the rounds at K = 0 (AR steps), the mean K, and the acceptance estimate by position after the last round
+    k_per_round: list[int] = field(default_factory=list)
+    rounds_at_k0: int = 0
+    mean_k: float = 0.0
+    acceptance_estimate: list[float] = field(default_factory=list)
 
 
 @dataclass

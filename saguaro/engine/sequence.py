@@ -33,8 +33,17 @@ class SpeculationCounts:
     rounds_after_hit: int = 0
     hits_after_miss: int = 0
     rounds_after_miss: int = 0
+    k_per_round: list[int] = field(default_factory=list)  # the K chosen for each round (saguaro.adapt)
+    rounds_at_k0: int = 0  # rounds chosen at K = 0: AR steps, in none of the counters above
+    acceptance_estimate: list[float] = field(default_factory=list)  # the adaptive estimate's a_j, last round
+
+    def chose(self, k: int) -> None:
+        self.k_per_round.append(k)
+        self.rounds_at_k0 += k == 0
 
     def record(self, num_drafted: int, num_accepted: int) -> None:
+        if self.k_per_round and self.k_per_round[-1] == 0:
+            return  # a round chosen at K = 0 is an AR step: counted in rounds_at_k0 only
         self.rounds += 1
         self.drafted += num_drafted
         self.accepted += num_accepted

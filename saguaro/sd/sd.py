@@ -9,8 +9,11 @@ One round, per sequence with n tokens (the target caches the first n-1):
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
+from saguaro.engine.k_schedule import FixedK, KSchedule
 from saguaro.engine.decoder import Decoder
 from saguaro.device import to_device
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
@@ -68,21 +71,33 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
 
 
 class SDDecoder(Decoder):
+    """SD rounds; each sequence drafts the K its ``schedule`` chooses for the round (up to ``k``; 0: an AR step),
+    so sequences of one batch may draft different K within one verification."""
     reports_spec = True
 
-    def __init__(self, target: ModelRunner, proposer: Proposer, k: int, max_model_len: int):
+    def __init__(self, target: ModelRunner, proposer: Proposer, k: int, max_model_len: int,
+                 schedule: KSchedule | None = None):
         self.target = target
         self.proposer = proposer
         self.k = k
         self.lookahead = k + 1
         self.max_model_len = max_model_len
+        self.schedule = schedule if schedule is not None else FixedK(k)
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
-        budgets = [draft_budget(s, self.k, self.max_model_len) for s in seqs]
+        ks = self.schedule.choose(seqs)  # from rounds verified before this one only
+        budgets = [draft_budget(s, min(k, self.k), self.max_model_len) for s, k in zip(seqs, ks)]
+        t0 = time.perf_counter()
         proposal = self.proposer.propose(seqs, budgets, read=False)  # drafts read with the outcome
+        t1 = time.perf_counter()
         result = verify_round(self.target, seqs, proposal)
-        for seq, drafted, accepted in zip(seqs, proposal.num_drafts(), result.num_accepted):
+        t2 = time.perf_counter()
+        counts = proposal.num_drafts()
+        for seq, drafted, accepted in zip(seqs, counts, result.num_accepted):
             self.proposer.commit(seq, drafted, accepted)
+            self.schedule.observe(seq, drafted, accepted)
+        self.schedule.observe_draft(sum(1 for n in counts if n), max(counts, default=0), t1 - t0)
+        self.schedule.observe_verify(len(seqs) + sum(counts), t2 - t1)
         return result.output_tokens
 
     def prefilling(self, seqs: list[Sequence], ends: list[int]) -> None:
@@ -90,3 +105,4 @@ class SDDecoder(Decoder):
 
     def release(self, seq: Sequence) -> None:
         self.proposer.release(seq)
+        self.schedule.release(seq.seq_id)

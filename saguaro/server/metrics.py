@@ -17,6 +17,9 @@ SD and SSD add the speculation counters (rounds are "drafts", as in vLLM):
   saguaro:spec_decode_num_draft_tokens_per_pos_total{position} and
   saguaro:spec_decode_num_accepted_tokens_per_pos_total{position}: acceptance at depth i is their ratio;
 and SSD the speculation cache: saguaro:ssd_cache_hits_total, saguaro:ssd_cache_misses_total.
+Per-request adaptive K (saguaro.adapt): saguaro:spec_decode_k (histogram of the K chosen per round),
+saguaro:spec_decode_rounds_at_k0_total (rounds a request ran as AR) and
+saguaro:spec_decode_acceptance_estimate{position} (the running requests' mean estimate, read when scraped).
 """
 from __future__ import annotations
 
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from saguaro.engine.llm_engine import LLMEngine
 from saguaro.engine.sequence import Sequence
@@ -45,6 +49,7 @@ class RequestCounts:
     cache_hits: int = 0
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
+    k_rounds: int = 0  # entries of seq.spec.k_per_round counted
 
 
 class ServerMetrics:
@@ -74,6 +79,10 @@ class ServerMetrics:
             self.accepted = Counter("saguaro:spec_decode_num_accepted_tokens", "Draft tokens accepted.", registry=r)
             self.draft_by_pos = Counter("saguaro:spec_decode_num_draft_tokens_per_pos",
                                         "Draft tokens proposed at each depth.", ["position"], registry=r)
+            self.chosen_k = Histogram("saguaro:spec_decode_k", "K chosen per round (0: an AR step).",
+                                      buckets=tuple(range(17)), registry=r)
+            self.rounds_at_k0 = Counter("saguaro:spec_decode_rounds_at_k0", "Rounds run at K = 0.", registry=r)
+            _EstimateGauge(engine, r)
             self.accepted_by_pos = Counter("saguaro:spec_decode_num_accepted_tokens_per_pos",
                                            "Draft tokens accepted at each depth.", ["position"], registry=r)
         if self.cache:
@@ -97,6 +106,10 @@ class ServerMetrics:
 
     def _count_spec(self, seq: Sequence, counts: RequestCounts) -> None:
         s = seq.spec
+        for k in s.k_per_round[counts.k_rounds:]:
+            self.chosen_k.observe(k)
+            self.rounds_at_k0.inc(k == 0)
+        counts.k_rounds = len(s.k_per_round)
         self.drafts.inc(s.rounds - counts.rounds)
         self.draft_tokens.inc(s.drafted - counts.drafted)
         self.accepted.inc(s.accepted - counts.accepted)
@@ -125,3 +138,22 @@ class ServerMetrics:
         n = len(seq.output_ids)
         if n > 1 and seq.first_token_time is not None:
             self.tpot.observe(((seq.finish_time or now) - seq.first_token_time) / (n - 1))
+
+
+class _EstimateGauge:
+    """saguaro:spec_decode_acceptance_estimate{position}: the mean over running requests of their adaptive
+    acceptance estimate, collected when scraped."""
+
+    def __init__(self, engine: LLMEngine, registry: CollectorRegistry):
+        self.engine = engine
+        registry.register(self)
+
+    def collect(self):
+        family = GaugeMetricFamily("saguaro:spec_decode_acceptance_estimate",
+                                   "Running requests' mean adaptive acceptance estimate by draft position.",
+                                   labels=["position"])
+        rates = [s.spec.acceptance_estimate for s in self.engine.scheduler.running if s.spec.acceptance_estimate]
+        for i in range(max((len(r) for r in rates), default=0)):
+            at = [r[i] for r in rates if i < len(r)]
+            family.add_metric([str(i)], sum(at) / len(at))
+        yield family

@@ -76,6 +76,9 @@ class RoundRequest:
     releases: list[int] = field(default_factory=list)
     order: list[int] = field(default_factory=list)  # sequence ids to answer, in response order
     command: int = CMD_ROUND
+    # per ``order`` entry: the most drafts its answer may hold (the verifier's K for it, saguaro.adapt; 0: none,
+    # and no build for it); None: K for every sequence
+    ks: list[int] | None = None
     # in a thread: a GPU event after the target's pass that wrote its features (``eagle.features.fence_features``)
     fence: Any = None
 
@@ -131,11 +134,11 @@ def _float(bits: int) -> float:
 
 
 # -- request ------------------------------------------------------------------------
-# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width]
+# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width, #ks]
 #               + per outcome [seq_id, k, bonus, #feature rows]
 #               + per admission [seq_id, #tokens, temperature bits, top_k, top_p bits, seed, #feature rows,
 #                                features_start, tokens...]
-#               + releases + order
+#               + releases + order + ks
 # features (a second frame, only when some are sent; the target's dtype): every outcome's rows, then every
 #               admission's, [rows * width]
 
@@ -146,7 +149,8 @@ def _rows(features: torch.Tensor | None) -> int:
 def pack_request(req: RoundRequest) -> list[torch.Tensor]:
     sent = [f for f in [o.features for o in req.outcomes] + [a.features for a in req.admissions] if f is not None]
     width = sent[0].shape[-1] if sent else 0
-    out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order), width]
+    ks = req.ks or []
+    out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order), width, len(ks)]
     for o in req.outcomes:
         out += [o.seq_id, o.num_accepted, o.bonus, _rows(o.features)]
     for a in req.admissions:
@@ -155,13 +159,14 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
                 a.features_start, *a.tokens]
     out += req.releases
     out += req.order
+    out += ks
     fields = torch.tensor(out, dtype=torch.int64)
     return [fields, torch.cat([f.reshape(-1) for f in sent]).cpu()] if sent else [fields]
 
 
 def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
     v = frames[0].tolist()
-    command, n_out, n_adm, n_rel, n_ord, width = v[:6]
+    command, n_out, n_adm, n_rel, n_ord, width, n_ks = v[:7]
     flat = frames[1].view(-1, width) if len(frames) > 1 else None
     taken = 0
 
@@ -172,7 +177,7 @@ def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
         taken += rows
         return flat[taken - rows:taken]
 
-    i = 6
+    i = 7
     outcomes = []
     for _ in range(n_out):
         seq_id, k, bonus, rows = v[i:i + 4]
@@ -186,11 +191,13 @@ def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
         i += 8 + n_tok
     releases = v[i:i + n_rel]
     order = v[i + n_rel:i + n_rel + n_ord]
-    if i + n_rel + n_ord != len(v):
-        raise ValueError(f"request holds {len(v)} fields, its counts describe {i + n_rel + n_ord}")
+    end = i + n_rel + n_ord + n_ks
+    ks = v[i + n_rel + n_ord:end] or None
+    if end != len(v):
+        raise ValueError(f"request holds {len(v)} fields, its counts describe {end}")
     if flat is not None and taken != len(flat):
         raise ValueError(f"request carries {len(flat)} feature rows, its counts describe {taken}")
-    return RoundRequest(outcomes, admissions, releases, order, command)
+    return RoundRequest(outcomes, admissions, releases, order, command, ks)
 
 
 # -- response -----------------------------------------------------------------------

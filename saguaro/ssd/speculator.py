@@ -218,8 +218,9 @@ class Speculator:
         hit_values, pieces, hit_probs = self.cache.gather(hit_list)  # read already (a graph build's), or on the device
         self.cache.clear()
         self._free_scratch()
+        limit = dict(zip(req.order, req.ks or [self.k] * len(order)))  # K per sequence (0: answer with nothing)
         misses = [s for s in order if s.seq.seq_id not in hits]
-        drafts = self._draft_misses(misses)
+        drafts = self._draft_misses(misses, [limit[s.seq.seq_id] for s in misses])
         values = read_together(pieces + drafts.pieces)  # the round's one read from the draft's device
         if hit_values is None:
             hit_values, values = values[:len(pieces)], values[len(pieces):]
@@ -228,7 +229,8 @@ class Speculator:
             tokens, ranked = hit_values[0], iter(ranked_rows(hit_values[1], hit_values[2]))
             for state, hit, row, probs in zip(hit_states, hit_list, tokens, hit_probs):
                 state.ranked = [next(ranked) for _ in hit.rank_rows]
-                rows[state.seq.seq_id] = SpecRow(True, row[:hit.length], probs)
+                n = min(hit.length, limit[state.seq.seq_id])
+                rows[state.seq.seq_id] = SpecRow(True, row[:n], None if probs is None else probs[:n])
         for state in order:
             row = rows[state.seq.seq_id]
             state.sent = row.tokens
@@ -276,24 +278,24 @@ class Speculator:
         for state in self.states.values():
             self.runner.blocks.free(state.scratch)
 
-    def _draft_misses(self, states: list[SeqState]) -> MissDrafts:
-        """Speculations for the sequences whose outcome the cache missed (or that are new). The just-in-time
-        drafter leaves its drafts and ranked ids on the device, for ``respond``'s one read."""
+    def _draft_misses(self, states: list[SeqState], ks: list[int]) -> MissDrafts:
+        """Speculations of ``ks[i]`` tokens for the sequences whose outcome the cache missed (or that are new).
+        The just-in-time drafter leaves its drafts and ranked ids on the device, for ``respond``'s one read."""
         if not states:
             return MissDrafts()
         for s in states:
             s.ranked = None
         seqs = [s.seq for s in states]
         if self.miss_strategy == MissStrategy.JIT:
-            return MissDrafts(self.jit.propose(seqs, [self.k] * len(seqs), read=False))
+            return MissDrafts(self.jit.propose(seqs, ks, read=False))
         if self.miss_strategy == MissStrategy.NGRAM:
             tokens = []
-            for s in states:
+            for s, k in zip(states, ks):
                 s.ngram.follow(s.seq.tokens)
-                tokens.append(s.ngram.propose(self.k))
+                tokens.append(s.ngram.propose(k) if k else [])
         else:
             vocab = self.runner.config.vocab_size
-            tokens = [[self._rng.randrange(vocab) for _ in range(self.k)] for _ in seqs]
+            tokens = [[self._rng.randrange(vocab) for _ in range(k)] for k in ks]
         return MissDrafts(point_mass=tokens)
 
     def _forget(self, seq_id: int) -> None:

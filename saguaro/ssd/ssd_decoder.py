@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from saguaro.engine.k_schedule import FixedK, KSchedule
 from saguaro.engine.decoder import Decoder
 from saguaro.device import stack_padded
 from saguaro.engine.model_runner import ModelRunner
@@ -41,7 +42,8 @@ class RoundTrace:
     wait_s: float  # from sending the outcome to holding the next speculation
     build_s: float  # speculator's cache build for this round (overlapping verification)
     build_steps: int
-    hits: list[bool] = field(default_factory=list)  # per verified sequence: was its speculation a cache hit
+    # per verified sequence that speculated (its K > 0): was its speculation a cache hit
+    hits: list[bool] = field(default_factory=list)
     miss_strategy: str = ""  # the miss strategy for this round's batch size (plan.MissStrategyTracker)
     emitted: list[int] = field(default_factory=list)  # per verified sequence: tokens the verification emitted
 
@@ -51,7 +53,7 @@ class SSDDecoder(Decoder):
     reports_cache = True
 
     def __init__(self, target: ModelRunner, link: SpeculatorLink, plan: SpecPlan, max_model_len: int,
-                 features: TargetFeatures | None = None):
+                 features: TargetFeatures | None = None, schedule: KSchedule | None = None):
         self.target = target
         self.features = features  # the target's features for an EAGLE-3 speculator (None: a draft model's)
         self.link: SpeculatorLink | None = link
@@ -66,6 +68,8 @@ class SSDDecoder(Decoder):
         self.local_sd: SDDecoder | None = None  # n-gram SD in the target once the speculator is gone
         self.failure: str | None = None
         self.miss_strategies = MissStrategyTracker(plan)  # the speculator's, followed here for trace and log
+        # each sequence's K for its next speculation (0: an AR step, and no build for it in the speculator)
+        self.schedule = schedule if schedule is not None else FixedK(self.k)
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
@@ -81,11 +85,19 @@ class SSDDecoder(Decoder):
                                                              result.output_tokens)):
                 outcomes.append(Outcome(seq.seq_id, k, bonus, self.features.verified(b, k) if self.features else None))
                 out[seq.seq_id] = tokens
-                hits.append(self._record_hit(seq, self.pending.pop(seq.seq_id).hit))
+                hit = self.pending.pop(seq.seq_id).hit
+                if seq.spec.k_per_round[-1]:  # a round asked at K = 0 (an AR step) neither hit nor missed
+                    hits.append(self._record_hit(seq, hit))
+                self.schedule.observe(seq, len(proposal.tokens[b]), k, hit)
         t1 = time.perf_counter()
+        if ready:
+            drafted = sum(len(t) for t in proposal.tokens)  # none: the speculator had nothing to build meanwhile
+            self.schedule.observe_verify(len(ready) + drafted, t1 - t0, beside_build=drafted > 0)
         verified = {s.seq_id for s in ready}
         admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s.seq_id not in verified]
-        request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs])
+        # the next speculation's K, from the rounds verified so far (this one included): never from its own drafts
+        ks = self.schedule.choose(seqs)
+        request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs], ks=ks)
         self.released = []
         try:
             response = self.link.exchange(request)
@@ -94,6 +106,8 @@ class SSDDecoder(Decoder):
             return [out[s.seq_id] for s in seqs]
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
+        if response.build_steps:
+            self.schedule.observe_build(response.build_s)
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
                                      response.build_steps, hits, self.miss_strategies.at(len(seqs)),
                                      [len(out[s.seq_id]) for s in ready]))
@@ -168,6 +182,7 @@ class SSDDecoder(Decoder):
     def release(self, seq: Sequence) -> None:
         self.pending.pop(seq.seq_id, None)
         self.prev_hit.pop(seq.seq_id, None)
+        self.schedule.release(seq.seq_id)
         if self.link is not None:
             self.released.append(seq.seq_id)
         elif self.local_sd is not None:

@@ -1,0 +1,201 @@
+"""Adaptive speculation against the best fixed configuration and AR, per dataset, temperature and batch size.
+
+Rows, on the same chat-templated prompts: AR; SD and SSD at each fixed K of ``--ks`` (``adaptive=False``); SD
+and SSD adaptive (the default: each request's K chosen every round, 0 to ``--max-k``). Per dataset and
+temperature and batch size: tok/s of every row (all requests' new tokens over the wall time of their batch,
+median over batches), the best fixed configuration chosen after the fact (AR included), and the adaptive rows'
+ratio to it and to AR. Batches hold ``--batch`` requests of one dataset, and with ``--mixed`` also one batch
+of every dataset's prompts together (code and chat in one batch). The K chosen per round by the adaptive rows
+is kept for every request, and one request per dataset is drawn (``results/bench_adapt_k.png``).
+
+    saguaro bench adapt                                    # Qwen pair, 4 datasets, T=0 and 1, batch 1
+    saguaro bench adapt --target smollm2-135m --draft smollm2-135m --draft-weights int4 --prompts 1 \\
+        --max-tokens 32 --batch 1,4 --mixed                # a small run
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Any
+
+from benchmarks.bench_peers import cpu_description
+from benchmarks.common import (DRAFT, TARGET, Prompt, add_common_args, draft_options, engine_options, environment,
+                               fmt, int_list, log, median, prepare_prompts, ratio, sampling_params, settings, str_list,
+                               table, temp_key, write_results)
+
+DATASETS = "humaneval,mtbench,mtbench-math,mtbench-writing"
+MIXED = "mixed"  # the batch of every dataset's prompts together
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="saguaro bench adapt", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_common_args(p, prompts=2, max_tokens=48, temperatures="0,1", datasets=DATASETS)
+    p.add_argument("--target", default=TARGET, help=f"target model (default {TARGET})")
+    p.add_argument("--draft", default=DRAFT, help=f"draft model of SD and SSD (default {DRAFT})")
+    p.add_argument("--modes", type=str_list, default=["sd", "ssd"], help="speculative modes (default sd,ssd)")
+    p.add_argument("--ks", type=int_list, default=[2, 3, 4, 5], help="fixed K rows (default 2,3,4,5)")
+    p.add_argument("--max-k", type=int, default=5, help="the adaptive rows' largest K (default 5)")
+    p.add_argument("--batch", type=int_list, default=[1], help="batch sizes, comma separated (default 1)")
+    p.add_argument("--mixed", action="store_true", help="also one batch of every dataset's prompts together")
+    p.add_argument("--threads", type=int, default=1, help="threads of the target (default 1)")
+    args = p.parse_args(argv)
+    if any(m not in ("sd", "ssd") for m in args.modes) or min(args.ks, default=1) < 1 or args.max_k < 1:
+        p.error("--modes takes sd and ssd; --ks and --max-k must be >= 1")
+    return args
+
+
+def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
+    """(row name, LLM options): AR, each mode at each fixed K, each mode adaptive."""
+    cores = list(range(args.threads))
+    base = dict(engine_options(args.enforce_eager, threads=args.threads, target_cores=cores,
+                               draft_cores=[args.threads]), max_num_seqs=max(args.batch + [1]) * 4)
+    out = [("AR", dict(base, mode="ar"))]
+    for mode in args.modes:
+        spec = dict(base, mode=mode, draft=args.draft, **draft_options(args))
+        out += [(f"{mode.upper()} K={k}", dict(spec, num_speculative_tokens=k, adaptive=False)) for k in args.ks]
+        out.append((f"{mode.upper()} adaptive K<={args.max_k}", dict(spec, num_speculative_tokens=args.max_k)))
+    return out
+
+
+def batches(prompts: list[Prompt], size: int, mixed: bool) -> list[tuple[str, list[Prompt]]]:
+    """(dataset or MIXED, prompts) per batch: ``size`` prompts of one dataset each, and the mixed batch."""
+    out = []
+    for name in dict.fromkeys(p.dataset for p in prompts):
+        mine = [p for p in prompts if p.dataset == name]
+        out += [(name, mine[i:i + size]) for i in range(0, len(mine), size)]
+    if mixed:
+        out.append((MIXED, prompts))
+    return out
+
+
+def run_config(name: str, options: dict[str, Any], prompts: list[Prompt], args: argparse.Namespace
+               ) -> list[dict[str, Any]]:
+    """Every batch at every temperature and batch size through one engine: a measurement per batch."""
+    from saguaro import LLM
+    log(f"{name}: loading")
+    runs = []
+    with LLM(target=args.target, **options) as llm:
+        if args.warmup_tokens:
+            llm.generate([prompts[0].ids], sampling_params(0, args.warmup_tokens, None))
+        for temperature in args.temperatures:
+            for size in args.batch:
+                for group, batch in batches(prompts, size, args.mixed and size == args.batch[-1]):
+                    params = [sampling_params(temperature, args.max_tokens, args.seed + p.index) for p in batch]
+                    start = time.perf_counter()
+                    outs = llm.generate([p.ids for p in batch], params)
+                    wall = time.perf_counter() - start
+                    tokens = sum(len(o.token_ids) for o in outs)
+                    runs.append({"config": name, "dataset": group, "temperature": temperature,
+                                 "batch": len(batch) if group == MIXED else size, "tok_s": tokens / wall,
+                                 "tokens": tokens, "wall_s": wall, "token_ids": [o.token_ids for o in outs],
+                                 "datasets": [p.dataset for p in batch],
+                                 "k_per_round": [o.spec.k_per_round if o.spec else [] for o in outs],
+                                 "acceptance": [o.spec.acceptance_rate if o.spec else None for o in outs]})
+                    log(f"  {name} | {group} T={temperature:g} b={runs[-1]['batch']}: {tokens} tokens, "
+                        f"{runs[-1]['tok_s']:.2f} tok/s")
+    return runs
+
+
+def summarize(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, Any]]:
+    """One cell per (temperature, dataset, batch): median tok/s per row, the best fixed row, the ratios."""
+    cells = []
+    keys = list(dict.fromkeys((r["temperature"], r["dataset"], r["batch"]) for r in runs))
+    for t, dataset, batch in keys:
+        at = [r for r in runs if (r["temperature"], r["dataset"], r["batch"]) == (t, dataset, batch)]
+        speed = {n: median(r["tok_s"] for r in at if r["config"] == n) for n in names}
+        fixed = {n: s for n, s in speed.items() if "adaptive" not in n and s is not None}
+        best = max(fixed, key=fixed.get) if fixed else None
+        cell = {"temperature": t, "dataset": dataset, "batch": batch, "tok_s": speed, "best_fixed": best}
+        for n in names:
+            if "adaptive" in n:
+                cell[f"{n} x best fixed"] = ratio(speed[n], fixed.get(best))
+                cell[f"{n} x AR"] = ratio(speed[n], speed.get("AR"))
+        cells.append(cell)
+    return cells
+
+
+def greedy_equal(runs: list[dict[str, Any]]) -> tuple[int, int]:
+    """(greedy speculative outputs equal to AR's, compared): the rows stay exact."""
+    ar = {(r["dataset"], r["batch"], i): ids for r in runs if r["config"] == "AR" and r["temperature"] == 0
+          for i, ids in enumerate(r["token_ids"])}
+    pairs = [(ids, ar.get((r["dataset"], r["batch"], i))) for r in runs if r["config"] != "AR"
+             and r["temperature"] == 0 for i, ids in enumerate(r["token_ids"])]
+    return sum(a == b for a, b in pairs if b is not None), sum(b is not None for _, b in pairs)
+
+
+def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
+    adaptive = [n for n in names if "adaptive" in n]
+    headers = ["T", "dataset", "b", *names, "best fixed", *(f"{n} x best" for n in adaptive),
+               *(f"{n} x AR" for n in adaptive)]
+    rows = [[temp_key(c["temperature"]), c["dataset"], c["batch"], *(fmt(c["tok_s"][n]) for n in names),
+             c["best_fixed"] or "-", *(fmt(c[f"{n} x best fixed"]) for n in adaptive),
+             *(fmt(c[f"{n} x AR"]) for n in adaptive)] for c in cells]
+    equal, compared = greedy_equal(runs)
+    env = environment()
+    cpu = cpu_description()
+    lines = [f"# Adaptive K against the best fixed configuration and AR: {args.target} target, {args.draft} draft "
+             f"({args.draft_weights})", "",
+             f"CPU: {cpu['summary']}.",
+             f"{args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
+             f"the speculator on the next core. tok/s: every request's new tokens over its batch's wall time "
+             f"(prefill included), median over batches. Load average at the end: "
+             f"{', '.join(f'{x:.1f}' for x in env['loadavg'] or [])} on {env['cpus']} cores.", "",
+             table(headers, rows), "",
+             f"Greedy speculative outputs equal to AR's: {equal}/{compared}."]
+    payload = {"benchmark": "adapt", "description": __doc__.split("\n\n")[0], "settings": settings(args),
+               "environment": env, "cpu": cpu, "rows": names, "cells": cells, "greedy_equal_ar": [equal, compared],
+               "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]}
+    return payload, "\n".join(lines)
+
+
+def plot_k(runs: list[dict[str, Any]], path) -> str | None:
+    """The K chosen per round for the first request of each dataset (batch 1), one panel per adaptive row."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    shown = [r for r in runs if "adaptive" in r["config"] and r["batch"] == 1 and r["dataset"] != MIXED]
+    rows = list(dict.fromkeys(r["config"] for r in shown))
+    if not rows:
+        return None
+    fig, axes = plt.subplots(len(rows), 1, figsize=(8, 2.6 * len(rows)), squeeze=False)
+    for ax, name in zip(axes[:, 0], rows):
+        seen = set()
+        for r in shown:
+            key = (r["dataset"], r["temperature"])
+            if r["config"] != name or key in seen:
+                continue
+            seen.add(key)
+            ax.step(range(len(r["k_per_round"][0])), r["k_per_round"][0], where="post",
+                    label=f"{r['dataset']} T={r['temperature']:g}")
+        ax.set_title(name, fontsize=9)
+        ax.set_xlabel("round")
+        ax.set_ylabel("K")
+        ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from saguaro.loading import load_tokenizer
+    prompts = prepare_prompts(load_tokenizer(args.target, progress=False), args.datasets, args.prompts)
+    rows = configs(args)
+    runs: list[dict[str, Any]] = []
+    for name, options in rows:
+        runs += run_config(name, options, prompts, args)
+    names = [n for n, _ in rows]
+    cells = summarize(runs, names)
+    payload, markdown = report(args, names, runs, cells)
+    args.out.mkdir(parents=True, exist_ok=True)
+    payload["plot"] = plot_k(runs, args.out / "bench_adapt_k.png")
+    write_results(args.out, "bench_adapt", payload, markdown)
+    print(markdown)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

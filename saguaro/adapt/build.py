@@ -1,0 +1,64 @@
+"""The engine's K schedule from its Config: adaptive by default, from the pair's calibration profile.
+
+The profile (``calibration.store.resolve_profile``: the stored one, or the documented defaults, logged) gives
+the prior acceptance by position per temperature, the backup's acceptance, SSD's hit rate under the plan
+(``policy.predict_fixed``), and the pass-cost tables the chooser starts from and keeps fresh.
+"""
+from __future__ import annotations
+
+from saguaro.adapt.costs import LiveCosts
+from saguaro.adapt.schedule import AdaptiveK, Priors, SSDModel
+from saguaro.engine.k_schedule import FixedK, KSchedule
+from saguaro.calibration.policy import entry_at, predict_fixed
+from saguaro.calibration.profile import Profile
+from saguaro.calibration.resolve import _timed_eager
+from saguaro.calibration.store import resolve_profile
+from saguaro.calibration.timeline import build_time, slowdowns
+from saguaro.config import Config
+from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd_settings import DraftedBy, MissStrategy
+
+
+def k_schedule(cfg: Config, plan: SpecPlan | None = None) -> KSchedule:
+    """``FixedK`` at the configured K when ``cfg.adaptive`` is off, else ``AdaptiveK`` (SSD: over ``plan``)."""
+    k = int(cfg.num_speculative_tokens)
+    if not cfg.adaptive:
+        return FixedK(k)
+    draft = cfg.draft or "ngram"
+    profile = resolve_profile(cfg.target, draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
+                              draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
+    costs = LiveCosts.from_timing(profile.timing)
+    ngram = cfg.mode == "sd" and cfg.proposer == "ngram"
+    if ngram:  # the matcher drafts on the host in no time worth modelling; its acceptance is the backup's
+        costs.draft = {"1": float(profile.timing.ngram_s) / max(k, 1)}
+    priors = _priors(profile, k, plan, ngram)
+    ssd = None
+    if plan is not None:
+        t0 = priors.temperatures[0]
+        branches = max(sum(plan.fan_out(t0, DraftedBy.PRIMARY)), 1)
+        build = build_time(profile.timing, k, 1, branches, plan.steps_for(t0), plan.deep_branches)
+        ssd = SSDModel(lambda b: plan.miss_strategy_for(b) == MissStrategy.JIT, build.t_hit * build.t_v,
+                       slowdowns(profile.timing, branches)[0])
+    return AdaptiveK(k, cfg.adapt, costs, priors, ssd)
+
+
+def _priors(profile: Profile, k: int, plan: SpecPlan | None, ngram: bool) -> Priors:
+    temperatures = sorted(float(t) for t in profile.temperatures)
+    acceptance, backup, p_hit = [], [], []
+    # the hit rate is predicted as for a point-mass backup when misses draw random tokens (which are rarely
+    # accepted: no acceptance is assumed for them)
+    random = plan is not None and plan.miss_strategy_for(1) == MissStrategy.RANDOM
+    for t in temperatures:
+        entry = entry_at(profile, t)
+        source = entry.backup if ngram else entry.primary
+        acceptance.append(list(source.acceptance_by_position) or [float(source.acceptance)])
+        backup.append(0.0 if random else float(entry.backup.acceptance))
+        if plan is None:
+            p_hit.append(0.0)
+            continue
+        predicted = predict_fixed(profile, t, k, 1, plan.fan_out(t, DraftedBy.PRIMARY),
+                                  plan.fan_out(t, DraftedBy.BACKUP),
+                                  MissStrategy.NGRAM if random else plan.miss_strategy_for(1),
+                                  branch_steps=plan.steps_for(t), deep=plan.deep_branches)
+        p_hit.append(min(max(float(predicted.p_hit), 0.0), 1.0))
+    return Priors(temperatures, acceptance, backup, p_hit)

@@ -1,0 +1,61 @@
+"""Pass costs for the K chooser: the calibration's row tables, kept fresh from the rounds the engine runs.
+
+``target`` and ``draft`` are the profile's ``RowTimes`` tables (seconds for one forward over n rows, read by
+``calibration.timeline.rows_time``): they give the costs' shape in the row count. Their level is measured: each
+timed pass moves its table's scale toward (seconds taken / the table's prediction), an exponential average, so
+the tables follow a machine that gets busier or quieter within a few rounds, and a profile in other units (the
+documented defaults are relative to a verification) or from another machine is brought to this one's seconds.
+One scale per table, not an entry per row count, so that a single pass timed during a burst of load does not
+bend the table's shape. The first timing sets the scale outright (the target's sets the draft's too, until the
+draft is timed itself). ``build_s``: an SSD round's cache build, measured by the speculator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from saguaro.calibration.profile import RowTimes, Timing
+from saguaro.calibration.timeline import rows_time
+
+
+@dataclass
+class LiveCosts:
+    target: RowTimes  # one target forward over n rows (a verification of K + 1 rows per sequence)
+    draft: RowTimes  # one draft step over n rows (SD's proposer, SSD's just-in-time drafter)
+    target_scale: float = 1.0
+    draft_scale: float = 1.0
+    build_s: float | None = None  # SSD: the speculator's build beside a verification (None: not yet measured)
+    weight: float = 0.2  # share of a new observation in the averages
+    timed: set[str] = field(default_factory=set)  # the scales set from a measurement: "target", "draft"
+
+    @classmethod
+    def from_timing(cls, timing: Timing) -> "LiveCosts":
+        return cls(dict(timing.target_rows), dict(timing.draft_rows))
+
+    def verify(self, rows: int) -> float:
+        return self.target_scale * rows_time(self.target, max(rows, 1))
+
+    def draft_step(self, rows: int) -> float:
+        return self.draft_scale * rows_time(self.draft, max(rows, 1))
+
+    def _scale(self, name: str, ratio: float) -> None:
+        attr = f"{name}_scale"
+        old = getattr(self, attr)
+        setattr(self, attr, ratio if name not in self.timed else (1 - self.weight) * old + self.weight * ratio)
+        if name == "target" and "draft" not in self.timed:
+            self.draft_scale = self.target_scale
+        self.timed.add(name)
+
+    def observe_verify(self, rows: int, seconds: float) -> None:
+        predicted = rows_time(self.target, rows) if rows > 0 else 0.0
+        if seconds > 0 and predicted > 0:
+            self._scale("target", seconds / predicted)
+
+    def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
+        """``steps`` draft passes, the widest over ``rows`` rows, took ``seconds`` in all."""
+        predicted = rows_time(self.draft, rows) if rows > 0 and steps > 0 else 0.0
+        if seconds > 0 and predicted > 0:
+            self._scale("draft", seconds / steps / predicted)
+
+    def observe_build(self, seconds: float) -> None:
+        if seconds > 0:
+            self.build_s = seconds if self.build_s is None else (1 - self.weight) * self.build_s + self.weight * seconds

@@ -1,0 +1,46 @@
+"""The settings of per-request adaptive speculation, validated at construction."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class AdaptSettings:
+    """How each request's K is chosen from round to round (``saguaro.adapt.schedule.AdaptiveK``).
+
+    ``max_k`` caps K (None: the engine's ``num_speculative_tokens``); K = 0 is AR for that request.
+    ``prior``: the acceptance assumed before a request's first rounds (None: the calibration profile's, by
+    position), weighed as ``prior_rounds`` observed rounds. ``decay``: each new round's observation keeps this
+    share of the older evidence (0.8: roughly the last 5 rounds count). A request at K = 0 probes with
+    ``probe_k`` drafts after ``probe_interval`` rounds, the interval doubling after each probe that does not
+    pay, up to ``max_probe_interval``. Speculation must beat AR by ``min_gain`` (predicted speedup) to be chosen.
+    """
+    max_k: int | None = None
+    prior: float | None = None
+    prior_rounds: float = 2.0
+    decay: float = 0.8
+    probe_k: int = 1
+    probe_interval: int = 8
+    max_probe_interval: int = 64
+    min_gain: float = 1.02
+
+    def __post_init__(self) -> None:
+        if self.max_k is not None and (not isinstance(self.max_k, int) or self.max_k < 0):
+            raise ValueError(f"adaptive max_k must be an integer >= 0 (0: AR), got {self.max_k!r}")
+        if self.prior is not None and not 0.0 <= self.prior <= 1.0:
+            raise ValueError(f"adaptive prior acceptance must lie in [0, 1], got {self.prior}")
+        if self.prior_rounds <= 0:
+            raise ValueError(f"adaptive prior_rounds must be > 0, got {self.prior_rounds}")
+        if not 0.0 <= self.decay < 1.0:
+            raise ValueError(f"adaptive decay must lie in [0, 1), got {self.decay}")
+        if self.probe_k < 1:
+            raise ValueError(f"adaptive probe_k must be >= 1, got {self.probe_k}")
+        if self.probe_interval < 1 or self.max_probe_interval < self.probe_interval:
+            raise ValueError(f"adaptive probe intervals need 1 <= probe_interval <= max_probe_interval, got "
+                             f"{self.probe_interval} and {self.max_probe_interval}")
+        if self.min_gain <= 0:
+            raise ValueError(f"adaptive min_gain must be > 0, got {self.min_gain}")
+
+    def cap(self, k: int) -> int:
+        """The largest K a request may use when the engine speculates ``k`` tokens."""
+        return k if self.max_k is None else min(k, self.max_k)

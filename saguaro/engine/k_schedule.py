@@ -1,0 +1,56 @@
+"""Each request's K for the coming round, as the SD and SSD decoders ask for it: the seam between a decoder's
+round logic and whoever chooses K (``FixedK`` here; the adaptive chooser is ``saguaro.adapt.schedule.AdaptiveK``).
+
+``choose`` runs before a round's drafting (SD) or before the speculator answers (SSD), ``observe`` after the
+round's verification. The choice for round t therefore reads only outcomes of rounds before t -- never round
+t's own drafts judged by the target -- and K only says how many drafts are verified, so every K is exact.
+K = 0 is an AR step for that request.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from saguaro.engine.sequence import Sequence
+
+
+class KSchedule(ABC):
+    """K per sequence per round; records each choice in the sequence's counters (``seq.spec``)."""
+
+    def __init__(self, max_k: int):
+        if max_k < 0:
+            raise ValueError(f"max K must be >= 0, got {max_k}")
+        self.max_k = max_k
+
+    def choose(self, seqs: list[Sequence]) -> list[int]:
+        ks = self._choose(seqs)
+        for seq, k in zip(seqs, ks):
+            seq.spec.chose(k)
+        return ks
+
+    @abstractmethod
+    def _choose(self, seqs: list[Sequence]) -> list[int]:
+        """K for each sequence's next round, from its rounds verified so far."""
+
+    def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
+        """``seq``'s round was verified: ``drafted`` drafts, ``kept`` accepted (and, in SSD, whether it was a
+        cache hit)."""
+
+    def observe_verify(self, rows: int, seconds: float, beside_build: bool = False) -> None:
+        """A verification over ``rows`` target rows took ``seconds`` (SSD: ``beside_build`` while the speculator
+        built its cache)."""
+
+    def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
+        """Drafting took ``seconds`` for ``steps`` passes, the widest over ``rows`` rows."""
+
+    def observe_build(self, seconds: float) -> None:
+        """The SSD speculator's last cache build took ``seconds``."""
+
+    def release(self, seq_id: int) -> None:
+        """Forget a finished or preempted sequence."""
+
+
+class FixedK(KSchedule):
+    """Every request speculates ``max_k`` tokens every round (adaptation off)."""
+
+    def _choose(self, seqs: list[Sequence]) -> list[int]:
+        return [self.max_k] * len(seqs)

@@ -1,0 +1,207 @@
+"""The adaptive K chooser: settings validation, the acceptance estimate, the speed model and the schedule."""
+import numpy as np
+import pytest
+
+from saguaro.adapt.costs import LiveCosts
+from saguaro.adapt.estimate import AcceptanceEstimate
+from saguaro.adapt.schedule import AdaptiveK, Priors, SSDModel
+from saguaro.engine.k_schedule import FixedK
+from saguaro.adapt_settings import AdaptSettings
+from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
+from saguaro.config import Config
+from saguaro.engine.sequence import Sequence
+from saguaro.sampling.params import SamplingParams
+from saguaro.theory.speedup import expected_tokens, sd_speedup
+
+
+@pytest.mark.parametrize("bad, message", [
+    (dict(max_k=-1), "max_k"), (dict(prior=1.5), "prior"), (dict(prior=-0.1), "prior"),
+    (dict(decay=1.0), "decay"), (dict(probe_k=0), "probe_k"), (dict(probe_interval=0), "probe"),
+    (dict(probe_interval=9, max_probe_interval=8), "probe"), (dict(prior_rounds=0), "prior_rounds"),
+    (dict(min_gain=0), "min_gain")])
+def test_settings_out_of_range_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        AdaptSettings(**bad)
+    with pytest.raises(ValueError, match=message):  # also through the engine's Config (as LLM(adapt=...) passes it)
+        Config(target="t", draft="d", mode="sd", adapt=bad)
+
+
+def test_estimate_starts_at_the_prior_and_follows_rounds():
+    est = AcceptanceEstimate([0.8, 0.6], prior_rounds=2.0, decay=0.5)
+    assert est.rates(3) == pytest.approx([0.8, 0.6, 0.6])
+    assert est.expected_tokens(0) == [1.0]
+    est.observe(4, 1)  # position 1 accepted, position 2 rejected, 3 and 4 never judged
+    assert est.tried == [1.0, 1.0, 0.0, 0.0] and est.accepted == [1.0, 0.0, 0.0, 0.0]
+    assert est.prior_weight == [1.0, 1.0, 2.0, 2.0]
+    assert est.rate(0) == pytest.approx((1 + 1 * 0.8) / 2)  # the prior's 2 pseudo-rounds decayed to 1
+    assert est.rate(1) == pytest.approx((0 + 1 * 0.6 * est.rate(0) / 0.8) / 2)
+    for _ in range(40):  # a run of full acceptances: the estimate forgets the rejection and tends to 1
+        est.observe(4, 4)
+    assert all(r > 0.95 for r in est.rates(4))
+    assert min(est.prior_weight) == pytest.approx(0.1)  # the prior's floor
+    for _ in range(40):  # then every first draft fails: deep positions, seldom reached now, fall with it
+        est.observe(4, 0)
+    assert est.rate(0) < 0.05 and est.rate(3) < 0.2
+    with pytest.raises(ValueError):
+        est.observe(2, 3)
+    with pytest.raises(ValueError):
+        AcceptanceEstimate([1.2])
+
+
+def test_expected_tokens_matches_thm2_for_a_constant_rate():
+    est = AcceptanceEstimate([0.7])
+    assert est.expected_tokens(5) == pytest.approx([expected_tokens(0.7, k) for k in range(6)])
+
+
+def costs(verify_slope=0.02, draft_ratio=0.1) -> LiveCosts:
+    rows = [1, 2, 4, 8, 16, 64]
+    return LiveCosts({str(n): 1.0 + verify_slope * (n - 1) for n in rows},
+                     {str(n): draft_ratio * (1 + 0.03 * (n - 1)) for n in rows})
+
+
+def test_sd_gain_is_thm2_with_measured_costs():
+    c = costs()
+    est = AcceptanceEstimate([0.6])
+    verify = 1.0 + 0.02 * 4
+    want = sd_speedup(expected_tokens(0.6, 4), 4 * 0.1 / verify) * 1.0 / verify
+    gains = sd_gains(np.array(est.expected_tokens(4)), BatchCosts.at(c, 1, 4))
+    assert gains[4] == pytest.approx(want) and gains[0] == 1.0
+
+
+def test_ssd_gain_hits_hide_the_draft():
+    c, est = costs(draft_ratio=0.3), AcceptanceEstimate([0.6])
+    always = SSDRound(p_hit=1.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3)
+    never = SSDRound(p_hit=0.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3)
+    tokens, batch = np.array(est.expected_tokens(3)), BatchCosts.at(c, 1, 3)
+    sd, ssd_always = sd_gains(tokens, batch), ssd_gains(tokens, batch, always)
+    ssd_never = ssd_gains(tokens, batch, never)
+    assert (ssd_always[1:] > sd[1:]).all() and ssd_never == pytest.approx(sd)
+    busy_bus = SSDRound(p_hit=1.0, build_s=0.5, jit_misses=True, backup_acceptance=0.3, slowdown=1.5)
+    assert ssd_gains(tokens, batch, busy_bus)[1:] == pytest.approx(ssd_always[1:] / 1.5)
+
+
+def seq(temperature=0.0):
+    return Sequence([1, 2, 3], SamplingParams(temperature=temperature, max_tokens=100))
+
+
+def chooser(prior=0.8, max_k=5, draft_ratio=0.1, **settings) -> AdaptiveK:
+    return AdaptiveK(max_k, AdaptSettings(**settings), costs(draft_ratio=draft_ratio),
+                     Priors([0.0], [[prior]], [0.3], [0.0]))
+
+
+def test_chooser_picks_k_from_the_estimate():
+    sure = chooser(prior=0.97)
+    s = seq()
+    assert sure.choose([s]) == [5]  # likely drafts, cheap draft: the most K
+    weak = chooser(prior=0.05)
+    assert weak.choose([s]) == [0]  # drafts that fail cost more than they give: AR
+    assert s.spec.k_per_round == [5, 0] and s.spec.rounds_at_k0 == 1
+    middle = chooser(prior=0.5)
+    k = middle.choose([seq()])[0]
+    gains = middle.gains([seq()], BatchCosts.at(middle.costs, 1, 5))[0].tolist()
+    assert 1 <= k < 5 and gains[k] == max(gains)
+    assert chooser(max_k=0).choose([seq()]) == [0]
+    capped = AdaptiveK(5, AdaptSettings(max_k=2), costs(), Priors([0.0], [[0.97]], [0.3], [0.0]))
+    assert capped.max_k == 2 and capped.choose([seq()]) == [2]  # the settings' cap
+
+
+def test_chooser_falls_to_ar_probes_and_returns():
+    c = chooser(prior=0.9, draft_ratio=0.3, probe_interval=2, max_probe_interval=8)
+    s = seq()
+    assert c.choose([s])[0] > 0
+    for _ in range(10):  # every first draft rejected
+        c.observe(s, 5, 0)
+    assert [c.choose([s])[0] for _ in range(3)] == [0, 0, 1]  # a probe of probe_k drafts after 2 rounds at 0
+    c.observe(s, 1, 0)  # it fails: the interval doubles
+    assert [c.choose([s])[0] for _ in range(5)] == [0, 0, 0, 0, 1]
+    for _ in range(6):  # the text became predictable: the probe's successes bring speculation back
+        c.observe(s, 1, 1)
+    assert c.choose([s])[0] > 1
+    assert c.states[s.seq_id].interval == 2
+    c.release(s.seq_id)
+    assert s.seq_id not in c.states
+
+
+def test_choices_depend_only_on_what_was_observed():
+    """The same verified outcomes give the same K's (no clock, no randomness in the choice given the costs)."""
+    runs = []
+    for _ in range(2):
+        c, s = chooser(prior=0.7, probe_interval=1, max_probe_interval=4), seq(1.0)
+        ks = []
+        for kept in [3, 0, 0, 1, 0, 0, 0, 0, 5, 5, 2]:
+            k = c.choose([s])[0]
+            ks.append(k)
+            c.observe(s, k, min(kept, k))
+        runs.append(ks)
+    assert runs[0] == runs[1] and len(set(runs[0])) > 1
+
+
+def test_ssd_chooser_uses_the_hit_rate():
+    def ssd(p_hit):
+        return AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.5),
+                         Priors([0.0], [[0.45]], [0.3], [p_hit]), SSDModel(lambda b: True, 0.9))
+    def at_k4(c):
+        return c.gains([seq()], BatchCosts.at(c.costs, 1, 4))[0, 4]
+    assert at_k4(ssd(1.0)) > at_k4(ssd(0.0))
+    c, s = ssd(0.5), seq()
+    c.observe(s, 4, 2, hit=True)
+    assert c.states[s.seq_id].hit_rate.rate(0) > 0.5
+    c.ssd.slowdown = 2.0
+    c.observe_verify(5, 0.0216, beside_build=True)  # the table keeps the verification alone
+    assert c.costs.verify(5) == pytest.approx(0.0108)
+
+
+def test_a_batch_is_judged_row_by_row():
+    """The batch's one array computation gives each sequence the gains it gets on its own (same round costs)."""
+    c = AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.4), Priors([0.0, 1.0], [[0.5], [0.8]], [0.3, 0.2],
+                                                                  [0.4, 0.7]), SSDModel(lambda b: False, 0.9, 1.3))
+    seqs = [seq(), seq(1.0), seq()]
+    c.observe(seqs[2], 4, 4, hit=True)
+    batch = BatchCosts.at(c.costs, 3, 4)
+    together = c.gains(seqs, batch)
+    assert together.shape == (3, 5)
+    for s, row in zip(seqs, together):
+        assert row == pytest.approx(c.gains([s], batch)[0])
+    assert len({tuple(r) for r in together.round(6)}) == 3
+
+
+def test_a_seeded_request_chooses_from_its_own_rounds_only():
+    """Its K sequence does not depend on the clock or the batch: the same outcomes give the same K's."""
+    def run(batch_size, verify_s):
+        c = chooser(prior=0.6, draft_ratio=0.3, probe_interval=1, max_probe_interval=2)
+        s = Sequence([1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_tokens=100))
+        others = [seq() for _ in range(batch_size - 1)]
+        ks = []
+        for kept in [2, 0, 0, 0, 1, 3, 0, 4, 4, 0]:
+            c.observe_verify(3, verify_s)  # the machine's measured speed differs between the runs
+            k = c.choose([s] + others)[0]
+            ks.append(k)
+            c.observe(s, k, min(k, kept))
+        return ks
+    alone = run(1, 0.01)
+    assert alone == run(8, 0.5) and len(set(alone)) > 1
+
+
+def test_live_costs_follow_the_rounds():
+    c = costs()
+    c.observe_verify(5, 0.0108)  # the first timing sets the (relative) tables' level in seconds, shape kept
+    assert c.verify(5) == pytest.approx(0.0108) and c.verify(1) == pytest.approx(0.01)
+    assert c.draft_step(1) == pytest.approx(0.001)  # the draft's with it, until it is timed itself
+    c.observe_draft(1, 4, 0.008)
+    assert c.draft_step(1) == pytest.approx(0.002) and c.verify(1) == pytest.approx(0.01)
+    for _ in range(40):  # the machine got three times slower: the level follows, the shape stays
+        c.observe_verify(5, 0.0324)
+    assert c.verify(5) == pytest.approx(0.0324, rel=1e-3) and c.verify(1) == pytest.approx(0.03, rel=1e-3)
+    c.observe_verify(2, 10.0)  # one pass in a burst of load moves the level a step, not the shape
+    assert c.verify(3) / c.verify(1) == pytest.approx(1.04)
+    c.observe_build(0.5)
+    c.observe_build(1.0)
+    assert 0.5 < c.build_s < 1.0
+
+
+def test_fixed_k_records_its_rounds():
+    s = seq()
+    assert FixedK(3).choose([s, seq()]) == [3, 3]
+    assert s.spec.k_per_round == [3]
+    with pytest.raises(ValueError, match="max K"):
+        FixedK(-1)

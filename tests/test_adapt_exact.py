@@ -1,0 +1,135 @@
+"""Adaptive K stays exact: greedy SD and SSD equal AR token for token while K changes mid-request (scripted
+schedules and the adaptive one), fp32; a request that drops to K = 0 and comes back loses nothing, costs the
+speculator no build meanwhile, and leaks no KV block."""
+import pytest
+
+from saguaro import LLM, SamplingParams
+from saguaro.engine.k_schedule import KSchedule
+from saguaro.adapt_settings import AdaptSettings
+from saguaro.engine.model_runner import ModelRunner
+from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
+from saguaro.ssd.speculator import Speculator
+from tests.tiny import PROMPTS, greedy_tokens, weak_pair
+
+TOKENS = 24
+
+
+class Scripted(KSchedule):
+    """K from a script, by each sequence's round (offset by its id, so a batch mixes K's in one verification)."""
+
+    def __init__(self, max_k: int, script: list[int]):
+        super().__init__(max_k)
+        self.script = script
+        self.rounds: dict[int, int] = {}
+
+    def _choose(self, seqs):
+        ks = []
+        for s in seqs:
+            r = self.rounds[s.seq_id] = self.rounds.get(s.seq_id, -1) + 1
+            ks.append(self.script[(r + s.seq_id) % len(self.script)])
+        return ks
+
+
+SCRIPTS = {"switching": [3, 0, 1, 0, 0, 2, 3, 3], "ar-then-back": [0, 0, 0, 0, 3, 3, 0, 2]}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    return weak_pair()
+
+
+@pytest.fixture(scope="module")
+def ar_outputs(pair):
+    return greedy_tokens(pair[0], PROMPTS, TOKENS)
+
+
+def _no_leaks(llm):
+    target = llm.engine.target.blocks
+    assert target.num_free == target.num_blocks
+    proposer = getattr(llm.engine.decoder, "proposer", None)
+    if proposer is not None:
+        assert proposer.runner.blocks.num_free == proposer.runner.blocks.num_blocks
+
+
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_sd_scripted_k_equals_ar(pair, ar_outputs, script):
+    llm = LLM(target=pair[0], draft=pair[1], mode="sd", num_speculative_tokens=3, block_size=4)
+    llm.engine.decoder.schedule = Scripted(3, SCRIPTS[script])
+    outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))
+    assert [o.token_ids for o in outs] == ar_outputs
+    assert all(0 in o.spec_counts.k_per_round and 3 in o.spec_counts.k_per_round for o in outs)
+    assert sum(o.spec_counts.rounds_at_k0 for o in outs) > 0
+    _no_leaks(llm)
+
+
+@pytest.mark.parametrize("transport", ["thread", "process"])
+@pytest.mark.parametrize("script", list(SCRIPTS))
+def test_ssd_scripted_k_equals_ar(pair, ar_outputs, script, transport):
+    with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4,
+             fan_out=[2, 2, 2, 4], speculator_transport=transport) as llm:
+        decoder = llm.engine.decoder
+        decoder.schedule = Scripted(3, SCRIPTS[script])
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))
+        assert decoder.failure is None
+    assert [o.token_ids for o in outs] == ar_outputs
+    ks = [k for o in outs for k in o.spec_counts.k_per_round]
+    assert 0 in ks and 3 in ks
+    _no_leaks(llm)
+
+
+@pytest.mark.parametrize("mode", ["sd", "ssd"])
+def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode):
+    """The adaptive default with settings that make it move: a weak draft drives requests to K = 0, probes
+    bring them back for a round, and the output is AR's."""
+    adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2)
+    with LLM(target=pair[0], draft=pair[1], mode=mode, num_speculative_tokens=3, block_size=4, adapt=adapt,
+             speculator_transport="thread") as llm:
+        outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))
+    assert [o.token_ids for o in outs] == ar_outputs
+    ks = [o.spec_counts.k_per_round for o in outs]
+    assert any(len(set(k)) > 1 for k in ks), ks
+    assert any(0 in k and k.index(0) < len(k) - 1 and max(k[k.index(0):]) > 0 for k in ks), ks  # 0, then back
+    assert all(len(o.spec_counts.acceptance_estimate) == 3 for o in outs)
+    _no_leaks(llm)
+
+
+def test_speculator_answers_k_zero_without_drafting_or_building(pair):
+    """K = 0: an empty answer, no just-in-time draft, no build; back at K = 3 the draft catches up on the tokens
+    it skipped, and every block comes back at release."""
+    draft = pair[1]
+    runner = ModelRunner(draft.model, 128, 4)
+    spec = Speculator(runner, SpecPlan.fixed([2, 1, 1, 2]))
+    fed: list[int] = []
+    forward = runner.forward
+    runner.forward = lambda items: fed.extend(len(i.token_ids) for i in items) or forward(items)
+    prompt = [3, 7, 1, 9]
+    rows = spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(), 0)], [], [0], ks=[0])).rows
+    assert rows[0].tokens == [] and fed == []
+    assert spec.build().steps == 0 and fed == []
+    bonus = 5
+    for _ in range(3):  # AR steps: the target's token each round, nothing drafted
+        rows = spec.respond(RoundRequest([Outcome(0, 0, bonus)], [], [], [0], ks=[0])).rows
+        assert rows[0].tokens == [] and spec.build().steps == 0
+    assert fed == [] and spec.states[0].seq.tokens == prompt + [bonus] * 3
+    rows = spec.respond(RoundRequest([Outcome(0, 0, bonus)], [], [], [0], ks=[3])).rows
+    assert len(rows[0].tokens) == 3 and fed[0] == len(prompt) + 4  # the catch-up: one pass over what it skipped
+    assert spec.build().steps == 3
+    key = next(iter(spec.cache.keys()))
+    rows = spec.respond(RoundRequest([Outcome(0, key[1], key[2])], [], [], [0], ks=[1])).rows
+    assert rows[0].hit and len(rows[0].tokens) == 1  # a hit, cut to this round's K
+    spec.build()
+    spec.respond(RoundRequest([], [], [0], []))
+    spec.build()
+    assert runner.blocks.num_free == runner.blocks.num_blocks
+
+
+def test_ssd_rounds_at_k_zero_cost_no_build(pair, ar_outputs):
+    with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4,
+             fan_out=[2, 2, 2, 4], speculator_transport="thread") as llm:
+        decoder = llm.engine.decoder
+        decoder.schedule = Scripted(3, [0])
+        outs = llm.generate(PROMPTS[1], SamplingParams(max_tokens=TOKENS))
+        trace = decoder.trace
+    assert outs[0].token_ids == ar_outputs[1]
+    assert all(t.build_steps == 0 for t in trace)

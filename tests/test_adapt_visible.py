@@ -1,0 +1,44 @@
+"""What adaptation shows: ``out.spec`` (K per round, rounds at K = 0, the estimate) and ``/metrics``."""
+from prometheus_client import generate_latest
+
+from saguaro import LLM, SamplingParams
+from saguaro.adapt_settings import AdaptSettings
+from saguaro.server.metrics import RequestCounts, ServerMetrics
+from tests.tiny import PROMPTS, weak_pair
+
+MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2)
+
+
+def _value(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines() if line.startswith(name))
+
+
+def test_out_spec_and_metrics_report_the_schedule():
+    target, draft = weak_pair()
+    llm = LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, block_size=4, adapt=MOVING)
+    metrics = ServerMetrics(llm.engine)
+    engine = llm.engine
+    seqs = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
+    counts = {s.seq_id: RequestCounts() for s in seqs}
+    scraped = ""
+    while engine.has_unfinished:
+        for seq, _ in engine.step():
+            metrics.on_tokens(seq, counts[seq.seq_id])
+        if any(s.spec.acceptance_estimate for s in engine.scheduler.running):
+            scraped = scraped or generate_latest(metrics.registry).decode()
+    assert 'saguaro:spec_decode_acceptance_estimate{position="0"}' in scraped  # read while requests run
+    outs = [engine.output(s) for s in seqs]
+    for out in outs:
+        spec = out.spec
+        assert spec.k_per_round == out.spec_counts.k_per_round
+        assert spec.rounds_at_k0 == spec.k_per_round.count(0)
+        assert spec.rounds == len(spec.k_per_round) - spec.rounds_at_k0  # K = 0 rounds are AR steps
+        assert len(spec.acceptance_estimate) == 3 and all(0 <= a <= 1 for a in spec.acceptance_estimate)
+    total = llm.spec_metrics(outs)
+    chosen = [k for o in outs for k in o.spec.k_per_round]
+    assert total.rounds_at_k0 == chosen.count(0) > 0 and total.mean_k == sum(chosen) / len(chosen)
+    assert total.k_per_round == []  # one request's schedule only
+    text = generate_latest(metrics.registry).decode()
+    assert _value(text, "saguaro:spec_decode_k_count") == len(chosen)
+    assert _value(text, "saguaro:spec_decode_rounds_at_k0_total") == chosen.count(0)
+    assert 'saguaro:spec_decode_k_bucket{le="0.0"} ' + f"{float(chosen.count(0))}" in text

@@ -1,0 +1,48 @@
+"""saguaro bench adapt: its batches, its after-the-fact best fixed row, and one end-to-end run on SmolLM2-135M."""
+import json
+import subprocess
+import sys
+
+import pytest
+
+from benchmarks import bench_adapt as ba
+from benchmarks.common import Prompt
+
+
+def _prompts():
+    return [Prompt(d, i, "", [1, 2]) for d in ("humaneval", "mtbench") for i in range(3)]
+
+
+def test_batches_hold_one_dataset_and_the_mixed_one_all():
+    got = ba.batches(_prompts(), 2, mixed=True)
+    assert [(name, len(b)) for name, b in got] == [("humaneval", 2), ("humaneval", 1), ("mtbench", 2),
+                                                   ("mtbench", 1), (ba.MIXED, 6)]
+    assert all({p.dataset for p in b} == {name} for name, b in got[:-1])
+
+
+def test_best_fixed_is_chosen_after_the_fact_and_the_adaptive_rows_compared():
+    names = ["AR", "SD K=2", "SD adaptive K<=5"]
+    runs = [{"config": c, "dataset": "mtbench", "temperature": 0.0, "batch": 1, "tok_s": s}
+            for c, s in [("AR", 10.0), ("SD K=2", 8.0), ("SD K=2", 9.0), ("SD adaptive K<=5", 11.0)]]
+    cell, = ba.summarize(runs, names)
+    assert cell["best_fixed"] == "AR"  # AR beats SD here: it is the fixed configuration to match
+    assert cell["tok_s"]["SD K=2"] == 8.5
+    assert cell["SD adaptive K<=5 x best fixed"] == pytest.approx(1.1) == cell["SD adaptive K<=5 x AR"]
+
+
+@pytest.mark.slow
+def test_bench_adapt_end_to_end(tmp_path):
+    cmd = [sys.executable, "-m", "saguaro.cli", "bench", "adapt", "--target", "smollm2-135m", "--draft",
+           "smollm2-135m", "--modes", "sd", "--ks", "2", "--max-k", "2", "--prompts", "1", "--max-tokens", "4",
+           "--datasets", "humaneval,mtbench-writing", "--temperatures", "0,1", "--mixed", "--warmup-tokens", "0",
+           "--out", str(tmp_path)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    payload = json.loads((tmp_path / "bench_adapt.json").read_text())
+    assert payload["rows"] == ["AR", "SD K=2", "SD adaptive K<=2"]
+    assert {(c["temperature"], c["dataset"]) for c in payload["cells"]} == {
+        (t, d) for t in (0.0, 1.0) for d in ("humaneval", "mtbench-writing", ba.MIXED)}
+    equal, compared = payload["greedy_equal_ar"]
+    assert equal == compared == 8  # 2 speculative rows x 4 greedy requests (one per dataset, the mixed two)
+    assert (tmp_path / "bench_adapt_k.png").stat().st_size > 0
+    assert "x best" in done.stdout
