@@ -26,7 +26,7 @@ def test_each_draft_resolves_to_its_kind(target, tmp_path_factory):
         with LLM(target, **{**COMMON, **options}) as llm:
             assert type(llm.draft) is kind, options
             if kind is EagleDraft:  # the target's runner taps what the head reads, its whole embedding table
-                assert llm.draft.taps == (2, 2, 1) and llm.draft.embed is target.model.model.embed_tokens.weight
+                assert llm.draft.taps == (1, 2, 2) and llm.draft.embed is target.model.model.embed_tokens.weight
             else:
                 assert llm.draft.taps == ()
     with pytest.raises(ValueError, match="head's directory"):
