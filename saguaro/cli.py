@@ -122,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from saguaro.server.lifecycle import ServerLimits
     try:
         limits = ServerLimits(args.max_choices, args.request_body_timeout, args.shutdown_timeout,
-                              args.health_stall_timeout)
+                              args.health_stall_timeout, args.max_request_bytes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -251,6 +251,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled per engine step; a longer prompt is prefilled in chunks, between "
                         "the decode rounds of the running requests")
     s.add_argument("--max-choices", type=int, default=128, help="at most this many prompts x n per request")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="a longer request body gets a 413, unread (default: 1 MiB plus 96 bytes per token of context)")
     s.add_argument("--request-body-timeout", type=float, default=30.0,
                    help="seconds a client has to send its request body (then 408)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

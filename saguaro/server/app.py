@@ -10,7 +10,8 @@ A client that disconnects aborts its requests: their KV blocks are free by the n
 next prefill chunk or decode round). Limits and deadlines: ``saguaro.server.lifecycle``.
 Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a
 request the engine cannot serve or a limit it breaks, 401 without the API key (``api_key``), 404
-for another model name, 408 for a body not sent in time, 503 while shutting down, 500 if the
+for another model name, 408 for a body not sent in time, 413 for a body over ``max_request_bytes``
+(``saguaro.server.request_limits``), 503 while shutting down, 500 if the
 engine fails on a request; a bad request never touches the others. ``/health`` is 503 while the
 engine loop is stalled.
 """
@@ -35,6 +36,7 @@ from saguaro.sampling.params import SamplingParams
 from saguaro.server.async_engine import AsyncEngine, ServerClosing
 from saguaro.server.end_of_turn import end_of_turn_ids
 from saguaro.server.lifecycle import BodyDeadline, GracefulServer, ServerLimits
+from saguaro.server.request_limits import BodyLimit, default_max_request_bytes
 from saguaro.server.schemas import ChatRequest, CompletionRequest, UnsupportedField, BaseRequest
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions; chat defaults to the rest of the context
@@ -154,6 +156,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     app.add_middleware(BodyDeadline, timeout_s=limits.body_timeout_s, on_timeout=lambda: _error(
         f"the request body did not arrive within {limits.body_timeout_s:g} s", 408, code="request_timeout"))
     llm = engine.llm
+    max_bytes = limits.max_request_bytes or default_max_request_bytes(llm.max_model_len)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes, on_too_large=lambda: _error(  # outermost: before the body
+        f"the request body is over {max_bytes} bytes (the server's --max-request-bytes)", 413,
+        code="request_too_large"))
     capacity = llm.engine.target.blocks.num_blocks * llm.engine.target.block_size - llm.engine.decoder.lookahead
     longest = min(llm.max_model_len, capacity)  # the most a request's prompt plus output may hold
     end_of_turn = end_of_turn_ids(llm.tokenizer)  # chat requests stop there
@@ -224,17 +230,24 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
             prompts = req.prompts()
         except ValueError as e:
             return _error(str(e))
-        encoded = [(llm.tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompts]
+        try:  # tokenized off the event loop; a prompt too long for the context is refused before that
+            encoded = [(await engine.prompts.encode(p), p) if isinstance(p, str) else (list(p), None)
+                       for p in prompts]
+        except ValueError as e:
+            return _error(str(e))
         return await run(request, req, encoded, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        tok = llm.tokenizer
         try:
-            text = tok.apply_chat_template([m.as_template_input() for m in req.messages], add_generation_prompt=True)
+            text = await engine.prompts.render_chat([m.as_template_input() for m in req.messages])
         except Exception as e:
             return _error(f"chat template failed: {e}")
-        return await run(request, req, [(tok.encode(text, add_special_tokens=False), None)], "chat")
+        try:
+            ids = await engine.prompts.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            return _error(str(e))
+        return await run(request, req, [(ids, None)], "chat")
 
     @app.get("/metrics")
     async def metrics():
