@@ -53,7 +53,7 @@ class LLM:
                                  self.target.config.max_position_embeddings)
         runner = self._target_runner()
         self.engine = LLMEngine(runner, self.tokenizer, self._decoder(runner, runner.blocks.num_blocks),
-                                self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens)
+                                self.max_model_len, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.prefill_step_budget_s)
 
     def _target_runner(self) -> ModelRunner:
         """Rank 0's runner of a tensor-parallel target (its blocks: the fewest any rank holds), or the target's

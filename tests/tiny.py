@@ -108,7 +108,8 @@ def weak_pair() -> tuple[LoadedModel, LoadedModel]:
 
 
 def greedy_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy AR outputs from the engine: the reference every speculative mode must equal."""
+    """Greedy AR outputs from the engine, each prompt prefilled in one pass: the reference every speculative mode
+    and every chunking must equal."""
     from saguaro import LLM, SamplingParams
-    with LLM(loaded, block_size=4) as llm:
+    with LLM(loaded, block_size=4, max_prefill_tokens=1 << 20) as llm:
         return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))]
