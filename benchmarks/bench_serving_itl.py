@@ -1,15 +1,18 @@
-"""Inter-token latency of running streams while one long prompt arrives: chunked prefill against none.
+"""Inter-token latency of running streams while one long prompt arrives: chunks of a fixed size, chunks
+sized by time ("auto"), or none.
 
 A few streams decode; then one long prompt (random token ids) arrives. Without chunking its whole
 prefill is one engine step, and every running stream waits for it; with chunks of
 ``max_prefill_tokens``, prefill chunks alternate with decode rounds, so a running stream waits at
-most one chunk per token. The engine loop is driven directly (as the server's loop thread drives it)
-so the figures hold no HTTP noise. Inter-token latency (ITL) is the time between two tokens of one
-running stream, over every stream, from the long prompt's arrival to its first token; the long
-prompt's time to first token is reported beside it.
+most one chunk per token; with "auto" a chunk is as many tokens as fit the step budget
+(``--budget``, default the device's), so that wait is about the budget however long the prompt.
+The engine loop is driven directly (as the server's loop thread drives it) so the figures hold no
+HTTP noise. Inter-token latency (ITL) is the time between two tokens of one running stream, over
+every stream, from the long prompt's arrival to its first token; the long prompt's time to first
+token is reported beside it.
 
-    python -m benchmarks.bench_serving_itl                           # SmolLM2-135M, fp32, 1024-token prompt, 2 streams
-    python -m benchmarks.bench_serving_itl --prompt-tokens 8000 --chunks 0,512
+    python -m benchmarks.bench_serving_itl                  # SmolLM2-135M, 8k-token prompt, 2 streams: 4096 vs auto
+    python -m benchmarks.bench_serving_itl --prompt-tokens 1024 --chunks 0,128,auto --dtype float32
     python -m benchmarks.bench_serving_itl --prompt-tokens 256 --streams 2 --chunks 0,64 --out /tmp/x   # smoke
 """
 from __future__ import annotations
@@ -51,10 +54,14 @@ def run_one(llm: LLM, streams: int, prompt_tokens: int, vocab: int) -> dict:
     last = {s.seq_id: time.perf_counter() for s in running}
     long = engine.add_request([rng.randrange(vocab) for _ in range(prompt_tokens)],
                               SamplingParams(max_tokens=1, ignore_eos=True))
-    arrival, gaps, ttft = time.perf_counter(), [], None
+    arrival, gaps, ttft, chunks = time.perf_counter(), [], None, []
     after = set()  # streams with a token since the long prompt's first: the window closes when all have one
     while len(after) < streams:
-        for seq, tokens in engine.step():
+        cached = long.num_cached
+        events = engine.step()
+        if long.num_cached > cached:
+            chunks.append(long.num_cached - cached)
+        for seq, tokens in events:
             now = time.perf_counter()
             if seq is long:
                 ttft = now - arrival if tokens else None  # a chunk that completes no prompt gives no token
@@ -66,7 +73,7 @@ def run_one(llm: LLM, streams: int, prompt_tokens: int, vocab: int) -> dict:
     for s in running:
         engine.abort(s)
     return {"itl_p50_ms": 1e3 * _percentile(gaps, 0.5), "itl_p99_ms": 1e3 * _percentile(gaps, 0.99),
-            "itl_max_ms": 1e3 * max(gaps), "long_ttft_s": ttft, "gaps": len(gaps)}
+            "itl_max_ms": 1e3 * max(gaps), "long_ttft_s": ttft, "gaps": len(gaps), "chunk_tokens": chunks}
 
 
 def steady_itl(llm: LLM, streams: int, vocab: int, steps: int = 20) -> float:
@@ -86,36 +93,41 @@ def steady_itl(llm: LLM, streams: int, vocab: int, steps: int = 20) -> float:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--prompt-tokens", type=int, default=1024)
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompt-tokens", type=int, default=8000)
     p.add_argument("--streams", type=int, default=2)
-    p.add_argument("--chunks", default="0,128", help="max_prefill_tokens to compare; 0: the whole prompt (none)")
+    p.add_argument("--chunks", default="4096,auto",
+                   help="max_prefill_tokens to compare; 0: the whole prompt (none); auto: sized by time")
+    p.add_argument("--budget", type=float, default=None, help="auto's step budget in seconds (default: the device's)")
     p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--cpu", default="AMD EPYC Zen 3, 2 cores, AVX2", help="the CPU named beside the figures")
+    p.add_argument("--cpu", default="AMD EPYC Zen 4, 2 cores, AVX512-BF16", help="the CPU named beside the figures")
     p.add_argument("--out", default="results/serving_itl")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     rows = []
-    for chunk in [int(c) for c in args.chunks.split(",")]:
-        budget = chunk or args.prompt_tokens
-        with LLM(args.model, dtype=args.dtype, threads=args.threads, max_prefill_tokens=budget,
-                 max_model_len=args.prompt_tokens + 256, kv_cache_tokens=args.prompt_tokens + 4096) as llm:
+    for chunk in [c if c == "auto" else int(c) for c in args.chunks.split(",")]:
+        timed = dict(prefill_step_budget_s=args.budget) if chunk == "auto" else {}
+        with LLM(args.model, dtype=args.dtype, threads=args.threads, max_prefill_tokens=chunk or args.prompt_tokens,
+                 max_model_len=args.prompt_tokens + 256, kv_cache_tokens=args.prompt_tokens + 4096, **timed) as llm:
             vocab = llm.engine.target.config.vocab_size
             run_one(llm, args.streams, min(256, args.prompt_tokens), vocab)  # warm-up
             row = run_one(llm, args.streams, args.prompt_tokens, vocab)
             row["steady_itl_ms"] = steady_itl(llm, args.streams, vocab)
-        row["chunk"] = "none (whole prompt)" if chunk == 0 else chunk
+        budget = getattr(llm.engine.scheduler.chunks, "budget_s", None)
+        row["chunk"] = "none (whole prompt)" if chunk == 0 else f"auto ({budget:g} s)" if chunk == "auto" else chunk
+        row["chunk_tokens"] = (f"{min(row['chunk_tokens'])}-{max(row['chunk_tokens'])} "
+                               f"({len(row['chunk_tokens'])} chunks)")
         rows.append(row)
         print(row, flush=True)
     setup = (f"{args.model} ({args.dtype}, {args.threads} thread), {args.streams} running streams, one prompt of "
              f"{args.prompt_tokens} random tokens arriving; CPU: {args.cpu} ({platform.machine()})")
     lines = [f"# Inter-token latency while a long prompt arrives\n\n{setup}\n",
-             "| max_prefill_tokens | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) | steady ITL (ms) "
+             "| max_prefill_tokens | chunk tokens | ITL p50 (ms) | ITL p99 (ms) | ITL max (ms) | steady ITL (ms) "
              "| long prompt TTFT (s) |",
-             "|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['chunk']} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | {r['itl_max_ms']:.1f} | "
-                     f"{r['steady_itl_ms']:.1f} | {r['long_ttft_s']:.2f} |")
+        lines.append(f"| {r['chunk']} | {r['chunk_tokens']} | {r['itl_p50_ms']:.1f} | {r['itl_p99_ms']:.1f} | "
+                     f"{r['itl_max_ms']:.1f} | {r['steady_itl_ms']:.1f} | {r['long_ttft_s']:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
     out = Path(args.out)

@@ -110,6 +110,10 @@ def cmd_info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chunk_tokens(value: str) -> int | str:
+    return value if value == "auto" else int(value)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     from saguaro import LLM
     from saguaro.server.app import serve
@@ -121,11 +125,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from saguaro.server.lifecycle import ServerLimits
     try:
         limits = ServerLimits(args.max_choices, args.request_body_timeout, args.shutdown_timeout,
-                              args.health_stall_timeout)
+                              args.health_stall_timeout, args.max_request_bytes)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    llm = LLM(target=target, draft=draft, max_prefill_tokens=args.max_prefill_tokens, **_engine_options(args))
+    llm = LLM(target=target, draft=draft, max_prefill_tokens=args.max_prefill_tokens,
+              prefill_step_budget_s=args.prefill_step_budget, **_engine_options(args))
     serve(llm, args.served_model_name or target, args.host, args.port, args.api_key, limits)
     return 0
 
@@ -242,10 +247,16 @@ def _add_serve(sub) -> None:
     s.add_argument("--served-model-name", help="the model name clients use and /v1/models lists (default: --model)")
     s.add_argument("--api-key", default=os.environ.get("SAGUARO_API_KEY"),
                    help="refuse /v1 requests without 'Authorization: Bearer KEY' (default: $SAGUARO_API_KEY)")
-    s.add_argument("--max-prefill-tokens", type=int, default=4096,
+    s.add_argument("--max-prefill-tokens", type=_chunk_tokens, default="auto",
                    help="prompt tokens prefilled per engine step; a longer prompt is prefilled in chunks, between "
-                        "the decode rounds of the running requests")
+                        "the decode rounds of the running requests; 'auto' (default): as many as fit "
+                        "--prefill-step-budget")
+    s.add_argument("--prefill-step-budget", type=float, default=None,
+                   help="seconds one prefill chunk may take with --max-prefill-tokens auto (default: 0.25 on a CPU, "
+                        "0.025 on a GPU)")
     s.add_argument("--max-choices", type=int, default=128, help="at most this many prompts x n per request")
+    s.add_argument("--max-request-bytes", type=int, default=None,
+                   help="a longer request body gets a 413, unread (default: 1 MiB plus 96 bytes per token of context)")
     s.add_argument("--request-body-timeout", type=float, default=30.0,
                    help="seconds a client has to send its request body (then 408)")
     s.add_argument("--shutdown-timeout", type=float, default=30.0,

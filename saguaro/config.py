@@ -13,6 +13,7 @@ import torch
 
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.cores import default_draft_cores, default_target_cores
+from saguaro.engine.prefill_chunks import check_chunking
 from saguaro.models.draft_format import WEIGHT_FORMATS, DraftFormat
 from saguaro.placement import check_transport, gpu_index, place_speculator
 from saguaro.removed import refuse_options
@@ -54,7 +55,8 @@ class Config:
     block_size: int = 16
     kv_cache_tokens: int = 32768  # capacity of each model's paged KV cache
     max_num_seqs: int = 16
-    max_prefill_tokens: int = 4096
+    max_prefill_tokens: int | str = "auto"  # prompt tokens per prefill step; "auto": sized by time (prefill_chunks)
+    prefill_step_budget_s: float | None = None  # "auto"'s time per prefill step (default 0.25 s CPU, 25 ms GPU)
     max_model_len: int | None = None  # defaults to the model's context length
     enforce_eager: bool = False  # run the exact eager reference instead of the device's fast path (tests)
     draft_weights: str = "bf16"  # "int8"/"int4": the draft runs W8A8/W4A8 on the fast path (cheaper, still lossless)
@@ -108,7 +110,8 @@ class Config:
             raise ValueError(f"tensor_parallel_size must be an int >= 1, got {self.tensor_parallel_size!r}")
         if self.threads < 1:
             raise ValueError("threads must be >= 1")
-        for name in ("block_size", "kv_cache_tokens", "max_num_seqs", "max_prefill_tokens"):
+        check_chunking(self.max_prefill_tokens, self.prefill_step_budget_s)
+        for name in ("block_size", "kv_cache_tokens", "max_num_seqs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1")
         if k != "auto":

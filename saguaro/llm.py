@@ -43,7 +43,7 @@ class LLM:
             self._target.close()  # no tensor-parallel rank is left waiting
             raise
         self.engine = LLMEngine(self._target.runner, self.tokenizer, decoder, self.max_model_len, cfg.max_num_seqs,
-                                cfg.max_prefill_tokens)
+                                cfg.max_prefill_tokens, cfg.prefill_step_budget_s)
 
     # -- generation ----------------------------------------------------------------
     def _encode(self, prompt: Prompt) -> tuple[list[int], str | None]:

@@ -48,7 +48,8 @@ def test_serve_flags_and_dtype_default(monkeypatch):
 def test_serve_limit_and_deadline_flags(capsys):
     args = build_parser().parse_args(["serve", "--model", "a", "--max-choices", "4", "--request-body-timeout", "3",
                                       "--shutdown-timeout", "2", "--health-stall-timeout", "5",
-                                      "--max-prefill-tokens", "256"])
+                                      "--max-prefill-tokens", "256", "--max-request-bytes", "4096"])
+    assert args.max_request_bytes == 4096
     assert (args.max_choices, args.request_body_timeout, args.shutdown_timeout, args.health_stall_timeout,
             args.max_prefill_tokens) == (4, 3.0, 2.0, 5.0, 256)
     assert main(["serve", "--model", "a", "--shutdown-timeout", "0"]) == 2  # refused before any model loads

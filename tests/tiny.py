@@ -6,6 +6,7 @@ on real checkpoints, only smaller.
 """
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -38,6 +39,39 @@ def tiny_model(seed: int = 0, vocab: int = 64, layers: int = 2, hidden: int = 64
         model.lm_head.weight.mul_(sharpness)
     model.eval().requires_grad_(False)
     return LoadedModel(name, cfg, model, tiny_tokenizer(vocab, eos), Path("."), Path("."), True)
+
+
+BPE_CORPUS = ["def f(x):\n    return x * 2  # doubles", "Hello world, hello saguaro!", "naïve café 日本語 🌵🤖",
+              "    indented    spaces\t\ttabs\n\n\n", "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa",
+              "\uac01" * 80, "\u00e9" * 80]  # composed characters, so that NFC tokenizers learn long runs of them
+
+
+def trained_tokenizer(model, normalizer=None, pre_tokenizer=None, byte_level: bool = False, vocab_size: int = 400,
+                      **trainer) -> Tokenizer:
+    """A BPE (or other) tokenizer trained on a few lines: real tokenizer machinery at a tiny size."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, pre_tokenizers, trainers
+    backend = HFTokenizer(model)
+    backend.normalizer, backend.pre_tokenizer = normalizer, pre_tokenizer
+    alphabet = pre_tokenizers.ByteLevel.alphabet() if byte_level else []
+    backend.train_from_iterator(BPE_CORPUS * 20, trainers.BpeTrainer(
+        vocab_size=vocab_size, initial_alphabet=alphabet, show_progress=False, **trainer))
+    if byte_level:
+        backend.decoder = decoders.ByteLevel()
+    return Tokenizer(backend)
+
+
+def byte_level_bpe() -> Tokenizer:
+    """A small GPT-2-style tokenizer (what SmolLM2 and Qwen use): byte-level BPE."""
+    from tokenizers import models, pre_tokenizers
+    return trained_tokenizer(models.BPE(), pre_tokenizer=pre_tokenizers.ByteLevel(add_prefix_space=False),
+                             byte_level=True)
+
+
+def byte_level_model(seed: int = 0) -> LoadedModel:
+    """``tiny_model`` with a byte-level BPE tokenizer (any text encodes) in place of the numbered words."""
+    tokenizer = byte_level_bpe()
+    return dataclasses.replace(tiny_model(seed=seed, vocab=tokenizer.vocab_size), tokenizer=tokenizer)
 
 
 def truncated(loaded: LoadedModel, layers: int, name: str = "tiny-draft") -> LoadedModel:
@@ -74,9 +108,10 @@ def weak_pair() -> tuple[LoadedModel, LoadedModel]:
 
 
 def greedy_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Greedy AR outputs from the engine: the reference every speculative mode must equal."""
+    """Greedy AR outputs from the engine, each prompt prefilled in one pass: the reference every speculative mode
+    and every chunking must equal."""
     from saguaro import LLM, SamplingParams
-    with LLM(loaded, block_size=4) as llm:
+    with LLM(loaded, block_size=4, max_prefill_tokens=1 << 20) as llm:
         return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))]
 
 

@@ -13,6 +13,7 @@ from saguaro.engine.detokenizer import IncrementalDetokenizer
 from saguaro.engine.metrics import summarize
 from saguaro.engine.model_runner import ForwardItem, ModelRunner
 from saguaro.engine.outputs import RequestOutput, Timings
+from saguaro.engine.prefill_chunks import prefill_chunks
 from saguaro.engine.scheduler import Scheduler
 from saguaro.engine.sequence import Sequence, Status
 from saguaro.loading.tokenizer import Tokenizer
@@ -27,12 +28,14 @@ class RequestError(ValueError):
 
 class LLMEngine:
     def __init__(self, target: ModelRunner, tokenizer: Tokenizer, decoder: Decoder,
-                 max_model_len: int, max_num_seqs: int, max_prefill_tokens: int):
+                 max_model_len: int, max_num_seqs: int, max_prefill_tokens: int | str,
+                 prefill_step_budget_s: float | None = None):
         self.target = target
         self.tokenizer = tokenizer
         self.decoder = decoder
         self.max_model_len = max_model_len
-        self.scheduler = Scheduler(target.blocks, max_num_seqs, max_prefill_tokens, on_preempt=decoder.release)
+        chunks = prefill_chunks(max_prefill_tokens, prefill_step_budget_s, target.device)
+        self.scheduler = Scheduler(target.blocks, max_num_seqs, chunks, on_preempt=decoder.release)
         self.eos_ids = set(tokenizer.eos_token_ids)
 
     # -- requests -----------------------------------------------------------------
@@ -103,8 +106,9 @@ class LLMEngine:
                                      "all" if scored else "last" if sample else "none"))
             ends.append(end)
             samples.append(sample)
-        self.decoder.prefilling(seqs, ends)
-        logits = self.target.forward(items)
+        with self.scheduler.chunks.timing([(n, seq.num_cached) for seq, n in zip(seqs, chunks)], self.target.device):
+            self.decoder.prefilling(seqs, ends)  # the draft's chunk counts in the step's time
+            logits = self.target.forward(items)
         for seq, item, rows in zip(seqs, items, logits):
             if item.logits == "all":
                 record_prompt_logprobs(seq, item.start, rows)

@@ -2,9 +2,11 @@
 
 Each step is either a prefill step or a decode step. Waiting requests are admitted when their
 prompt's blocks fit; an admitted request is *prefilling* until its prompt is in the cache, fed
-at most ``max_prefill_tokens`` tokens per step over all prefilling requests (a long prompt takes
-several steps: chunks). While requests are decoding, prefill and decode steps alternate, so a
-long prompt delays the running streams by one chunk per token, never by its whole prefill.
+a chunk per step over all prefilling requests (a long prompt takes several steps): at most
+``max_prefill_tokens`` tokens, or with "auto" as many as fit a step's time budget
+(``saguaro.engine.prefill_chunks``). While requests are decoding, prefill and decode steps
+alternate, so a long prompt delays the running streams by one chunk per token, never by its whole
+prefill.
 
 A decode round may write up to ``lookahead`` new positions per sequence (1 for AR, K+1 for
 speculative verification); blocks for them are reserved up front. When blocks run out, the most
@@ -17,6 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from saguaro.engine.prefill_chunks import FixedChunks
 from saguaro.engine.sequence import Sequence, Status
 from saguaro.kv.block_manager import BlockManager
 
@@ -29,11 +32,11 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_prefill_tokens: int,
+    def __init__(self, blocks: BlockManager, max_num_seqs: int, chunks: FixedChunks,
                  on_preempt: Callable[[Sequence], None] = lambda seq: None):
         self.blocks = blocks
         self.max_num_seqs = max_num_seqs
-        self.max_prefill_tokens = max_prefill_tokens
+        self.chunks = chunks  # how many prompt tokens a step feeds
         self.on_preempt = on_preempt
         self.waiting: deque[Sequence] = deque()
         self.prefilling: list[Sequence] = []  # admitted; their prompt is partly in the cache
@@ -62,7 +65,7 @@ class Scheduler:
     def _admit(self, lookahead: int) -> None:
         """Admit waiting requests while the next chunk has room for them (so blocks are not held idle)."""
         pending = sum(s.prefill_end - s.num_cached for s in self.prefilling)
-        while (self.waiting and pending < self.max_prefill_tokens
+        while (self.waiting and pending < self.chunks.step_tokens
                and len(self.running) + len(self.prefilling) < self.max_num_seqs):
             seq = self.waiting[0]
             if not self.blocks.can_reserve(seq.block_table, len(seq) + lookahead):  # + the first decode round
@@ -74,17 +77,10 @@ class Scheduler:
             pending += seq.prefill_end - seq.num_cached
 
     def _prefill_batch(self) -> Batch:
-        """The next chunk: prefilling requests in admission order, ``max_prefill_tokens`` tokens in all."""
-        budget = self.max_prefill_tokens
-        seqs, chunks = [], []
-        for seq in self.prefilling:
-            if budget <= 0:
-                break
-            n = min(seq.prefill_end - seq.num_cached, budget)
-            seqs.append(seq)
-            chunks.append(n)
-            budget -= n
-        return Batch(seqs, is_prefill=True, chunks=chunks)
+        """The next chunk: prefilling requests in admission order, as many tokens as ``chunks`` gives them."""
+        sizes = self.chunks.split([(seq.prefill_end - seq.num_cached, seq.num_cached) for seq in self.prefilling])
+        fed = [(seq, n) for seq, n in zip(self.prefilling, sizes) if n > 0]
+        return Batch([seq for seq, _ in fed], is_prefill=True, chunks=[n for _, n in fed])
 
     def prefilled(self, seq: Sequence) -> None:
         """``seq``'s prompt is in the cache: it decodes from the next round on."""

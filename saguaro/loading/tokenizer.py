@@ -90,6 +90,11 @@ class Tokenizer:
         """Token ids; ``add_special_tokens`` applies the tokenizer's post-processor (e.g. a BOS)."""
         return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
 
+    def encode_nogil(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """``encode`` that lets other Python threads run meanwhile: the backend's batch call releases the GIL, its
+        single call holds it (for seconds on a long text)."""
+        return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.backend.decode(list(ids), skip_special_tokens=skip_special_tokens)
 

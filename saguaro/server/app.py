@@ -13,7 +13,8 @@ A client that disconnects aborts its requests: their KV blocks are free by the n
 next prefill chunk or decode round). Limits and deadlines: ``saguaro.server.lifecycle``.
 Errors are OpenAI-shaped JSON (``{"error": {"message", "type", "param", "code"}}``): 400 for a
 request the engine cannot serve or a limit it breaks, 401 without the API key (``api_key``), 404
-for another model name, 408 for a body not sent in time, 503 while shutting down, 500 if the
+for another model name, 408 for a body not sent in time, 413 for a body over ``max_request_bytes``
+(``saguaro.server.request_limits``), 503 while shutting down, 500 if the
 engine fails on a request; a bad request never touches the others. ``/health`` is 503 while the
 engine loop is stalled.
 """
@@ -31,6 +32,7 @@ from saguaro.server.infill import add_infill_route
 from saguaro.server.lifecycle import BodyDeadline, GracefulServer, ServerLimits
 from saguaro.server.openai_routes import Served, add_openai_routes
 from saguaro.server.responses import error
+from saguaro.server.request_limits import BodyLimit, default_max_request_bytes
 
 
 class _APIKey:
@@ -86,6 +88,10 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
         app.add_middleware(_APIKey, key=api_key)
     app.add_middleware(BodyDeadline, timeout_s=limits.body_timeout_s, on_timeout=lambda: error(
         f"the request body did not arrive within {limits.body_timeout_s:g} s", 408, code="request_timeout"))
+    max_bytes = limits.max_request_bytes or default_max_request_bytes(engine.llm.max_model_len)
+    app.add_middleware(BodyLimit, max_bytes=max_bytes, on_too_large=lambda: error(  # outermost: before the body
+        f"the request body is over {max_bytes} bytes (the server's --max-request-bytes)", 413,
+        code="request_too_large"))
     _add_error_handlers(app)
     served = Served.of(engine, model_name, limits)
     add_openai_routes(app, served)

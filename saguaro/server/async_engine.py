@@ -9,8 +9,10 @@ failing request gets an error chunk and the loop goes on with the rest. ``stalle
 the loop has gone without completing a step for too long while work waits (``/health``).
 
 Each chunk's text comes from a ``StreamText`` (only the new tokens are decoded, and what a stop
-string may still cut is held back); the metrics (``ServerMetrics``) are counted here too, after
-every round.
+string may still cut is held back), made and delivered on a text thread of its own, in order, so
+that detokenizing never delays the engine's next step; the metrics (``ServerMetrics``) are counted
+on the loop thread, after every round. Prompts are tokenized on a pool of their own
+(``PromptEncoder``, ``prompts``): neither the event loop nor the engine waits for a long one.
 """
 from __future__ import annotations
 
@@ -19,6 +21,7 @@ import logging
 import queue
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -28,6 +31,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.llm import LLM
 from saguaro.sampling.params import SamplingParams
 from saguaro.server.metrics import RequestCounts, ServerMetrics
+from saguaro.server.prompt_encoder import PromptEncoder
 
 log = logging.getLogger("saguaro.server")
 
@@ -52,7 +56,8 @@ class _Submission:
 class _Live:
     sub: _Submission
     seq: Sequence
-    text: StreamText
+    text: StreamText  # used on the text thread only
+    closed: bool = False  # its last chunk was delivered (text thread)
     sent: bool = False  # whether a chunk went out (the first carries the prompt's logprobs)
 
 
@@ -60,7 +65,7 @@ class AsyncEngine:
     def __init__(self, llm: LLM):
         self.llm = llm
         self._inbox: queue.Queue[_Submission] = queue.Queue()
-        self._aborts: queue.Queue[int] = queue.Queue()  # ids of requests to finish early
+        self._aborts: queue.Queue[tuple[int, str]] = queue.Queue()  # (id, reason) of requests to finish early
         self._queued: set[int] = set()  # ids submitted but not yet taken from the inbox
         self._cancelled: set[int] = set()  # of those, the ones aborted before the loop took them
         self._live: dict[int, _Live] = {}  # by request id
@@ -70,6 +75,8 @@ class AsyncEngine:
         self._abort_all = threading.Event()
         self.beat = time.monotonic()  # when the loop last completed a step or found nothing to do
         self.metrics = ServerMetrics(llm.engine, queued=self._inbox.qsize)
+        self.prompts = PromptEncoder(llm.tokenizer, llm.max_model_len)
+        self._text = ThreadPoolExecutor(1, thread_name_prefix="saguaro-text")  # one thread: chunks stay in order
         self._thread = threading.Thread(target=self._loop, name="saguaro-engine", daemon=True)
         self._thread.start()
 
@@ -88,7 +95,7 @@ class AsyncEngine:
 
     def abort(self, request_id: int) -> None:
         """Finish a request early (its client is gone); a no-op for one that already finished."""
-        self._aborts.put(request_id)
+        self._aborts.put((request_id, "abort"))
         self._wake.set()
 
     @property
@@ -130,7 +137,7 @@ class AsyncEngine:
                 if live is not None and (tokens or seq.finished):
                     try:
                         self._send(live, tokens)
-                    except Exception as e:  # this request's text or metrics failed: it alone ends
+                    except Exception as e:  # this request's metrics failed: it alone ends
                         log.exception("request %d failed after its step", live.sub.request_id)
                         self._end(live, f"error: {type(e).__name__}: {e}")
 
@@ -152,41 +159,56 @@ class AsyncEngine:
             self._live[sub.request_id] = _Live(sub, seq, text)
         if self._abort_all.is_set():
             for request_id in list(self._live) + list(self._queued):
-                self._aborts.put(request_id)
+                self._aborts.put((request_id, "abort"))
         while not self._aborts.empty():
-            request_id = self._aborts.get()
+            request_id, reason = self._aborts.get()
             live = self._live.get(request_id)
             if live is not None:
-                self._end(live, "abort")
+                self._end(live, reason)
             elif request_id in self._queued:  # submitted after the inbox was drained: drop it when it comes
                 self._cancelled.add(request_id)
 
     def _send(self, live: _Live, tokens: list[int]) -> None:
         seq = live.seq
-        final = self.llm.engine.output(seq) if seq.finished else None
-        text = live.text.delta(tokens, final.text if final else None)
         if seq.finished:
             del self._live[live.sub.request_id]
             self.metrics.on_finish(seq, live.sub.counts)
         else:
             self.metrics.on_tokens(seq, live.sub.counts)
-        params = seq.params
+        params = seq.params  # logprobs taken here, on the loop thread, while the sequence holds still
         logprobs = seq.output_logprobs[len(seq.output_logprobs) - len(tokens):] if params.logprobs is not None else None
         prompt_logprobs = seq.prompt_logprobs if params.prompt_logprobs is not None and not live.sent else None
         live.sent = True
-        chunk = StreamChunk(seq.seq_id, tokens, text, seq.finished, seq.finish_reason, final, logprobs, prompt_logprobs)
-        if not _safely(live.sub.deliver, chunk) and not seq.finished:
-            self._end(live, "abort")  # nobody is listening any more
+        self._text.submit(self._deliver, live, list(tokens), seq.finished, seq.finish_reason, logprobs, prompt_logprobs)
 
     def _end(self, live: _Live, reason: str) -> None:
         """Finish a live request now (abort or error): free its blocks and send its last chunk."""
-        engine = self.llm.engine
-        engine.abort(live.seq, reason)
+        self.llm.engine.abort(live.seq, reason)
         if live.seq.finish_reason != reason:  # it had finished already (its last chunk failed): say why now
             live.seq.finish_reason = reason
         self._live.pop(live.sub.request_id, None)
         self.metrics.on_finish(live.seq, live.sub.counts)
-        _safely(live.sub.deliver, StreamChunk(live.seq.seq_id, [], "", True, reason, engine.output(live.seq)))
+        self._text.submit(self._deliver, live, [], True, reason)
+
+    # -- the text thread -----------------------------------------------------------
+    def _deliver(self, live: _Live, tokens: list[int], finished: bool, reason: str | None,
+                 logprobs: list | None = None, prompt_logprobs: list | None = None) -> None:
+        """Make a chunk's text and hand the chunk over; a finished request's text is its final (stop-cut) one."""
+        if live.closed:
+            return
+        try:
+            final = self.llm.engine.output(live.seq) if finished else None
+            text = live.text.delta(tokens, final.text if final else None)
+        except Exception as e:  # this request's text failed: it alone ends
+            log.exception("request %d failed making its text", live.sub.request_id)
+            live.closed = True
+            _safely(live.sub.deliver, StreamChunk(live.seq.seq_id, [], "", True, f"error: {type(e).__name__}: {e}"))
+            self.abort(live.sub.request_id)  # its blocks are freed on the loop thread
+            return
+        live.closed = finished
+        chunk = StreamChunk(live.seq.seq_id, tokens, text, finished, reason, final, logprobs, prompt_logprobs)
+        if not _safely(live.sub.deliver, chunk) and not finished:
+            self.abort(live.sub.request_id)  # nobody is listening any more
 
     def close(self) -> None:
         """Stop the loop and close the engine (its SSD speculator included); once."""
@@ -195,6 +217,8 @@ class AsyncEngine:
         self._stop = True
         self._wake.set()
         self._thread.join(timeout=10)
+        self._text.shutdown(wait=True)  # the last chunks go out
+        self.prompts.close()
         self.llm.close()
 
 

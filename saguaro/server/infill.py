@@ -81,8 +81,10 @@ def add_infill_route(app: FastAPI, served: Served) -> None:
         tok = served.llm.tokenizer
         try:
             fim = FimTokens.of(tok)
-            ids = fim_prompt(tok, req.input_prefix, req.input_suffix,
-                             [(f.filename, f.text) for f in req.input_extra], req.prompt)
+            extra = [(f.filename, f.text) for f in req.input_extra]
+            encoder = served.engine.prompts  # off the event loop, an over-long text refused before tokenizing
+            encoder.check_length(req.input_prefix + req.input_suffix + req.prompt + "".join(t for _, t in extra))
+            ids = await encoder.off_loop(fim_prompt, tok, req.input_prefix, req.input_suffix, extra, req.prompt)
             room = served.longest - len(ids)
             if room < 1 or req.n_predict > room:
                 raise ValueError(f"the prompt has {len(ids)} tokens and n_predict asks for {req.n_predict}, but the "

@@ -30,10 +30,13 @@ class ServerLimits:
     body_timeout_s: float = 30.0  # to receive a request's whole body
     shutdown_timeout_s: float = 30.0  # for requests in flight after SIGTERM, before they are aborted
     health_stall_s: float = 60.0  # /health is 503 once the engine has made no step this long with work waiting
+    max_request_bytes: int | None = None  # a longer body gets a 413; None: derived from the context (request_limits)
 
     def __post_init__(self) -> None:
         if self.max_choices < 1:
             raise ValueError(f"max_choices must be >= 1, got {self.max_choices}")
+        if self.max_request_bytes is not None and self.max_request_bytes < 1:
+            raise ValueError(f"max_request_bytes must be >= 1, got {self.max_request_bytes}")
         for name in ("body_timeout_s", "shutdown_timeout_s", "health_stall_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")

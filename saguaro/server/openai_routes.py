@@ -130,17 +130,25 @@ def add_openai_routes(app: FastAPI, served: Served) -> None:
             return error(str(e))
         if req.suffix is not None:
             return await _fill_in_the_middle(served, request, req, prompts)
-        encoded = [(llm.tokenizer.encode(p), p) if isinstance(p, str) else (list(p), None) for p in prompts]
+        try:  # tokenized off the event loop; a prompt too long for the context is refused before that
+            encoded = [(await served.engine.prompts.encode(p), p) if isinstance(p, str) else (list(p), None)
+                       for p in prompts]
+        except ValueError as e:
+            return error(str(e))
         return await run(served, request, req, encoded, "completion")
 
     @app.post("/v1/chat/completions")
     async def chat(req: ChatRequest, request: Request):
-        tok = llm.tokenizer
+        prompts = served.engine.prompts
         try:
-            text = tok.apply_chat_template([m.as_template_input() for m in req.messages], add_generation_prompt=True)
+            text = await prompts.render_chat([m.as_template_input() for m in req.messages])
         except Exception as e:
             return error(f"chat template failed: {e}")
-        return await run(served, request, req, [(tok.encode(text, add_special_tokens=False), None)], "chat")
+        try:
+            ids = await prompts.encode(text, add_special_tokens=False)
+        except ValueError as e:
+            return error(str(e))
+        return await run(served, request, req, [(ids, None)], "chat")
 
 
 async def _fill_in_the_middle(served: Served, request: Request, req: CompletionRequest,
@@ -153,5 +161,12 @@ async def _fill_in_the_middle(served: Served, request: Request, req: CompletionR
         return error(str(e))
     if not all(isinstance(p, str) for p in prompts):
         return error("suffix needs text prompts (the prefix), not token ids")
-    return await run(served, request, req, [(fim_prompt(tok, p, req.suffix), p) for p in prompts], "completion",
-                     stops)
+    encoder = served.engine.prompts
+    try:  # the pieces tokenized off the event loop, a prefix and suffix too long for the context refused first
+        encoded = []
+        for p in prompts:
+            encoder.check_length(p + req.suffix)
+            encoded.append((await encoder.off_loop(fim_prompt, tok, p, req.suffix), p))
+    except ValueError as e:
+        return error(str(e))
+    return await run(served, request, req, encoded, "completion", stops)

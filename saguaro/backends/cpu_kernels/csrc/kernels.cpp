@@ -163,7 +163,36 @@ void i4_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* 
   with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i4<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
 }
 
-// Masked attention of the new tokens over their context slots (the tier's attend does the work).
+#if !defined(SAGUARO_TIER_AVX512)
+#include "attention_tiled.h"  // avx2 and portable: causal multi-row passes (avx512's is in its attention header)
+#endif
+
+// A group with at least TILED_MIN_QUERIES valid queries, each seeing a leading run of its context slots (a
+// prefill chunk), goes to attend_tiled; the rest (decode, verification, tree branches) to the tier's attend.
+constexpr int64_t TILED_MIN_QUERIES = 16;
+
+// The tiled groups, and how many leading slots each of their valid queries sees (vis [S, Q]).
+std::vector<int64_t> causal_groups(const AttentionArgs& a, std::vector<int64_t>& vis) {
+  std::vector<int64_t> groups;
+  for (int64_t s = 0; s < a.S; s++) {
+    int64_t valid = 0;
+    bool prefix = true;
+    for (int64_t q = 0; q < a.Q && prefix; q++) {
+      if (!a.qv[s * a.Q + q]) continue;
+      const bool* m = a.mk + (s * a.Q + q) * a.L;
+      int64_t n = a.L;
+      while (n > 0 && !m[n - 1]) n--;
+      prefix = n > 0 && std::memchr(m, 0, n) == nullptr;
+      vis[s * a.Q + q] = n;
+      valid++;
+    }
+    if (prefix && valid >= TILED_MIN_QUERIES) groups.push_back(s);
+  }
+  return groups;
+}
+
+// Masked attention of the new tokens over their context slots: attend_tiled for causal chunks, the tier's
+// attend for the rest.
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& context_slots,
                      const at::Tensor& mask, int64_t H, int64_t KVH, int64_t D, double scale) {
@@ -176,7 +205,20 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
                            qkv.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
                            query_index.data_ptr<int64_t>(), context_slots.data_ptr<int64_t>(),
                            query_valid.data_ptr<bool>(), mask.data_ptr<bool>(), out.data_ptr<bf16>()};
-  attend(args, H, KVH, D, (float)scale);
+  std::vector<int64_t> vis(args.S * args.Q, 0);
+  const std::vector<int64_t> tiled = causal_groups(args, vis);
+  if (tiled.empty()) {
+    attend(args, H, KVH, D, (float)scale);
+    return out;
+  }
+  if ((int64_t)tiled.size() < args.S) {  // the others, with the tiled groups' queries marked invalid
+    auto rest = query_valid.clone();
+    for (int64_t s : tiled) rest[s].fill_(false);
+    AttentionArgs others = args;
+    others.qv = rest.data_ptr<bool>();
+    attend(others, H, KVH, D, (float)scale);
+  }
+  attend_tiled(args, tiled, vis.data(), H, KVH, D, (float)scale);
   return out;
 }
 

@@ -48,6 +48,64 @@ void lane_accumulate_any(int64_t nv, float* o, const bf16* vp, const int32_t* pp
   }
 }
 
+// The 16 lanes' queries as bf16 pairs, lanes in the vector: qt [D/2][16 lanes][2].
+inline void lane_queries(bf16* qt, const bf16* qp, int64_t row, const int64_t* lane_row, const int64_t* lane_head,
+                         int64_t D) {
+  for (int64_t d = 0; d < D; d += 2)
+    for (int64_t i = 0; i < 16; i++) {
+      const bf16* src = qp + lane_row[i] * row + lane_head[i] * D + d;
+      qt[(d / 2) * 32 + 2 * i] = src[0];
+      qt[(d / 2) * 32 + 2 * i + 1] = src[1];
+    }
+}
+
+// The 16 lanes' raw scores against 8 keys: one vdpbf16ps per key pair of dims (the pair broadcast).
+inline void scores8(__m512 a[8], const bf16* qt, const bf16* const kr[8], int64_t D) {
+#pragma GCC unroll 8
+  for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {
+    const __m512bh q2 = (__m512bh)_mm512_loadu_si512(qt + d * 16);
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+      int32_t pair;
+      std::memcpy(&pair, kr[j] + d, 4);
+      a[j] = _mm512_dpbf16_ps(a[j], q2, (__m512bh)_mm512_set1_epi32(pair));
+    }
+  }
+}
+
+// Softmax numerators exp(score - max) of len keys (sc [len][16], -inf where masked): their fp32 sum per lane,
+// and the numerators rounded to bf16 pairs per lane in pp [16 lanes][pairs].
+inline __m512 numerators(const float* sc, int64_t len, __m512 vmax, int32_t* pp, int64_t lanes) {
+  const int64_t pairs = (len + 1) / 2;
+  std::fill(pp, pp + 16 * pairs, 0);
+  const __m512 ninf = _mm512_set1_ps(-INFINITY);
+  __m512 vsum = _mm512_setzero_ps();
+  for (int64_t l = 0; l < len; l++) {
+    const __m512 v = _mm512_loadu_ps(sc + l * 16);
+    const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(v, vmax)));
+    vsum = _mm512_add_ps(vsum, p);
+    alignas(32) uint16_t pb[16];
+    _mm256_store_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(p));
+    uint16_t* dst = reinterpret_cast<uint16_t*>(pp) + (l / 2) * 2 + (l % 2);
+    for (int64_t i = 0; i < lanes; i++) dst[i * pairs * 2] = pb[i];
+  }
+  return vsum;
+}
+
+// Two value rows (r1 null past the end) interleaved in pairs for lane_accumulate: vp [nv][16 d x 2 rows].
+inline void interleave_rows(bf16* vp, const bf16* r0, const bf16* r1, int64_t nv) {
+  const __m512i order = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                         39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+  for (int64_t v = 0; v < nv; v++) {
+    const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + v * 16)));
+    const __m512i b = r1 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + v * 16)))
+                         : _mm512_setzero_si512();
+    _mm512_storeu_si512(vp + v * 32, _mm512_permutex2var_epi16(a, order, b));
+  }
+}
+
 // (AttentionArgs: kernels.cpp)
 // Work item: one group s, one kv head, up to 16 (query, head) "lanes" that share it. Scores
 // for the 16 lanes come out of one vdpbf16ps per k pair (lanes in the vector, the key's
@@ -94,12 +152,7 @@ void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fsc
         lane_row[i] = qi[s * Q + lane_q[i]];
         lane_head[i] = kvh * G + li % G;
       }
-      for (int64_t d = 0; d < D; d += 2)
-        for (int64_t i = 0; i < 16; i++) {
-          const bf16* src = qp + lane_row[i] * row + lane_head[i] * D + d;
-          qt[(d / 2) * 32 + 2 * i] = src[0];
-          qt[(d / 2) * 32 + 2 * i + 1] = src[1];
-        }
+      lane_queries(qt.data(), qp, row, lane_row, lane_head, D);
       // lane bitmasks per distinct query in this block (lanes are q-major)
       int64_t runs = 0, run_q[16];
       __mmask16 run_bits[16];
@@ -126,17 +179,7 @@ void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fsc
           }
         }
         __m512 a[8];
-#pragma GCC unroll 8
-        for (int j = 0; j < 8; j++) a[j] = _mm512_setzero_ps();
-        for (int64_t d = 0; d < D; d += 2) {
-          const __m512bh qv2 = (__m512bh)_mm512_loadu_si512(qt.data() + d * 16);
-#pragma GCC unroll 8
-          for (int j = 0; j < 8; j++) {
-            int32_t pair;
-            std::memcpy(&pair, kr[j] + d, 4);
-            a[j] = _mm512_dpbf16_ps(a[j], qv2, (__m512bh)_mm512_set1_epi32(pair));
-          }
-        }
+        scores8(a, qt.data(), kr, D);
         for (int64_t j = 0; j < nl; j++) {
           const int64_t l = l0 + j;
           __mmask16 ok = 0;
@@ -149,37 +192,20 @@ void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fsc
       }
       // softmax: fp32 numerators and sums; numerators rounded to bf16 pairs for the value product
       const int64_t pairs = (len + 1) / 2;
-      pp.assign(16 * pairs, 0);
-      __m512 vsum = _mm512_setzero_ps();
-      for (int64_t l = 0; l < len; l++) {
-        const __m512 v = _mm512_loadu_ps(sc.data() + l * 16);
-        const __mmask16 live = _mm512_cmp_ps_mask(v, ninf, _CMP_NEQ_OQ);
-        const __m512 p = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(v, vmax)));
-        vsum = _mm512_add_ps(vsum, p);
-        alignas(32) uint16_t pb[16];
-        _mm256_store_si256(reinterpret_cast<__m256i*>(pb), (__m256i)_mm512_cvtneps_pbh(p));
-        uint16_t* dst = reinterpret_cast<uint16_t*>(pp.data()) + (l / 2) * 2 + (l % 2);
-        for (int64_t i = 0; i < lanes; i++) dst[i * pairs * 2] = pb[i];
-      }
+      pp.resize(16 * pairs);
+      const __m512 vsum = numerators(sc.data(), len, vmax, pp.data(), lanes);
       float sums[16];
       _mm512_storeu_ps(sums, vsum);
       // values: chunks of 64 context rows, interleaved in pairs (L1-sized), applied to every lane
       const int64_t nv = D / 16;
       std::fill(acc.begin(), acc.end(), 0.f);
-      const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                                   39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
       for (int64_t lp0 = 0; lp0 < pairs; lp0 += 32) {
         const int64_t lp1 = std::min(pairs, lp0 + 32);
         for (int64_t lp = lp0; lp < lp1; lp++) {
           const int64_t l = 2 * lp;
           const bf16* r0 = vc + (ctx[s * L + l] * KVH + kvh) * D;
           const bf16* r1 = l + 1 < len ? vc + (ctx[s * L + l + 1] * KVH + kvh) * D : nullptr;
-          for (int64_t v = 0; v < nv; v++) {
-            const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r0 + v * 16)));
-            const __m512i b = r1 ? _mm512_castsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(r1 + v * 16)))
-                                 : _mm512_setzero_si512();
-            _mm512_storeu_si512(vp.data() + ((lp - lp0) * nv + v) * 32, _mm512_permutex2var_epi16(a, interleave, b));
-          }
+          interleave_rows(vp.data() + (lp - lp0) * nv * 32, r0, r1, nv);
         }
         for (int64_t i = 0; i < lanes; i++)
           lane_accumulate_any(nv, acc.data() + i * D, vp.data(), pp.data() + i * pairs + lp0, lp1 - lp0);
@@ -193,3 +219,103 @@ void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fsc
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// tiled causal attention for multi-row passes (kernels.cpp picks the groups: every valid query sees a prefix)
+//
+// As attend, one work item is (group, kv head, 16 lanes); keys go by blocks of 64 with an online softmax: a
+// block's scores stay in L1 ([64][16]), each lane stops at its own query's prefix (the causal triangle costs
+// half a square), the mask is a compare of the key index with the lane's visible length, and the value rows of
+// a block are interleaved once for the 16 lanes. Numerators are rounded to bf16 for the value product, the
+// sums are fp32 of the unrounded ones, the outputs fp32 rescaled when a lane's max grows.
+constexpr int64_t TILE_KEYS = 64;
+
+void attend_tiled(const AttentionArgs& a, const std::vector<int64_t>& groups, const int64_t* vis, int64_t H,
+                  int64_t KVH, int64_t D, float fscale) {
+  TORCH_CHECK(D % 16 == 0 && D <= 256 && (D / 16 & (D / 16 - 1)) == 0, "attention: head_dim must be 16, 32, 64, 128 or 256");
+  const auto [S, Q, L, G, row, qp, kc, vc, qi, ctx, qv, mk, op] = a;
+  std::vector<int64_t> item_s, item_lane0;
+  std::vector<std::vector<int64_t>> valid(S);
+  for (int64_t s : groups) {
+    for (int64_t q = 0; q < Q; q++)
+      if (qv[s * Q + q]) valid[s].push_back(q);
+    for (int64_t lane0 = 0; lane0 < (int64_t)valid[s].size() * G; lane0 += 16) {
+      item_s.push_back(s);
+      item_lane0.push_back(lane0);
+    }
+  }
+  const int64_t items = (int64_t)item_s.size(), nv = D / 16;
+  at::parallel_for(0, items * KVH, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<bf16> qt(D * 16), vp(TILE_KEYS / 2 * nv * 32);
+    std::vector<float> sc(TILE_KEYS * 16), acc(16 * D);
+    std::vector<int32_t> pp(16 * TILE_KEYS / 2);
+    for (int64_t it = i0; it < i1; it++) {
+      const int64_t item = it / KVH, kvh = it % KVH, s = item_s[item], lane0 = item_lane0[item];
+      const int64_t lanes = std::min<int64_t>(16, (int64_t)valid[s].size() * G - lane0);
+      int64_t lane_row[16], lane_head[16], hi = 0;
+      alignas(64) float lane_vis[16];
+      for (int64_t i = 0; i < 16; i++) {
+        const int64_t li = lane0 + std::min(i, lanes - 1), q = valid[s][li / G];
+        lane_row[i] = qi[s * Q + q];
+        lane_head[i] = kvh * G + li % G;
+        lane_vis[i] = i < lanes ? (float)vis[s * Q + q] : 0.f;
+        hi = std::max(hi, vis[s * Q + q]);
+      }
+      lane_queries(qt.data(), qp, row, lane_row, lane_head, D);
+      const __m512 ninf = _mm512_set1_ps(-INFINITY), seen = _mm512_load_ps(lane_vis);
+      __m512 vmax = ninf, vsum = _mm512_setzero_ps();
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t b0 = 0; b0 < hi; b0 += TILE_KEYS) {
+        const int64_t len = std::min(TILE_KEYS, hi - b0);
+        __m512 bmax = ninf;
+        for (int64_t l0 = 0; l0 < len; l0 += 8) {  // scores of 8 keys for the 16 lanes
+          const int64_t nl = std::min<int64_t>(8, len - l0);
+          const bf16* kr[8];
+          for (int64_t j = 0; j < 8; j++) kr[j] = kc + (ctx[s * L + b0 + l0 + std::min(j, nl - 1)] * KVH + kvh) * D;
+          for (int64_t j = 0; j < 8; j++) {  // the next keys into L2 while these compute
+            const char* kn = reinterpret_cast<const char*>(kc + (ctx[s * L + std::min(b0 + l0 + 8 + j, hi - 1)] * KVH + kvh) * D);
+            for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(kn + b, _MM_HINT_T1);
+          }
+          __m512 acc8[8];
+          scores8(acc8, qt.data(), kr, D);
+          for (int64_t j = 0; j < nl; j++) {  // a lane sees key l when l < its visible length
+            const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(b0 + l0 + j)), seen, _CMP_LT_OQ);
+            const __m512 v = _mm512_mask_mov_ps(ninf, ok, _mm512_mul_ps(acc8[j], _mm512_set1_ps(fscale)));
+            _mm512_storeu_ps(sc.data() + (l0 + j) * 16, v);
+            bmax = _mm512_max_ps(bmax, v);
+          }
+        }
+        // online softmax: the new max, the old sums and outputs rescaled (exp(-inf) = 0 for a lane's first block)
+        const __m512 nmax = _mm512_max_ps(vmax, bmax);
+        const __mmask16 fresh = _mm512_cmp_ps_mask(vmax, ninf, _CMP_EQ_OQ), blind = _mm512_cmp_ps_mask(nmax, ninf, _CMP_EQ_OQ);
+        const __m512 rescale = _mm512_maskz_mov_ps(~(fresh | blind), exp_ps(_mm512_sub_ps(vmax, nmax)));
+        vsum = _mm512_mul_ps(vsum, rescale);
+        alignas(64) float factor[16];
+        _mm512_store_ps(factor, rescale);
+        for (int64_t i = 0; i < lanes; i++) {
+          const __m512 f = _mm512_set1_ps(factor[i]);
+          for (int64_t v = 0; v < nv; v++)
+            _mm512_storeu_ps(acc.data() + i * D + v * 16, _mm512_mul_ps(f, _mm512_loadu_ps(acc.data() + i * D + v * 16)));
+        }
+        vmax = nmax;
+        const int64_t pairs = (len + 1) / 2;
+        vsum = _mm512_add_ps(vsum, numerators(sc.data(), len, vmax, pp.data(), lanes));
+        for (int64_t lp = 0; lp < pairs; lp++) {  // the block's value rows, interleaved in pairs
+          const int64_t l = 2 * lp;
+          const bf16* r0 = vc + (ctx[s * L + b0 + l] * KVH + kvh) * D;
+          const bf16* r1 = l + 1 < len ? vc + (ctx[s * L + b0 + l + 1] * KVH + kvh) * D : nullptr;
+          interleave_rows(vp.data() + lp * nv * 32, r0, r1, nv);
+        }
+        for (int64_t i = 0; i < lanes; i++)
+          lane_accumulate_any(nv, acc.data() + i * D, vp.data(), pp.data() + i * pairs, pairs);
+      }
+      float sums[16];
+      _mm512_storeu_ps(sums, vsum);
+      for (int64_t i = 0; i < lanes; i++) {
+        bf16* dst = op + lane_row[i] * H * D + lane_head[i] * D;
+        const float inv = 1.f / sums[i];
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16(acc[i * D + d] * inv);
+      }
+    }
+  });
+}
