@@ -59,6 +59,37 @@ def test_ssd_distribution(pair, fan_out, params, hit_range, transport):
     assert hit_range[0] <= hit_rate <= hit_range[1], f"hit rate {hit_rate:.3f} outside {hit_range}"
 
 
+@pytest.mark.parametrize("fan_out, params, options, n", [
+    ([8, 8], SamplingParams(temperature=1.0), {}, 10_000),
+    ([1, 2, 2], SamplingParams(temperature=0.8, top_p=0.9), dict(branch_steps=1, deep_branches=1), 5_000),
+], ids=["all-hits", "mixed-tapered"])
+def test_ssd_distribution_through_the_graph_build(pair, fan_out, params, options, n, monkeypatch):
+    """The speculator's graph build (the paged backend's, on its CPU stand-in; counter uniforms) samples exactly
+    too. With every outcome cached every build is a graph replay; with a tapered tree a hit on a short branch
+    brings a speculation of fewer than K tokens, which the graph does not build (the Python build does, from the
+    same counter uniforms), so that run mixes the two."""
+    from saguaro.ssd.speculator import Speculator
+    from tests.test_backends import use_paged_backend
+    use_paged_backend(monkeypatch)
+    builds = {"graph": 0, "python": 0}
+    real_graph, real_python = Speculator._replay_build, Speculator._decode_branches
+    monkeypatch.setattr(Speculator, "_replay_build",
+                        lambda self, *a: builds.__setitem__("graph", builds["graph"] + 1) or real_graph(self, *a))
+    monkeypatch.setattr(Speculator, "_decode_branches",
+                        lambda self, *a: builds.__setitem__("python", builds["python"] + 1) or real_python(self, *a))
+    positions = [4, 5] if len(fan_out) == 3 else POSITIONS
+    llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=len(fan_out) - 1, fan_out=fan_out,
+              block_size=4, max_num_seqs=256, kv_cache_tokens=256 * 64, max_model_len=16,
+              speculator_transport="thread", **options)  # short tables: the paged stand-in attends to all of them
+    with llm:
+        tv, threshold = measure(llm, pair[0], params, positions, n)
+        assert llm.engine.decoder.failure is None
+        hits = [h for t in llm.engine.decoder.trace for h in t.hits]
+    assert tv < threshold, f"TV {tv:.4f} >= {threshold:.4f}"
+    assert builds["graph"] > 0 and (builds["python"] == 0) == (options == {}), builds
+    assert sum(hits) / len(hits) > 0.1
+
+
 def test_tapered_tree_distribution(pair):
     """K = 2 with a tapered tree: every branch gets one step, only the likeliest a second, so cached
     speculations of one and two tokens (and misses) mix; tokens 4 and 5 come from round 2 or later."""
