@@ -49,7 +49,7 @@ def _reset_peak(pid: int) -> None:
 
 @pytest.fixture(scope="module")
 def server():
-    from saguaro.ssd.channel import free_port
+    from saguaro.workers.process import free_port
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-c", SERVE_SCRIPT, str(port)], cwd=os.getcwd(),
                             env={**os.environ, "PYTHONPATH": os.getcwd()}, stdout=subprocess.DEVNULL,
