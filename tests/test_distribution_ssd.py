@@ -79,7 +79,7 @@ def test_ssd_distribution_through_the_graph_build(pair, fan_out, params, options
                         lambda self, *a: builds.__setitem__("python", builds["python"] + 1) or real_python(self, *a))
     positions = [4, 5] if len(fan_out) == 3 else POSITIONS
     llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=len(fan_out) - 1, fan_out=fan_out,
-              block_size=4, max_num_seqs=256, kv_cache_tokens=256 * 64, max_model_len=16,
+              adaptive=False, block_size=4, max_num_seqs=256, kv_cache_tokens=256 * 64, max_model_len=16,
               speculator_transport="thread", **options)  # short tables: the paged stand-in attends to all of them
     with llm:
         tv, threshold = measure(llm, pair[0], params, positions, n)
