@@ -56,8 +56,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="also run F=[1,..,1,F_K] for each F_K given (comma separated)")
     p.add_argument("--deep-branches", type=int, default=1,
                    help="branches a tapered tree ('F@S' in --fan-outs) extends past its S steps (default 1)")
-    p.add_argument("--fallback", default="jit", type=fallbacks,
-                   help="SSD cache-miss fallback(s), comma separated: jit, ngram, random, auto (default jit)")
+    p.add_argument("--miss-strategy", default="jit", type=miss_strategies,
+                   help="SSD miss strategies, comma separated: jit, ngram, random, auto (default jit)")
     p.add_argument("--saguaro-c", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=["1"],
                    help="Saguaro sampling C for SSD, comma separated (each SSD run once per value; 'auto' reads the "
                         "profile; default 1)")
@@ -80,11 +80,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def fallbacks(text: str) -> list[str]:
+def miss_strategies(text: str) -> list[str]:
     names = [f.strip() for f in text.split(",") if f.strip()]
     bad = [f for f in names if f not in ("jit", "ngram", "random", "auto")]
     if bad or not names:
-        raise argparse.ArgumentTypeError(f"unknown fallback(s) {bad}: choose from jit, ngram, random, auto")
+        raise argparse.ArgumentTypeError(f"unknown miss strategies {bad}: choose from jit, ngram, random, auto")
     return names
 
 
@@ -134,9 +134,9 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
         configs += [(names["ar2"], dict(two, mode="ar")),
                     (names["sd2"], dict(two, mode="sd", draft=args.draft, num_speculative_tokens=sd_k, **fmt_))]
     ssd, ssd_k, by_transport = [], {}, {}
-    for fallback, c, (f, steps) in itertools.product(args.fallback, args.saguaro_c, fan_outs(args)):
+    for strategy, c, (f, steps) in itertools.product(args.miss_strategy, args.saguaro_c, fan_outs(args)):
         k_f = len(f) - 1 if isinstance(f, list) else k
-        tag = f", {fallback}" if len(args.fallback) > 1 else ""
+        tag = f", {strategy}" if len(args.miss_strategy) > 1 else ""
         tag += f", tapered {steps}+{args.deep_branches}" if steps else ""
         tag += f", C={c}" if len(args.saguaro_c) > 1 or c != "1" else ""
         base = f"SSD K={k_f} F={fan_out_label(f)}{tag}"
@@ -146,7 +146,7 @@ def plan(args: argparse.Namespace) -> dict[str, Any]:
             ssd_k[name] = k_f
             by_transport.setdefault(base, {})[transport] = name
             configs.append((name, dict(one, mode="ssd", draft=args.draft, num_speculative_tokens=k_f, fan_out=f,
-                                       miss_strategy=fallback, draft_cores=[1], branch_steps=steps,
+                                       miss_strategy=strategy, draft_cores=[1], branch_steps=steps,
                                        deep_branches=args.deep_branches, saguaro_c=c if c == "auto" else float(c),
                                        speculator_transport=transport, **fmt_)))
     return {"configs": configs, "names": names, "ssd": ssd, "ssd_k": ssd_k, "sd_one": sd_one,
@@ -210,7 +210,8 @@ def report(args, labels, plan_, records, summaries, contention, bus=None) -> tup
              f"K={k} (SD: K={','.join(map(str, args.sd_k or [k]))}), "
              f"enforce_eager={args.enforce_eager}, draft weights {args.draft_weights}, "
              f"draft vocab {args.draft_vocab or 'all'}, "
-             f"calibration profile {args.calibration_workload}, fallback={','.join(args.fallback)}, temperatures "
+             f"calibration profile {args.calibration_workload}, miss strategy {','.join(args.miss_strategy)}, "
+             f"temperatures "
              f"{', '.join(f'{t:g}' for t in args.temperatures)} (sampling seeded: prompt i uses seed {args.seed}+i).",
              "", "Hardware: '1 core' = target (and a collocated draft) pinned to core 0, one thread; '2 threads' = "
              "pinned to cores 0-1, two threads; SSD '2 cores' = target on core 0 (one thread), speculator process "

@@ -34,6 +34,7 @@ def _engine_options(args: argparse.Namespace) -> dict:
     if args.mode != "ar":
         opts["num_speculative_tokens"] = args.k
         opts["proposer"] = args.proposer
+        opts["adaptive"] = not args.fixed_k
     if args.fan_out:
         opts["fan_out"] = "auto" if args.fan_out == "auto" else _int_list(args.fan_out)
     if args.miss_strategy:
@@ -160,7 +161,11 @@ def cmd_train_head(args: argparse.Namespace) -> int:
 def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["ar", "sd", "ssd"], default="ar")
     p.add_argument("--k", type=lambda v: v if v == "auto" else int(v), default=4,
-                   help="speculative tokens per round (K), or 'auto' (from the calibration profile)")
+                   help="speculative tokens per round (K), or 'auto' (from the calibration profile); with adaptive "
+                        "K (the default) the most a request drafts")
+    p.add_argument("--fixed-k", action="store_true",
+                   help="SD, SSD: every round drafts --k tokens (default: each request's K adapts every round, "
+                        "from 0, a plain AR step, to --k)")
     p.add_argument("--proposer", choices=["draft", "ngram"], default="draft",
                    help="SD proposer: the draft model or the n-gram matcher")
     p.add_argument("--draft-kind", choices=["auto", "model", "eagle3"], default="auto",

@@ -45,28 +45,30 @@ def run_demo(args: argparse.Namespace) -> int:
               f"{args.max_tokens} new tokens each, greedy\n", flush=True)
         results = {"AR (1 core)": _run(ar, prompts, args.max_tokens)}
     with LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=args.k, **common, **draft_fmt) as sd:
-        results[f"SD K={args.k} (1 core)"] = _run(sd, prompts, args.max_tokens)
+        results[f"SD K<={args.k} adaptive (1 core)"] = _run(sd, prompts, args.max_tokens)
     # SSD's tree is built while one verification runs: the glue, then a few steps over all branches, then
     # narrow steps that take the likeliest branch on to K tokens (benchmarks/bench_ssd.py --fan-outs 'F@S').
     ssd_k, fan_out = len(args.ssd_fan_out) - 1, args.ssd_fan_out
     with LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=ssd_k, fan_out=fan_out, **common,
              branch_steps=args.ssd_branch_steps or None, **draft_fmt) as ssd:
-        results[f"SSD K={ssd_k} (2 cores)"] = _run(ssd, prompts, args.max_tokens)
+        results[f"SSD K<={ssd_k} adaptive (2 cores)"] = _run(ssd, prompts, args.max_tokens)
     ar_speed = results["AR (1 core)"]["tok_s"]
-    sd_speed = results[f"SD K={args.k} (1 core)"]["tok_s"]
-    print(f"{'mode':22s} {'tok/s':>7s} {'xAR':>6s} {'xSD':>6s} {'accept':>7s} {'tok/rnd':>8s} {'p_hit':>6s}")
+    sd_speed = results[f"SD K<={args.k} adaptive (1 core)"]["tok_s"]
+    print(f"{'mode':30s} {'tok/s':>7s} {'xAR':>6s} {'xSD':>6s} {'accept':>7s} {'tok/rnd':>8s} {'p_hit':>6s}")
     for name, r in results.items():
         fmt = lambda v, f: "-" if v is None else format(v, f)  # noqa: E731
         name += " FAILED" if r["failure"] else ""
-        print(f"{name:22s} {r['tok_s']:7.2f} {r['tok_s'] / ar_speed:6.2f} {r['tok_s'] / sd_speed:6.2f} "
+        print(f"{name:30s} {r['tok_s']:7.2f} {r['tok_s'] / ar_speed:6.2f} {r['tok_s'] / sd_speed:6.2f} "
               f"{fmt(r['acceptance'], '.3f'):>7s} {fmt(r['tokens_per_round'], '.2f'):>8s} {fmt(r['p_hit'], '.2f'):>6s}")
     reference = results["AR (1 core)"]["tokens"]
     same = {name: r["tokens"] == reference for name, r in results.items()}
-    print("\nGreedy outputs identical to AR: " + ", ".join(f"{n}: {'yes' if v else 'no'}" for n, v in same.items()))
+    print("\nSD and SSD choose each request's K every round, from 0 (a plain AR step) up to K, from its acceptance"
+          " so far and the measured pass costs.")
+    print("Greedy outputs identical to AR: " + ", ".join(f"{n}: {'yes' if v else 'no'}" for n, v in same.items()))
     print("(bf16: a verification pass over K+1 rows may round an argmax tie differently from a 1-row pass;"
           " exactness is tested in fp32.)")
-    print("\nSSD output for the first prompt:\n" + results[f"SSD K={ssd_k} (2 cores)"]["text"])
-    failure = results[f"SSD K={ssd_k} (2 cores)"]["failure"]
+    print("\nSSD output for the first prompt:\n" + results[f"SSD K<={ssd_k} adaptive (2 cores)"]["text"])
+    failure = results[f"SSD K<={ssd_k} adaptive (2 cores)"]["failure"]
     if failure:  # its figures are n-gram SD's: say so last, where it is read, and fail the command
         print(f"\nSSD fell back to n-gram SD: {failure}")
         return 1

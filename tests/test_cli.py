@@ -11,6 +11,9 @@ def test_generate_flags_reach_the_engine_options():
     opts = _engine_options(args)
     assert opts["fan_out"] == [1, 1, 1, 2] and opts["num_speculative_tokens"] == 3 and opts["enforce_eager"]
     assert opts["draft_weights"] == "int8" and opts["draft_vocab"] == 65536
+    assert opts["adaptive"]  # adaptive K unless --fixed-k
+    fixed = build_parser().parse_args(["generate", "--target", "a", "--mode", "sd", "--fixed-k", "--prompt", "x"])
+    assert _engine_options(fixed)["adaptive"] is False
 
 
 @pytest.mark.parametrize("flag, argv, replacement", [

@@ -71,7 +71,7 @@ def test_demo_runs_its_three_modes_on_a_given_pair(dirs):
     target, draft = dirs
     out = saguaro("demo", "--target", target, "--draft", draft, "--prompts", "1", "--max-tokens", "8",
                   "--k", "2", "--ssd-fan-out", "1,1,2", "--draft-vocab", "0").stdout
-    for row in ("AR (1 core)", "SD K=2 (1 core)", "SSD K=2 (2 cores)"):
+    for row in ("AR (1 core)", "SD K<=2 adaptive (1 core)", "SSD K<=2 adaptive (2 cores)"):
         assert any(line.startswith(row) for line in out.splitlines()), row
     assert "Greedy outputs identical to AR" in out and "SSD output for the first prompt" in out
 
