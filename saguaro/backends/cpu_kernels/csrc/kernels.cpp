@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <memory>
 #include <type_traits>
 #include <vector>
 
@@ -108,31 +109,7 @@ void pack(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilo
   });
 }
 
-template <typename Rows>
-void for_register_tiles(int64_t M, int64_t steps, int64_t chunk, int64_t maxmb, Rows rows) {
-  const int64_t kb = M <= maxmb ? steps : chunk;  // one pass over k when all rows fit the registers
-  for (int64_t s0 = 0; s0 < steps; s0 += kb) {
-    const int64_t s1 = std::min(steps, s0 + kb);
-    for (int64_t m = 0; m < M;) {
-      const int64_t left = M - m, chunks = (left + maxmb - 1) / maxmb, mb = (left + chunks - 1) / chunks;
-      rows((int)mb, m, s0, s1);
-      m += mb;
-    }
-  }
-}
-
 #include "quant_pack.h"  // int8 and int4 draft weights: formats and packers
-
-// An attention call's tensors as the tiers read them: q in the first H*D columns of qkv [N, row]; caches
-// [slots, KVH, D]; S groups of Q query slots (query_index [S, Q]: rows of qkv; query_valid [S, Q]) over L
-// context slots (context_slots [S, L], mask [S, Q, L]); G = H / KVH query heads per kv head; op: out [N, H*D].
-struct AttentionArgs {
-  int64_t S, Q, L, G, row;
-  const bf16 *qp, *kc, *vc;
-  const int64_t *qi, *ctx;
-  const bool *qv, *mk;
-  bf16* op;
-};
 
 // Each tier defines MAXMB_BF16 and MAXMB_Q (rows per register tile), bf16_rows (a register tile of rows
 // against k pairs of one packed tile, into fp32 [rows, 64]), tile_block_i8<MB> / tile_block_i4<MB> (the same
@@ -166,30 +143,7 @@ void i4_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* 
 #if !defined(SAGUARO_TIER_AVX512)
 #include "attention_tiled.h"  // avx2 and portable: causal multi-row passes (avx512's is in its attention header)
 #endif
-
-// A group with at least TILED_MIN_QUERIES valid queries, each seeing a leading run of its context slots (a
-// prefill chunk), goes to attend_tiled; the rest (decode, verification, tree branches) to the tier's attend.
-constexpr int64_t TILED_MIN_QUERIES = 16;
-
-// The tiled groups, and how many leading slots each of their valid queries sees (vis [S, Q]).
-std::vector<int64_t> causal_groups(const AttentionArgs& a, std::vector<int64_t>& vis) {
-  std::vector<int64_t> groups;
-  for (int64_t s = 0; s < a.S; s++) {
-    int64_t valid = 0;
-    bool prefix = true;
-    for (int64_t q = 0; q < a.Q && prefix; q++) {
-      if (!a.qv[s * a.Q + q]) continue;
-      const bool* m = a.mk + (s * a.Q + q) * a.L;
-      int64_t n = a.L;
-      while (n > 0 && !m[n - 1]) n--;
-      prefix = n > 0 && std::memchr(m, 0, n) == nullptr;
-      vis[s * a.Q + q] = n;
-      valid++;
-    }
-    if (prefix && valid >= TILED_MIN_QUERIES) groups.push_back(s);
-  }
-  return groups;
-}
+#include "attention_dispatch.h"
 
 // Masked attention of the new tokens over their context slots: attend_tiled for causal chunks, the tier's
 // attend for the rest.
@@ -205,20 +159,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
                            qkv.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
                            query_index.data_ptr<int64_t>(), context_slots.data_ptr<int64_t>(),
                            query_valid.data_ptr<bool>(), mask.data_ptr<bool>(), out.data_ptr<bf16>()};
-  std::vector<int64_t> vis(args.S * args.Q, 0);
-  const std::vector<int64_t> tiled = causal_groups(args, vis);
-  if (tiled.empty()) {
-    attend(args, H, KVH, D, (float)scale);
-    return out;
-  }
-  if ((int64_t)tiled.size() < args.S) {  // the others, with the tiled groups' queries marked invalid
-    auto rest = query_valid.clone();
-    for (int64_t s : tiled) rest[s].fill_(false);
-    AttentionArgs others = args;
-    others.qv = rest.data_ptr<bool>();
-    attend(others, H, KVH, D, (float)scale);
-  }
-  attend_tiled(args, tiled, vis.data(), H, KVH, D, (float)scale);
+  attend_all(args, H, KVH, D, (float)scale);
   return out;
 }
 
@@ -333,15 +274,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
 }
 
 // ---------------------------------------------------------------------------------------------
-// RMSNorm, as the eager module computes it: normalize in fp32, round to bf16, scale in bf16
-
-// o = w * bf16(r / rms(r)) for one row of H values (o may be r)
-inline void norm_row(const bf16* r, const bf16* w, bf16* o, int64_t H, float eps) {
-  float ss = 0.f;
-  for (int64_t i = 0; i < H; i++) ss += float(r[i]) * float(r[i]);
-  const float inv = 1.f / std::sqrt(ss / H + eps);
-  for (int64_t i = 0; i < H; i++) o[i] = bf16(float(w[i]) * round_bf16(float(r[i]) * inv));
-}
+// RMSNorm, as the eager module computes it: normalize in fp32, round to bf16, scale in bf16 (norm_row: common.h)
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1);

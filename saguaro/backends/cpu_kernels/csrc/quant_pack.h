@@ -91,30 +91,3 @@ void pack_i4(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t ep
     }
   });
 }
-
-
-// Activations quantized per row and block of QB (scale = absmax / 127, codes rounded to nearest even as
-// nearbyint): plain C++, for the tiers without a vector version of it (avx512 has its own).
-inline QuantRows quantize_rows_scalar(const bf16* x, int64_t ldx, int64_t M, int64_t K) {
-  const int64_t nb = K / QB;
-  QuantRows r{std::vector<int8_t>(M * K), std::vector<float>(M * nb), std::vector<int32_t>(M * nb)};
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t b = 0; b < nb; b++) {
-      const bf16* src = x + m * ldx + b * QB;
-      float v[QB], amax = 0.f;
-      for (int64_t i = 0; i < QB; i++) {
-        v[i] = float(src[i]);
-        amax = std::max(amax, std::fabs(v[i]));
-      }
-      const float inv = amax > 0.f ? 127.f / amax : 0.f;
-      int32_t sum = 0;
-      for (int64_t i = 0; i < QB; i++) {
-        const int32_t q = (int32_t)std::nearbyint(v[i] * inv);
-        r.q[m * K + b * QB + i] = (int8_t)q;
-        sum += q;
-      }
-      r.scale[m * nb + b] = amax / 127.f;
-      r.bias[m * nb + b] = -128 * sum;
-    }
-  return r;
-}
