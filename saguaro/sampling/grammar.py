@@ -15,6 +15,7 @@ slower). Compiled grammars are cached by the compiler, so a schema is compiled o
 from __future__ import annotations
 
 import json
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -48,16 +49,21 @@ class Grammars:
     def __init__(self, tokenizer: "Tokenizer", vocab_size: int):
         self.tokenizer, self.vocab_size = tokenizer, vocab_size
         self._compiler: Any = None
+        self._lock = threading.Lock()  # the server compiles on a worker thread, the engine on its own
 
     def _compiler_once(self) -> Any:
-        if self._compiler is None:
-            import xgrammar as xgr
-            from transformers import PreTrainedTokenizerFast
+        with self._lock:
+            return self._compiler if self._compiler is not None else self._build()
 
-            hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
-            eos = list(self.tokenizer.eos_token_ids) or None
-            info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=eos)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+    def _build(self) -> Any:
+        import xgrammar as xgr
+        from transformers import PreTrainedTokenizerFast
+
+        hf = PreTrainedTokenizerFast(tokenizer_object=self.tokenizer.backend)
+        # the stop tokens are each matcher's own (its request's end ids); these only silence a warning
+        stop = list(self.tokenizer.eos_token_ids) or [self.vocab_size - 1]
+        info = xgr.TokenizerInfo.from_huggingface(hf, vocab_size=self.vocab_size, stop_token_ids=stop)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         return self._compiler
 
     def compile(self, grammar: JsonGrammar) -> Any:

@@ -7,9 +7,10 @@ Fields follow OpenAI's API. Supported: ``prompt`` (a string, token ids, or a lis
 ``logit_bias`` and vLLM's ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``
 (``saguaro.sampling.logit_processors``); logprobs (completions: ``logprobs: N`` and ``echo``, where
 ``max_tokens: 0`` scores the prompt alone; chat: ``logprobs`` and ``top_logprobs``), N at most
-``MAX_LOGPROBS``; ``suffix`` (fill-in-the-middle, ``saguaro.server.fim``). Fields that would change
-the output in ways the engine cannot honour (``best_of``, tools, ``response_format``) are refused
-with a 400 that names them, never silently ignored.
+``MAX_LOGPROBS``; ``suffix`` (fill-in-the-middle, ``saguaro.server.fim``); ``response_format``
+(``text``, ``json_object`` or ``json_schema``: the output is constrained to that JSON,
+``saguaro.sampling.grammar``). Fields that would change the output in ways the engine cannot honour
+(``best_of``, tools) are refused with a 400 that names them, never silently ignored.
 
 ``n`` choices of one prompt are ``n`` engine requests; with a ``seed``, choice ``i`` uses
 ``seed + i`` (so they differ, and each is reproducible).
@@ -22,12 +23,13 @@ the text.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
-
+import json
 import math
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from saguaro.sampling.grammar import JsonGrammar
 from saguaro.sampling.params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, TOP_K_MAX,
                                      SamplingParams)
 
@@ -81,6 +83,7 @@ class BaseRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None
     user: str | None = None
 
     @model_validator(mode="before")
@@ -104,6 +107,26 @@ class BaseRequest(BaseModel):
                 raise ValueError(f"logit_bias values must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                  f"got {value!r} for token {key}")
         return self
+
+    @model_validator(mode="after")
+    def _known_format(self) -> "BaseRequest":
+        self.grammar()
+        return self
+
+    def grammar(self) -> JsonGrammar | None:
+        """What ``response_format`` constrains the output to; raises ``ValueError`` naming what is wrong."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return JsonGrammar()
+        if kind != "json_schema":
+            raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        return JsonGrammar(json.dumps(spec["schema"]))
 
     @property
     def include_usage(self) -> bool:
@@ -137,7 +160,7 @@ class BaseRequest(BaseModel):
                               seed=None if self.seed is None else self.seed + choice,
                               stop_token_ids=list(stop_token_ids or []),
                               skip_special_tokens=self.skip_special_tokens, **self._processors(),
-                              **self.logprob_settings())
+                              **self.logprob_settings(), grammar=self.grammar())
 
     def _processors(self) -> dict[str, Any]:
         return dict(frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
@@ -200,7 +223,6 @@ class ChatRequest(BaseRequest):
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
 
     @model_validator(mode="after")
     def _chat_limits(self) -> "ChatRequest":
@@ -211,9 +233,7 @@ class ChatRequest(BaseRequest):
         return self
 
     def _unsupported(self) -> dict[str, Any]:
-        text_format = self.response_format is not None and self.response_format.get("type") != "text"
-        return {**super()._unsupported(), "tools": self.tools or None,
-                "response_format": self.response_format if text_format else None}
+        return {**super()._unsupported(), "tools": self.tools or None}
 
     def logprob_settings(self) -> dict[str, int | None]:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
