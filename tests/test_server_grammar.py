@@ -1,6 +1,7 @@
-"""``response_format`` through the server with the official ``openai`` client: a schema-constrained chat gives
+"""``response_format`` and tools through the server with the official ``openai`` client: a schema-constrained chat gives
 JSON that validates, and greedy outputs of AR, SD and SSD servers are equal; streams equal whole answers; bad
-formats and schemas get a 400 naming the problem."""
+formats and schemas get a 400 naming the problem. Tools: a required or named call comes back as ``tool_calls``
+whose arguments validate, streamed too; Qwen2.5's ``<tool_call>`` blocks are parsed."""
 import dataclasses
 import json
 
@@ -11,7 +12,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from saguaro import LLM  # noqa: E402
 from saguaro.loading.tokenizer import Tokenizer  # noqa: E402
-from tests.serving import CHAT_TEMPLATE, running_server  # noqa: E402
+from saguaro.server.tools import parse_tool_calls  # noqa: E402
+from tests.serving import running_server  # noqa: E402
 from tests.tiny import byte_level_bpe, tiny_model, truncated  # noqa: E402
 
 SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enum": [1, 2, 30]},
@@ -19,6 +21,15 @@ SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}, "n": {"enu
           "required": ["ok", "n", "tag"], "additionalProperties": False}
 FORMAT = {"type": "json_schema", "json_schema": {"name": "answer", "schema": SCHEMA}}
 MESSAGES = [{"role": "user", "content": "Hello world"}]
+CHAT_TEMPLATE = ("{% for t in tools or [] %}{{ t.function.name }} {% endfor %}"  # the tools' names, as Qwen2.5's
+                 "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if add_generation_prompt %}t9{% endif %}")
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lima"]}, "days": {"enum": [1, 2, 3]}},
+           "required": ["city", "days"], "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "the forecast",
+                                           "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": {
+             "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+             "additionalProperties": False}}}]
 
 
 def json_model():
@@ -32,17 +43,18 @@ def json_model():
 def _engines():
     """A fresh model per engine: a rendered chat template is cached on the tokenizer, and SSD's worker takes a copy
     of the model that must not hold one."""
-    yield "ar", LLM(json_model(), block_size=4, max_model_len=128)
+    yield "ar", LLM(json_model(), block_size=4, max_model_len=256)
     target = json_model()
     yield "sd", LLM(target=target, draft=truncated(target, 1), mode="sd", num_speculative_tokens=3, block_size=4,
-                    max_model_len=128)
+                    max_model_len=256)
     target = json_model()
     yield "ssd", LLM(target=target, draft=truncated(target, 1), mode="ssd", num_speculative_tokens=3,
-                     fan_out=[2, 2, 2, 4], worker_timeout_s=60, block_size=4, max_model_len=128)
+                     fan_out=[2, 2, 2, 4], worker_timeout_s=60, block_size=4, max_model_len=256)
 
 
 def _ask(client, **kw):
-    return client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, max_tokens=48, **kw)
+    kw.setdefault("max_tokens", 48 if "tools" not in kw else 100)  # a call's JSON takes ~40 tokens here
+    return client.chat.completions.create(model="tiny", messages=MESSAGES, temperature=0, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -57,11 +69,36 @@ def answers():
                                                                             stream=True) if c.choices)
             completion = client.completions.create(model="tiny", prompt="def f(x):", max_tokens=48, temperature=0,
                                                    extra_body={"response_format": {"type": "json_object"}})
-            out[mode] = (whole.message.content, whole.finish_reason, stream, completion.choices[0].text)
+            call = _ask(client, tools=TOOLS, tool_choice="required").choices[0]
+            out[mode] = (whole.message.content, whole.finish_reason, stream, completion.choices[0].text,
+                         call.finish_reason, [(c.function.name, c.function.arguments) for c in call.message.tool_calls])
             if mode == "ar":
+                out["tools"] = _tool_answers(client)
                 out["errors"] = _errors(client)
                 out["plain"] = _ask(client).choices[0].message.content
     return out
+
+
+def _tool_answers(client) -> dict:
+    named = _ask(client, tools=TOOLS, tool_choice={"type": "function", "function": {"name": "get_time"}})
+    calls: dict[int, dict] = {}
+    finish = None
+    for chunk in _ask(client, tools=TOOLS, tool_choice="required", stream=True):
+        for c in chunk.choices[0].delta.tool_calls or []:
+            entry = calls.setdefault(c.index, {"name": "", "arguments": ""})
+            entry["name"] += c.function.name or ""
+            entry["arguments"] += c.function.arguments or ""
+        finish = chunk.choices[0].finish_reason or finish
+    auto, none = (_ask(client, tools=TOOLS, tool_choice=choice, max_tokens=4) for choice in ("auto", "none"))
+    errors = []
+    for kw in ({"tools": [{"type": "function", "function": {"description": "no name"}}]},
+               {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+               {"tool_choice": "required"}):
+        with pytest.raises(openai.BadRequestError) as e:
+            _ask(client, **kw)
+        errors.append(str(e.value))
+    return {"named": named.choices[0], "stream": (list(calls.values()), finish), "auto": auto, "none": none,
+            "errors": errors}
 
 
 def _errors(client) -> list[str]:
@@ -78,7 +115,7 @@ def _errors(client) -> list[str]:
 
 
 def test_schema_chat_validates_and_modes_agree(answers):
-    text, reason, stream, _ = answers["ar"]
+    text, reason, stream = answers["ar"][:3]
     assert reason == "stop"
     jsonschema.validate(json.loads(text), SCHEMA)
     assert stream == text
@@ -97,3 +134,42 @@ def test_bad_formats_are_refused(answers):
     assert "json_schema needs" in no_spec and "json_schema needs" in bad_spec
     assert "cannot be compiled" in refused
     assert "ignore_eos" in with_ignore_eos
+
+
+def test_required_tool_call_validates_and_modes_agree(answers):
+    finish, calls = answers["ar"][4:]
+    assert finish == "tool_calls" and len(calls) == 1
+    name, arguments = calls[0]
+    parameters = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+    jsonschema.validate(json.loads(arguments), parameters[name])
+    assert answers["tools"]["stream"] == ([{"name": name, "arguments": arguments}], "tool_calls")
+
+
+def test_named_tool_and_choices(answers):
+    named = answers["tools"]["named"]
+    assert named.finish_reason == "tool_calls" and named.message.content is None
+    (call,) = named.message.tool_calls
+    assert call.function.name == "get_time" and call.id.startswith("call_")
+    jsonschema.validate(json.loads(call.function.arguments), TOOLS[1]["function"]["parameters"])
+    auto, none = answers["tools"]["auto"], answers["tools"]["none"]
+    assert auto.usage.prompt_tokens > none.usage.prompt_tokens  # the template rendered the tools for "auto" only
+    assert none.choices[0].message.tool_calls is None
+
+
+def test_bad_tools_are_refused(answers):
+    malformed, unknown, without = answers["tools"]["errors"]
+    assert "name" in malformed
+    assert "'nope', which is not among the tools" in unknown
+    assert "needs tools" in without
+
+
+def test_qwen_tool_call_blocks_are_parsed():
+    text = ('Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Lima", "days": 2}}\n'
+            '</tool_call>\n<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>')
+    content, calls = parse_tool_calls(text, forced=False)
+    assert content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in calls] == [("get_weather", {"city": "Lima", "days": 2}),
+                                                                   ("get_time", {"zone": "UTC"})]
+    assert parse_tool_calls("<tool_call>{not json}</tool_call>", forced=False) == (
+        "<tool_call>{not json}</tool_call>", [])
+    assert parse_tool_calls("plain words", forced=False) == ("plain words", [])

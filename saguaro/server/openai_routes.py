@@ -124,7 +124,10 @@ async def run(served: Served, request: Request, req: BaseRequest, prompts: list[
         echo = [text if text is not None else tok.decode(ids, skip_special_tokens=req.skip_special_tokens)
                 for ids, text in prompts]
     wants_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else bool(req.logprobs)
-    reply = Reply(kind, meta, [ids for ids, _ in prompts], tok, wants_logprobs, echo, req.include_usage, req.n)
+    tools = None
+    if isinstance(req, ChatRequest) and req.template_tools is not None:
+        tools = "forced" if req.forced_tool_call else "auto"
+    reply = Reply(kind, meta, [ids for ids, _ in prompts], tok, wants_logprobs, echo, req.include_usage, req.n, tools)
     if req.stream:
         return Stream(events(choices, reply), choices.abort)
     return await collect(request, choices, reply)
@@ -157,7 +160,7 @@ def add_openai_routes(app: FastAPI, served: Served) -> None:
     async def chat(req: ChatRequest, request: Request):
         prompts = served.engine.prompts
         try:
-            text = await prompts.render_chat([m.as_template_input() for m in req.messages])
+            text = await prompts.render_chat([m.as_template_input() for m in req.messages], req.template_tools)
         except Exception as e:
             return error(f"chat template failed: {e}")
         try:
