@@ -11,6 +11,7 @@ openai = pytest.importorskip("openai")  # the server's packages: absent on the G
 jsonschema = pytest.importorskip("jsonschema")
 
 from saguaro import LLM  # noqa: E402
+from saguaro.loading import MODELS, installed, load_model  # noqa: E402
 from saguaro.loading.tokenizer import Tokenizer  # noqa: E402
 from saguaro.server.tools import parse_tool_calls  # noqa: E402
 from tests.serving import running_server  # noqa: E402
@@ -173,3 +174,26 @@ def test_qwen_tool_call_blocks_are_parsed():
     assert parse_tool_calls("<tool_call>{not json}</tool_call>", forced=False) == (
         "<tool_call>{not json}</tool_call>", [])
     assert parse_tool_calls("plain words", forced=False) == ("plain words", [])
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not installed(MODELS["qwen2.5-coder-0.5b"]), reason=MODELS["qwen2.5-coder-0.5b"].pip_command)
+def test_qwen_calls_a_tool_and_answers_in_json():
+    """Qwen2.5's own template renders the tools and a required call comes back as tool_calls (this 0.5B coder
+    answers "auto" with a fenced block rather than <tool_call>); a schema holds on a real vocabulary."""
+    with running_server(LLM(load_model("qwen2.5-coder-0.5b", progress=False), max_model_len=1024)) as s:
+        client = openai.OpenAI(base_url=s.base_url, api_key="unused", max_retries=0, timeout=300)
+        ask = [{"role": "user", "content": "What is the weather in Paris for the next 2 days?"}]
+        auto = client.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice="required",
+                                              temperature=0, max_tokens=64).choices[0]
+        person = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
+                                                   "age": {"type": "integer"}},
+                  "required": ["name", "age"], "additionalProperties": False}
+        answer = client.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "Invent a person; answer in JSON."}], temperature=0,
+            max_tokens=64, response_format={"type": "json_schema", "json_schema": {"name": "p", "schema": person}})
+    assert auto.finish_reason == "tool_calls", auto.message
+    (call,) = auto.message.tool_calls
+    assert call.function.name == "get_weather"
+    assert json.loads(call.function.arguments)["city"] == "Paris"
+    jsonschema.validate(json.loads(answer.choices[0].message.content), person)
