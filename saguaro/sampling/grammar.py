@@ -116,11 +116,13 @@ class GrammarState:
 def apply_grammar_masks(logits: torch.Tensor, seqs: list["Sequence"], rows: list[int],
                         drafts: torch.Tensor | None) -> torch.Tensor:
     """``logits`` [R, V] float32 with each constrained sequence's rows masked (see the module docstring); the
-    input itself when no sequence has a grammar. ``rows`` and ``drafts`` as ``apply_logit_processors``."""
+    input itself when no sequence has a grammar. ``rows`` and ``drafts`` as ``apply_logit_processors``. Float32
+    logits are masked in place: a pass's logits are read by its sampling alone, and a copy of a large
+    vocabulary's rows would cost more than the masks."""
     if not any(getattr(s, "grammar", None) is not None for s in seqs):
         return logits
     import xgrammar as xgr
-    out = logits.float().clone()
+    out = logits.float()
     bitmask = xgr.allocate_token_bitmask(len(out), out.shape[-1])  # all allowed (-1) until filled
     host_drafts = drafts.cpu().tolist() if drafts is not None else None
     first = 0
