@@ -143,6 +143,8 @@ class LLMEngine:
             if not 0 <= token < vocab:
                 raise ValueError(f"sampling produced no valid token (got id {token}; the vocabulary is [0, {vocab}))"
                                  " - the logits of this request were not finite")
+            if seq.grammar is not None:  # the matcher advances for real here; a refused token fails this request
+                seq.grammar.advance(token)
             seq.output_ids.append(token)
             gained.append(token)
             if pending is not None:

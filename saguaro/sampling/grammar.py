@@ -71,9 +71,12 @@ class Grammars:
         compiler = self._compiler_once()
         try:
             # compact JSON (no free whitespace): a model cannot pad the output with blanks until max_tokens
-            return compiler.compile_json_schema(grammar.schema or '{"type": "object"}', any_whitespace=False)
+            compiled = compiler.compile_json_schema(grammar.schema or '{"type": "object"}', any_whitespace=False)
         except Exception as e:  # xgrammar raises RuntimeError (and others) for schemas it cannot compile
             raise ValueError(f"the JSON schema cannot be compiled: {e}") from None
+        if not _can_start(compiled, self.vocab_size):
+            raise ValueError("this model's vocabulary has no token that can start the requested JSON")
+        return compiled
 
     def state(self, grammar: JsonGrammar, end_ids: list[int]) -> "GrammarState":
         """A fresh matcher for one sequence; it may end only on ``end_ids`` (EOS and the request's stop ids)."""
@@ -83,18 +86,26 @@ class Grammars:
         return GrammarState(xgr.GrammarMatcher(self.compile(grammar), override_stop_tokens=list(end_ids)))
 
 
+def _can_start(compiled: Any, vocab_size: int) -> bool:
+    import xgrammar as xgr
+    bitmask = xgr.allocate_token_bitmask(1, vocab_size)
+    xgr.GrammarMatcher(compiled).fill_next_token_bitmask(bitmask)
+    return bool((bitmask != 0).any())
+
+
 class GrammarState:
     """One sequence's matcher; ``accepted`` counts the output tokens it has advanced through for real."""
 
     def __init__(self, matcher: Any):
         self.matcher, self.accepted = matcher, 0
 
-    def sync(self, output_ids: list[int]) -> None:
-        """Advance through the tokens appended since the last call."""
-        for token in output_ids[self.accepted:]:
-            if not self.matcher.accept_token(token):
-                raise RuntimeError(f"token {token} was emitted against the request's grammar")
-            self.accepted += 1
+    def advance(self, token: int) -> None:
+        """Take an appended token; ``ValueError`` when the grammar refuses it (a state no token of this
+        vocabulary continues, whose row was all -inf), which fails this request alone."""
+        if not self.matcher.accept_token(token):
+            raise ValueError(f"token {token} breaks the request's grammar: the grammar has no continuation in "
+                             "this model's vocabulary")
+        self.accepted += 1
 
     def fill(self, bitmask: torch.Tensor, first: int, drafts: list[int], n_rows: int) -> None:
         """Rows ``first .. first + n_rows - 1`` of ``bitmask``: row ``j`` after the drafts ``d_1 .. d_j``. A row
@@ -128,7 +139,6 @@ def apply_grammar_masks(logits: torch.Tensor, seqs: list["Sequence"], rows: list
     first = 0
     for b, (seq, n) in enumerate(zip(seqs, rows)):
         if seq.grammar is not None:
-            seq.grammar.sync(seq.output_ids)
             seq.grammar.fill(bitmask, first, host_drafts[b] if host_drafts is not None else [], n)
         first += n
     xgr.apply_token_bitmask_inplace(out, bitmask.to(out.device), vocab_size=out.shape[-1])
