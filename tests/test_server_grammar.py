@@ -13,6 +13,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from saguaro import LLM  # noqa: E402
 from saguaro.loading import MODELS, installed, load_model  # noqa: E402
 from saguaro.loading.tokenizer import Tokenizer  # noqa: E402
+from saguaro.server.schemas import ChatMessage  # noqa: E402
 from saguaro.server.tools import parse_tool_calls  # noqa: E402
 from tests.serving import running_server  # noqa: E402
 from tests.tiny import byte_level_bpe, tiny_model, truncated  # noqa: E402
@@ -197,3 +198,15 @@ def test_qwen_calls_a_tool_and_answers_in_json():
     assert call.function.name == "get_weather"
     assert json.loads(call.function.arguments)["city"] == "Paris"
     jsonschema.validate(json.loads(answer.choices[0].message.content), person)
+
+
+def test_tool_turns_reach_the_template():
+    """An assistant turn's calls reach the template with their arguments as objects (Qwen2.5's writes them with
+    tojson), a tool turn keeps its call id, and a turn with neither content nor calls is refused."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_time", "arguments": '{"zone": "UTC"}'}}
+    turn = ChatMessage(role="assistant", tool_calls=[call]).as_template_input()
+    assert turn["content"] == "" and turn["tool_calls"][0]["function"]["arguments"] == {"zone": "UTC"}
+    assert ChatMessage(role="tool", content="12:00", tool_call_id="call_1").as_template_input() == {
+        "role": "tool", "content": "12:00", "tool_call_id": "call_1"}
+    with pytest.raises(ValueError, match="needs content"):
+        ChatMessage(role="user")
