@@ -18,6 +18,7 @@ from saguaro.engine.scheduler import Scheduler
 from saguaro.engine.sequence import Sequence, Status
 from saguaro.loading.tokenizer import Tokenizer
 from saguaro.sampling.batch import sample_next
+from saguaro.sampling.grammar import Grammars
 from saguaro.sampling.logprobs import record_prompt_logprobs
 from saguaro.sampling.params import SamplingParams
 
@@ -37,6 +38,7 @@ class LLMEngine:
         chunks = prefill_chunks(max_prefill_tokens, prefill_step_budget_s, target.device)
         self.scheduler = Scheduler(target.blocks, max_num_seqs, chunks, on_preempt=decoder.release)
         self.eos_ids = set(tokenizer.eos_token_ids)
+        self.grammars = Grammars(tokenizer, target.config.vocab_size)  # JSON-constrained requests' compiler
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
@@ -44,6 +46,8 @@ class LLMEngine:
         seq = Sequence(prompt_ids, params, prompt)
         if not params.ignore_eos:
             seq.end_ids += sorted(self.eos_ids)
+        if params.grammar is not None:
+            seq.grammar = self.grammars.state(params.grammar, seq.end_ids)
         self.scheduler.add(seq)
         return seq
 
@@ -139,6 +143,8 @@ class LLMEngine:
             if not 0 <= token < vocab:
                 raise ValueError(f"sampling produced no valid token (got id {token}; the vocabulary is [0, {vocab}))"
                                  " - the logits of this request were not finite")
+            if seq.grammar is not None:  # the matcher advances for real here; a refused token fails this request
+                seq.grammar.advance(token)
             seq.output_ids.append(token)
             gained.append(token)
             if pending is not None:

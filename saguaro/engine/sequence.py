@@ -67,6 +67,7 @@ class Sequence:
         self.params = params
         self.end_ids: list[int] = list(params.stop_token_ids)  # what min_tokens holds back; the engine adds EOS
         self.generator: torch.Generator | None = None
+        self.grammar: Any = None  # a sampling.grammar.GrammarState when params.grammar is set (the engine makes it)
         if not params.greedy:
             self.generator = torch.Generator()
             if params.seed is None:

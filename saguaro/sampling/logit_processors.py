@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from saguaro.device import to_device
+from saguaro.sampling.grammar import apply_grammar_masks
 
 if TYPE_CHECKING:
     from saguaro.engine.sequence import Sequence
@@ -37,7 +38,8 @@ if TYPE_CHECKING:
 
 def apply_logit_processors(logits: torch.Tensor, seqs: list["Sequence"], rows: list[int] | None = None,
                            drafts: torch.Tensor | None = None) -> torch.Tensor:
-    """``logits`` [R, V] after each row's processors, as float32 (the input itself when no row has any).
+    """``logits`` [R, V] after each row's processors, then its grammar mask (``saguaro.sampling.grammar``), as
+    float32 (the input itself when no row has any).
 
     Args:
         logits: rows grouped per sequence, ``rows[b]`` of them for ``seqs[b]`` (one each when None).
@@ -47,6 +49,11 @@ def apply_logit_processors(logits: torch.Tensor, seqs: list["Sequence"], rows: l
             row ``j`` of sequence ``b`` counts ``drafts[b, :j]`` as output.
     """
     rows = [1] * len(seqs) if rows is None else rows
+    return apply_grammar_masks(_penalized_rows(logits, seqs, rows, drafts), seqs, rows, drafts)
+
+
+def _penalized_rows(logits: torch.Tensor, seqs: list["Sequence"], rows: list[int],
+                    drafts: torch.Tensor | None) -> torch.Tensor:
     active = [b for b, s in enumerate(seqs) if s.params.has_processors]
     if not active:
         return logits

@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from saguaro.sampling.grammar import JsonGrammar
+
 INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
 TOP_K_MAX = 2**31 - 1  # a vocabulary is never larger; top_k >= V disables the filter anyway
 MAX_PENALTY = 2.0  # frequency and presence penalties lie in [-2, 2], as OpenAI's API sets them
@@ -43,6 +45,8 @@ class SamplingParams:
     min_tokens: int = 0  # EOS and stop_token_ids cannot end the request (or be sampled) before this many tokens
     logprobs: int | None = None  # each output token's logprob and its top-N alternatives (sampling.logprobs)
     prompt_logprobs: int | None = None  # the same for the prompt's tokens (then max_tokens may be 0)
+    grammar: JsonGrammar | None = None  # the output must be this JSON (sampling.grammar), masked on the target
+
 
     def __post_init__(self) -> None:
         if not _is_real(self.temperature) or self.temperature < 0:
@@ -92,6 +96,11 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or not 0 <= value <= MAX_LOGPROBS):
                 raise ValueError(f"{name} must be an integer in [0, {MAX_LOGPROBS}] or None, got {value!r}")
+        if self.grammar is not None and not isinstance(self.grammar, JsonGrammar):
+            raise ValueError(f"grammar must be a JsonGrammar or None, got {self.grammar!r}")
+        if self.grammar is not None and (self.ignore_eos or self.min_tokens):
+            raise ValueError("a JSON grammar ends the output when the JSON is complete, so it cannot be combined with "
+                             "ignore_eos or min_tokens")
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
             raise ValueError(f"min_tokens must be an integer in [0, max_tokens={self.max_tokens}], "
                              f"got {self.min_tokens!r}")

@@ -7,6 +7,7 @@ submitted, so no other request notices. Fields: ``saguaro.server.schemas``.
 """
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from dataclasses import dataclass
@@ -82,10 +83,25 @@ def _refusal(served: Served, req: BaseRequest, n_prompts: int):
     return None
 
 
+async def _grammar_refusal(served: Served, req: BaseRequest):
+    """The 400 for a schema the grammar library refuses, or None; compiled off the event loop (the first one also
+    indexes the vocabulary), and cached, so the engine's own compile is a look-up."""
+    grammar = req.grammar()
+    if grammar is None:
+        return None
+    try:
+        await asyncio.to_thread(served.llm.engine.grammars.compile, grammar)
+    except ValueError as e:
+        return error(f"response_format: {e}")
+    return None
+
+
 async def run(served: Served, request: Request, req: BaseRequest, prompts: list[tuple[list[int], str | None]],
               kind: str, stop_ids: Sequence[int] = ()):
     """Submit every choice of every prompt, then stream or collect the answer."""
     refused = _refusal(served, req, len(prompts))
+    if refused is None:
+        refused = await _grammar_refusal(served, req)
     if refused is not None:
         return refused
     choices = Choices(served.engine)
@@ -108,7 +124,10 @@ async def run(served: Served, request: Request, req: BaseRequest, prompts: list[
         echo = [text if text is not None else tok.decode(ids, skip_special_tokens=req.skip_special_tokens)
                 for ids, text in prompts]
     wants_logprobs = req.logprobs is not None if isinstance(req, CompletionRequest) else bool(req.logprobs)
-    reply = Reply(kind, meta, [ids for ids, _ in prompts], tok, wants_logprobs, echo, req.include_usage, req.n)
+    tools = None
+    if isinstance(req, ChatRequest) and req.template_tools is not None:
+        tools = "forced" if req.forced_tool_call else "auto"
+    reply = Reply(kind, meta, [ids for ids, _ in prompts], tok, wants_logprobs, echo, req.include_usage, req.n, tools)
     if req.stream:
         return Stream(events(choices, reply), choices.abort)
     return await collect(request, choices, reply)
@@ -141,7 +160,7 @@ def add_openai_routes(app: FastAPI, served: Served) -> None:
     async def chat(req: ChatRequest, request: Request):
         prompts = served.engine.prompts
         try:
-            text = await prompts.render_chat([m.as_template_input() for m in req.messages])
+            text = await prompts.render_chat([m.as_template_input() for m in req.messages], req.template_tools)
         except Exception as e:
             return error(f"chat template failed: {e}")
         try:

@@ -9,6 +9,7 @@ alone proves that it cannot fit the context is refused before it is tokenized (t
 from __future__ import annotations
 
 import asyncio
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
@@ -29,9 +30,12 @@ class PromptEncoder:
         """Token ids of ``text``; ``ValueError`` for a text that cannot fit the context (then it is not tokenized)."""
         return await self.off_loop(self._encode, text, add_special_tokens)
 
-    async def render_chat(self, messages: Sequence[dict[str, Any]]) -> str:
-        """The prompt text of a chat (``Tokenizer.apply_chat_template``, with the generation prompt)."""
-        return await self.off_loop(self.tokenizer.apply_chat_template, messages, True)
+    async def render_chat(self, messages: Sequence[dict[str, Any]], tools: list[dict[str, Any]] | None = None
+                          ) -> str:
+        """The prompt text of a chat (``Tokenizer.apply_chat_template``, with the generation prompt and the tools,
+        if any)."""
+        extra = {} if tools is None else {"tools": tools}
+        return await self.off_loop(functools.partial(self.tokenizer.apply_chat_template, **extra), messages, True)
 
     def check_length(self, text: str) -> None:
         """``ValueError`` for a text whose length alone proves it cannot fit the context."""

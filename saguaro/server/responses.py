@@ -21,6 +21,7 @@ from saguaro.loading.tokenizer import Tokenizer
 from saguaro.sampling.params import SamplingParams
 from saguaro.server.async_engine import AsyncEngine
 from saguaro.server.logprob_format import chat_logprobs, completion_logprobs
+from saguaro.server.tools import parse_tool_calls
 
 
 def error(message: str, status: int = 400, kind: str = "invalid_request_error", code: str | None = None
@@ -79,6 +80,7 @@ class Reply:
     echo: list[str] | None = None  # completions with echo: each prompt's text, put before its choices' text
     include_usage: bool = False
     n: int = 1  # choices per prompt
+    tools: str | None = None  # chat with tools: "auto" (parse <tool_call> blocks) or "forced" (the text is a call)
 
     @property
     def object(self) -> str:
@@ -96,11 +98,17 @@ class Reply:
             lp = completion_logprobs(self.tokenizer, logprobs or [], self.prompts[index // self.n][0], prompt)
         if self.kind == "completion":
             return {"index": index, "text": text, "logprobs": lp, "finish_reason": finish}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tools is not None and (finish is not None or not stream):  # a stream holds a tools choice's text
+            content, calls = parse_tool_calls(text, self.tools == "forced")
+            if calls:
+                message = {"role": "assistant", "content": content,
+                           "tool_calls": [c.as_dict(i if stream else None) for i, c in enumerate(calls)]}
+                finish = "tool_calls" if finish == "stop" or self.tools == "forced" else finish
         if stream:
-            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            delta = message if first else {k: v for k, v in message.items() if k != "role"}
             return {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        return {"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                "finish_reason": finish}
+        return {"index": index, "message": message, "logprobs": lp, "finish_reason": finish}
 
     def usage(self, outputs: list[RequestOutput]) -> dict[str, int]:
         n_prompt, n_out = sum(len(p) for p in self.prompts), sum(len(o.token_ids) for o in outputs)
@@ -120,14 +128,22 @@ async def events(choices: Choices, reply: Reply) -> AsyncIterator[str]:
     obj = "chat.completion.chunk" if reply.kind == "chat" else "text_completion"
     started: set[int] = set()
     finals: list[RequestOutput] = []
+    held: dict[int, tuple[str, list]] = {}  # with tools, a choice's text and logprobs until it ends (then parsed)
     async for index, c in choices.chunks():
         if c.finish_reason and c.finish_reason.startswith("error"):
             yield _event({"error": {"message": c.finish_reason, "type": "server_error", "param": None, "code": None}})
             break
-        if not c.text and not c.finished and index in started and not c.logprobs:
+        text, logprobs = c.text, c.logprobs
+        if reply.tools is not None:
+            before, lps = held.get(index, ("", []))
+            text, logprobs = before + c.text, lps + list(c.logprobs or [])
+            if not c.finished:
+                held[index] = (text, logprobs)
+                continue
+        if not text and not c.finished and index in started and not logprobs:
             continue  # tokens that complete no character yet
-        choice = reply.choice(index, c.text, c.finish_reason if c.finished else None, True, index not in started,
-                              c.logprobs, c.prompt_logprobs)
+        choice = reply.choice(index, text, c.finish_reason if c.finished else None, True, index not in started,
+                              logprobs, c.prompt_logprobs)
         payload = {**reply.meta, "object": obj, "choices": [choice]}
         started.add(index)
         if reply.include_usage:

@@ -7,9 +7,11 @@ Fields follow OpenAI's API. Supported: ``prompt`` (a string, token ids, or a lis
 ``logit_bias`` and vLLM's ``repetition_penalty``, ``min_tokens`` and ``ignore_eos``
 (``saguaro.sampling.logit_processors``); logprobs (completions: ``logprobs: N`` and ``echo``, where
 ``max_tokens: 0`` scores the prompt alone; chat: ``logprobs`` and ``top_logprobs``), N at most
-``MAX_LOGPROBS``; ``suffix`` (fill-in-the-middle, ``saguaro.server.fim``). Fields that would change
-the output in ways the engine cannot honour (``best_of``, tools, ``response_format``) are refused
-with a 400 that names them, never silently ignored.
+``MAX_LOGPROBS``; ``suffix`` (fill-in-the-middle, ``saguaro.server.fim``); ``response_format``
+(``text``, ``json_object`` or ``json_schema``: the output is constrained to that JSON,
+``saguaro.sampling.grammar``). Fields that would change the output in ways the engine cannot honour
+(``best_of``) are refused with a 400 that names them, never silently ignored. Chat takes ``tools`` and
+``tool_choice`` (``saguaro.server.tools``).
 
 ``n`` choices of one prompt are ``n`` engine requests; with a ``seed``, choice ``i`` uses
 ``seed + i`` (so they differ, and each is reproducible).
@@ -22,12 +24,14 @@ the text.
 """
 from __future__ import annotations
 
-from typing import Any, Literal
-
+import json
 import math
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from saguaro.sampling.grammar import JsonGrammar
+from saguaro.server.tools import Tool, ToolChoice, call_grammar, check_choice, template_tools
 from saguaro.sampling.params import (INT64_MAX, INT64_MIN, MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_PENALTY, TOP_K_MAX,
                                      SamplingParams)
 
@@ -81,6 +85,7 @@ class BaseRequest(BaseModel):
     logit_bias: dict[str, float] | None = None
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    response_format: dict[str, Any] | None = None
     user: str | None = None
 
     @model_validator(mode="before")
@@ -104,6 +109,26 @@ class BaseRequest(BaseModel):
                 raise ValueError(f"logit_bias values must lie in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], "
                                  f"got {value!r} for token {key}")
         return self
+
+    @model_validator(mode="after")
+    def _known_format(self) -> "BaseRequest":
+        self.grammar()
+        return self
+
+    def grammar(self) -> JsonGrammar | None:
+        """What ``response_format`` constrains the output to; raises ``ValueError`` naming what is wrong."""
+        fmt = self.response_format
+        kind = None if fmt is None else fmt.get("type")
+        if kind in (None, "text"):
+            return None
+        if kind == "json_object":
+            return JsonGrammar()
+        if kind != "json_schema":
+            raise ValueError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}")
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema"), (dict, bool)):
+            raise ValueError("response_format json_schema needs {'json_schema': {'name': ..., 'schema': {...}}}")
+        return JsonGrammar(json.dumps(spec["schema"]))
 
     @property
     def include_usage(self) -> bool:
@@ -137,7 +162,7 @@ class BaseRequest(BaseModel):
                               seed=None if self.seed is None else self.seed + choice,
                               stop_token_ids=list(stop_token_ids or []),
                               skip_special_tokens=self.skip_special_tokens, **self._processors(),
-                              **self.logprob_settings())
+                              **self.logprob_settings(), grammar=self.grammar())
 
     def _processors(self) -> dict[str, Any]:
         return dict(frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
@@ -186,12 +211,34 @@ class TextPart(BaseModel):
 
 class ChatMessage(BaseModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None = None  # None only for an assistant turn that called tools
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant turn's calls, as the server sent them
+    tool_call_id: str | None = None  # a tool turn's answer to that call
 
-    def as_template_input(self) -> dict[str, str]:
-        text = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
-        return {"role": self.role, "content": text}
+    @model_validator(mode="after")
+    def _has_content(self) -> "ChatMessage":
+        if self.content is None and not self.tool_calls:
+            raise ValueError(f"a {self.role} message needs content (or, from the assistant, tool_calls)")
+        return self
+
+    def as_template_input(self) -> dict[str, Any]:
+        content = self.content if not isinstance(self.content, list) else "".join(p.text for p in self.content)
+        out: dict[str, Any] = {"role": self.role, "content": content or ""}
+        if self.tool_calls:  # templates (Qwen2.5's) write the arguments with tojson: give them the object
+            out["tool_calls"] = [{**c, "function": {**c.get("function", {}), "arguments": _arguments(c)}}
+                                 for c in self.tool_calls]
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(call: dict[str, Any]) -> Any:
+    args = call.get("function", {}).get("arguments", {})
+    try:
+        return json.loads(args) if isinstance(args, str) else args
+    except ValueError:
+        return args
 
 
 class ChatRequest(BaseRequest):
@@ -199,8 +246,8 @@ class ChatRequest(BaseRequest):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    tools: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
 
     @model_validator(mode="after")
     def _chat_limits(self) -> "ChatRequest":
@@ -208,12 +255,23 @@ class ChatRequest(BaseRequest):
             raise ValueError("max_tokens: must be at least 1")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs: true")
+        check_choice(self.tools, self.tool_choice)
         return self
 
-    def _unsupported(self) -> dict[str, Any]:
-        text_format = self.response_format is not None and self.response_format.get("type") != "text"
-        return {**super()._unsupported(), "tools": self.tools or None,
-                "response_format": self.response_format if text_format else None}
+    def grammar(self) -> JsonGrammar | None:
+        """``response_format``'s, or one tool call's JSON for ``tool_choice`` "required" or a named function."""
+        call = call_grammar(getattr(self, "tools", None), getattr(self, "tool_choice", None))
+        if call is not None and super().grammar() is not None:
+            raise ValueError("response_format cannot be combined with tool_choice 'required' or a named function")
+        return call or super().grammar()
+
+    @property
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        return template_tools(self.tools, self.tool_choice)
+
+    @property
+    def forced_tool_call(self) -> bool:
+        return call_grammar(self.tools, self.tool_choice) is not None
 
     def logprob_settings(self) -> dict[str, int | None]:
         return {"logprobs": (self.top_logprobs or 0) if self.logprobs else None}
