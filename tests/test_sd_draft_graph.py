@@ -50,7 +50,11 @@ def test_greedy_sd_through_the_steps_graph_equals_ar(monkeypatch):
         ar = greedy(llm, ENGINE_PROMPTS)
     with LLM(target=target, mode="sd", block_size=4, max_num_seqs=5, draft=truncated(target, 1),
              num_speculative_tokens=3, adaptive=False) as llm:
+        graphs = llm.engine.decoder.proposer.steps_graph.graphs
+        at_start = set(graphs)  # captured at start-up: buckets 1..8, K = 2 and 3
+        assert {(s.seqs, s.steps) for s in at_start} == {(b, k) for b in (1, 2, 4, 8) for k in (1, 2)}
         assert greedy(llm, ENGINE_PROMPTS) == ar
+        assert set(graphs) == at_start  # none captured while serving
     assert len(replays) >= 3  # the rounds whose sequences all draft K (budgets shorten the others)
 
 

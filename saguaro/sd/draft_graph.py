@@ -42,6 +42,14 @@ class DraftStepsGraph:
         bucket = next((b for b in SEQ_BUCKETS if b >= seqs), None)
         return None if bucket is None or k < 2 else StepsShape(bucket, k - 1, self.table_width)
 
+    def capture_all(self, max_seqs: int, max_k: int) -> None:
+        """Capture every shape a greedy round of at most ``max_seqs`` sequences and K <= ``max_k`` takes, now
+        (start-up): no round then stops to capture."""
+        largest = min(max_seqs, SEQ_BUCKETS[-1])
+        for seqs in sorted({next(b for b in SEQ_BUCKETS if b >= n) for n in range(1, largest + 1)}):
+            for k in range(2, max_k + 1):
+                self._graph(self.shape(seqs, k))
+
     @torch.inference_mode()
     def run(self, shape: StepsShape, first: torch.Tensor, rows: list[list[int]]) -> torch.Tensor:
         """Steps 2..K from the first step's tokens ``first`` [n] and the staging ``rows``: the tokens [B, K - 1]
