@@ -25,6 +25,7 @@ import argparse
 import gc
 import os
 import platform
+from contextlib import contextmanager
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -73,6 +74,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--builds", type=builds, default=["python", "graph"],
                    help="the speculator's builds to run each SSD configuration with, comma separated: python, graph "
                         "(default both; the graph build needs the paged backend: a GPU's, or --paged on a CPU)")
+    p.add_argument("--priorities", type=priorities, default=None,
+                   help="stream priorities to run each SSD configuration with, comma separated: off, on (default "
+                        "both on a GPU; on a CPU there are no streams and rows run once)")
     p.add_argument("--paged", action="store_true",
                    help="run every configuration on the paged backend (on a CPU its stand-in, so the graph build runs)")
     p.add_argument("--warmup-tokens", type=int, default=32,
@@ -82,6 +86,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--name", default="bench_gpu_ssd")
     args = p.parse_args(argv)
     args.context = args.context or args.prompt_len + args.max_tokens // 2
+    if args.priorities is None:
+        args.priorities = ["off", "on"] if torch.device(args.device).type == "cuda" else ["on"]
     args.sd_k = sorted(set(args.sd_k) | {s.k for s in args.ssd})  # verification alone at every SSD K
     args.ssd = [SSDShape(s.k, s.fan_out, s.branch_steps, args.deep_branches if s.branch_steps else 1)
                 for s in args.ssd]
@@ -109,6 +115,27 @@ def builds(text: str) -> list[str]:
     if not out or any(x not in ("python", "graph") for x in out):
         raise argparse.ArgumentTypeError(f"builds are python and/or graph, got {text!r}")
     return out
+
+
+def priorities(text: str) -> list[str]:
+    out = [x.strip() for x in text.split(",") if x.strip()]
+    if not out or any(x not in ("off", "on") for x in out):
+        raise argparse.ArgumentTypeError(f"priorities are off and/or on, got {text!r}")
+    return out
+
+
+@contextmanager
+def stream_priorities(on: bool):
+    """``SAGUARO_STREAM_PRIORITIES`` for the engines started inside (``saguaro/ssd/stream_priority.py``)."""
+    saved = os.environ.get("SAGUARO_STREAM_PRIORITIES")
+    os.environ["SAGUARO_STREAM_PRIORITIES"] = "1" if on else "0"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["SAGUARO_STREAM_PRIORITIES"]
+        else:
+            os.environ["SAGUARO_STREAM_PRIORITIES"] = saved
 
 
 def pairs(text: str) -> list[tuple[str, str]]:
@@ -141,18 +168,20 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
     longest = args.prompt_len + args.max_tokens + 16
     base = dict(device=args.device, dtype="bfloat16", enforce_eager=args.enforce_eager, max_num_seqs=1,
                 max_model_len=longest, kv_cache_tokens=2 * longest + 1024)
-    configs: list[tuple[str, str, int | None, SSDShape | None, dict[str, Any]]] = [("AR", "ar", None, None, {})]
-    configs += [(f"SD K={k}", "sd", k, None, dict(draft=draft, num_speculative_tokens=k)) for k in args.sd_k]
+    configs: list[tuple[str, str, int | None, SSDShape | None, dict[str, Any], str | None, str | None]] = [
+        ("AR", "ar", None, None, {}, None, None)]
+    configs += [(f"SD K={k}", "sd", k, None, dict(draft=draft, num_speculative_tokens=k), None, None)
+                for k in args.sd_k]
     paged = args.paged or (torch.device(args.device).type == "cuda" and not args.enforce_eager)
-    configs += [(f"{s.name}, {b} build", "ssd", s.k, s, dict(draft=draft, num_speculative_tokens=s.k,
-                                                             fan_out=s.fan_out, branch_steps=s.branch_steps,
-                                                             deep_branches=s.deep, miss_strategy="jit",
-                                                             speculator_transport="thread"))
-                for s in args.ssd for b in args.builds if b == "python" or paged]
+    both = len(args.priorities) > 1
+    configs += [(f"{s.name}, {b} build" + (f", priorities {p}" if both else ""), "ssd", s.k, s,
+                 dict(draft=draft, num_speculative_tokens=s.k, fan_out=s.fan_out, branch_steps=s.branch_steps,
+                      deep_branches=s.deep, miss_strategy="jit", speculator_transport="thread"), b, p)
+                for s in args.ssd for b in args.builds if b == "python" or paged for p in args.priorities]
     rows = []
-    for name, mode, k, shape, extra in configs:
-        graph = name.endswith("graph build")
-        with build_kind(graph, args.paged):
+    for name, mode, k, shape, extra, build, priority in configs:
+        graph = build == "graph"
+        with build_kind(graph, args.paged), stream_priorities(priority != "off"):
             records = run_engine(name, dict(base, mode=mode, **extra), batch, args, target=target)
             counts = count_builds(name, dict(base, mode=mode, **extra), batch, args, target) if mode == "ssd" else None
         summaries = group_records(records)
@@ -161,7 +190,8 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
             row = config_row(name, mode, t, summaries[temp_key(t)]["all"], [x for r in at_t for x in r.rounds], k,
                              shape)
             if counts is not None:
-                row.build = "graph" if graph else "python"
+                row.build = build
+                row.priorities = priority if torch.device(args.device).type == "cuda" else None  # CPU: no streams
                 row.torch_calls_per_build, row.device_reads_per_round = (counts.torch_calls_per_build,
                                                                          counts.device_reads_per_round)
             rows.append(row)
@@ -181,7 +211,7 @@ def count_builds(name: str, options: dict[str, Any], batch: list[Prompt], args, 
                                   "temperatures": args.temperatures[:1]})
     with counting() as counts:
         run_engine(f"{name} (counted)", options, batch[:1], short, target=target)
-    if name.endswith("graph build") and counts.graph_builds < len(counts.calls) // 2:
+    if ", graph build" in name and counts.graph_builds < len(counts.calls) // 2:
         log(f"{name}: only {counts.graph_builds} of {len(counts.calls)} builds replayed the graph")
     return counts
 
@@ -243,7 +273,8 @@ def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected,
              "predicted: Thm 2 from the pass costs with this run's p_hit, E_hit and E_miss (benchmarks/"
              "gpu_ssd_rows.py). SSD rows run the speculator's Python build or its graph build (one replay per "
              "round); calls/build: torch calls the host makes per build; reads/round: the speculator's device reads "
-             "per round (benchmarks/build_counters.py, counted in a short run after the timed one)."
+             "per round (benchmarks/build_counters.py, counted in a short run after the timed one). On a GPU each SSD "
+             "row runs with stream priorities off and on (the target's stream first; saguaro/ssd/stream_priority.py)."
              + (" Every configuration ran on the paged backend (--paged)." if args.paged else ""), ""]
     for t in args.temperatures:
         at_t = [r for r in rows if r.temperature == t]

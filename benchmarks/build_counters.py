@@ -95,7 +95,8 @@ def counting() -> Iterator[BuildCounts]:
 
     def graph(self, shape):
         host, staged, replay, out = real_graph(self, shape)
-        return host, staged, local.calls.replayed(replay), out
+        calls = getattr(local, "calls", None)  # None: the start-up capture, outside any build
+        return host, staged, replay if calls is None else calls.replayed(replay), out
 
     def replay_build(self, *a, **kw):
         counts.graph_builds += 1

@@ -70,6 +70,7 @@ class ConfigRow:
     prediction_error: float | None = None  # predicted / measured - 1
     failure: str | None = None  # SSD: why its speculator failed; the row then measured n-gram SD and is failed
     build: str | None = None  # SSD: the speculator's build, "python" or "graph" (``ssd/graph_build.py``)
+    priorities: str | None = None  # SSD on a GPU: stream priorities "off" or "on" (``ssd/stream_priority.py``)
     torch_calls_per_build: float | None = None  # SSD: host torch calls per build, median (``build_counters``)
     device_reads_per_round: float | None = None  # SSD: the speculator's device reads per round
 

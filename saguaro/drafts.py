@@ -80,7 +80,10 @@ class ModelDraft:
         runner = draft_runner(cfg.draft_format, self.model, num_blocks, cfg.block_size, cfg.draft_device or cfg.device,
                               cfg.enforce_eager)
         runner.capture_graphs(cfg.graph_rows)
-        return DraftModelProposer(runner)
+        proposer = DraftModelProposer(runner)
+        if proposer.steps_graph is not None:  # the paged backend: greedy rounds' steps 2..K, captured now too
+            proposer.steps_graph.capture_all(cfg.max_num_seqs, cfg.num_speculative_tokens)
+        return proposer
 
     def speculator_runner(self, opts: SpeculatorOptions) -> ModelRunner:
         loaded = load_or_place(self.model if self.model is not None else self.name, opts.device, opts.dtype)

@@ -4,8 +4,8 @@
 # GPU test, the GPU benchmarks and the overlap probe, and write logs and tables to $OUT (results/ when $OUT
 # is unset). Each step has its own time limit, sized for a cold machine (Triton compiles every kernel
 # specialization on first use; the cache in .triton_cache/ serves later runs on the same machine), so the
-# whole check ends within 8 minutes: set-up ~20 s, GPU tests 170 s, bench_gpu 110 s, bench_gpu_ssd 130 s,
-# overlap probe 40 s. A failing step does not stop the ones after it, and the exit status says whether any
+# whole check ends within 8.5 minutes: set-up ~20 s, GPU tests 170 s, bench_gpu 110 s, bench_gpu_ssd 130 s,
+# overlap probe 70 s. A failing step does not stop the ones after it, and the exit status says whether any
 # failed (an SSD row whose speculator failed fails its step). bench_gpu_ssd writes its measured table
 # before its projections, so a step cut short by its limit still leaves that table.
 #
@@ -37,8 +37,8 @@ dry_run() {  # SAGUARO_GPU_TESTS: the test folder (tests/; the negative control 
 import importlib, pathlib
 for p in sorted(pathlib.Path('benchmarks').glob('*.py')):
     importlib.import_module('benchmarks.' + p.stem)
-from benchmarks.gpu_overlap import parse_args
-parse_args([])
+from benchmarks.gpu_overlap import configurations, parse_args
+assert len(configurations(parse_args([]))) == 8
 from benchmarks.bench_gpu_ssd import parse_args as ssd_args
 assert ssd_args(['--ssd', '4:last3', '--builds', 'python,graph']).builds == ['python', 'graph']
 print('imported', len(list(pathlib.Path('benchmarks').glob('*.py'))), 'benchmark modules')" || return 1
@@ -82,11 +82,12 @@ step gpu_tests 170 python3 -m pytest -o addopts= -o faulthandler_timeout=45 -q -
 step bench_gpu 110 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b --max-tokens 64 --sd-k 3,4 \
     --out "$OUT"
 # SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), with the speculator's
-# Python build and its graph build (torch calls per build and device reads per round counted in a short run after
-# each), Thm 2 against the measurement, and projections from the real pair's profile
+# graph build, stream priorities off and on (torch calls per build and device reads per round counted in a short
+# run after each; the Python build's rows: --builds python,graph, past this step's limit), Thm 2 against the measurement, and projections from the real pair's profile
 # (results/profile_qwen2.5-coder_code.json, tracked)
 step bench_gpu_ssd 130 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 2 --max-tokens 96 \
-    --sd-k 3,4 --ssd "4:last3" --builds python,graph --reps 10 --project qwen2.5-1.5b:qwen2.5-0.5b --out "$OUT"
-# a verification graph beside draft graphs on two streams of one process, under its own watchdog
-step overlap_probe 40 python3 -m benchmarks.gpu_overlap --watchdog-s 30 --out "$OUT"
+    --sd-k 3,4 --ssd "4:last3" --builds graph --priorities off,on --reps 10 --project qwen2.5-1.5b:qwen2.5-0.5b --out "$OUT"
+# a verification graph beside draft graphs on two streams of one process, under its own watchdog: stream
+# priorities off and on, the draft on all SMs and in green contexts of 16, 32 and 66 SMs
+step overlap_probe 70 python3 -m benchmarks.gpu_overlap --reps 10 --watchdog-s 60 --out "$OUT"
 exit $status

@@ -1,10 +1,12 @@
 """What adaptation shows: ``out.spec`` (K per round, rounds at K = 0, the estimate) and ``/metrics``."""
-from prometheus_client import generate_latest
+import pytest
 
-from saguaro import LLM, SamplingParams
-from saguaro.adapt_settings import AdaptSettings
-from saguaro.server.metrics import RequestCounts, ServerMetrics
-from tests.tiny import PROMPTS, weak_pair
+generate_latest = pytest.importorskip("prometheus_client").generate_latest  # absent on the GPU machine
+
+from saguaro import LLM, SamplingParams  # noqa: E402
+from saguaro.adapt_settings import AdaptSettings  # noqa: E402
+from saguaro.server.metrics import RequestCounts, ServerMetrics  # noqa: E402
+from tests.tiny import PROMPTS, weak_pair  # noqa: E402
 
 MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2)
 

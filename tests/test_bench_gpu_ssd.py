@@ -96,3 +96,27 @@ def test_a_speculator_killed_mid_benchmark_fails_its_row_and_the_command(tmp_pat
     assert rows["AR"]["failure"] is None and rows["SD K=2"]["failure"] is None
     assert result["best"] == []  # no SSD row stands: nothing is compared as SSD
     assert "SSD K=2 F=[1,1,1], python build FAILED" in (tmp_path / "killed.md").read_text()
+
+
+def test_priority_rows_run_with_the_setting_off_and_on(tmp_path, monkeypatch):
+    """--priorities off,on: each SSD configuration twice, its speculator thread started with the setting off, then
+    on (on the CPU it changes nothing; the rows are run for the setting's plumbing). The default: both on a GPU,
+    once on a CPU."""
+    from saguaro.ssd import stream_priority, thread_link
+    seen = []
+    real = thread_link.lane_priorities
+    monkeypatch.setattr(thread_link, "lane_priorities", lambda device: seen.append(stream_priority.enabled())
+                        or real(device))
+    assert bench_gpu.main(["--mode", "ssd", "--device", "cpu", "--shape", "tiny", "--prompts", "1", "--prompt-len",
+                           "16", "--max-tokens", "6", "--sd-k", "2", "--ssd", "2:uniform", "--builds", "python",
+                           "--priorities", "off,on", "--reps", "1", "--verify-rows", "2,3", "--tree-rows", "4",
+                           "--project", "none", "--warmup-tokens", "0", "--out", str(tmp_path), "--name", "prio"]) == 0
+    rows = {r["name"]: r for r in json.loads((tmp_path / "prio.json").read_text())["rows"]}
+    assert {"SSD K=2 F=[1,1,1], python build, priorities off", "SSD K=2 F=[1,1,1], python build, priorities on"} <= set(
+        rows)
+    assert False in seen and True in seen and seen.index(False) < seen.index(True)
+    assert all(r["priorities"] is None for r in rows.values())  # the CPU: no streams to order
+    assert parse_args(["--device", "cpu"]).priorities == ["on"]
+    assert parse_args(["--device", "cuda:0"]).priorities == ["off", "on"]
+    with pytest.raises(SystemExit):
+        parse_args(["--priorities", "high"])

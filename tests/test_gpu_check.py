@@ -56,3 +56,23 @@ def test_the_overlap_probe_skips_without_cuda(tmp_path):
     result = json.loads((tmp_path / "gpu_overlap.json").read_text())
     assert result["status"] == "skipped" and "no CUDA" in result["detail"]
     assert "Status: **skipped**" in (tmp_path / "gpu_overlap.md").read_text()
+
+
+def test_the_overlap_probe_measures_priorities_and_green_contexts_and_reports_both_sides():
+    """The configurations (priorities off and on; the draft on all SMs and in green contexts of 16, 32 and 66 SMs),
+    the figures derived from a configuration's medians, and the table, from a result as the child writes it."""
+    from benchmarks.gpu_overlap import LaneResult, best, configurations, parse_args, report
+    args = parse_args([])
+    names = [c.name for c in configurations(args)]
+    assert len(names) == 8 and names[:2] == ["priorities off, draft on all SMs", "priorities on, draft on all SMs"]
+    assert {c.sms for c in configurations(args)} == {None, 16, 32, 66}
+    assert [c.name for c in configurations(parse_args(["--priorities", "on", "--sms", "32"]))] == [
+        "priorities on, draft on all SMs", "priorities on, draft on 32 SMs"]
+    fast = LaneResult("a", verify_alone_ms=2.0, draft_alone_ms=3.0, verify_beside_ms=2.5, draft_beside_ms=4.5,
+                      sequential_ms=5.2, together_ms=4.0).to_dict()
+    assert (fast["verify_slowdown"], fast["draft_slowdown"], fast["together_speedup"]) == (1.25, 1.5, 1.3)
+    failed = LaneResult("b", error="RuntimeError: no green context").to_dict()
+    assert failed["together_speedup"] is None and best([failed, fast])["name"] == "a" and best([failed]) is None
+    text = report({"status": "ok", "device": "a GPU", "configurations": [fast, failed]}, args)
+    assert "verify slowdown" in text and "together speed-up" in text and "1.30" in text
+    assert "b FAILED: RuntimeError: no green context" in text and "Best: a (1.30x faster together)" in text

@@ -9,14 +9,17 @@ import threading
 import time
 
 import pytest
-from tokenizers import models, normalizers, pre_tokenizers
 
-from saguaro.loading import MODELS, installed, load_tokenizer
-from saguaro.loading.tokenizer import Tokenizer
-from saguaro.server.lifecycle import ServerLimits
-from saguaro.server.request_limits import (_WHITESPACE, BASE_REQUEST_BYTES, BodyLimit, CharacterBound,
+pytest.importorskip("uvicorn")  # the server's packages: absent on the GPU machine
+
+from tokenizers import models, normalizers, pre_tokenizers  # noqa: E402
+
+from saguaro.loading import MODELS, installed, load_tokenizer  # noqa: E402
+from saguaro.loading.tokenizer import Tokenizer  # noqa: E402
+from saguaro.server.lifecycle import ServerLimits  # noqa: E402
+from saguaro.server.request_limits import (_WHITESPACE, BASE_REQUEST_BYTES, BodyLimit, CharacterBound,  # noqa: E402
                                            byte_symbols, default_max_request_bytes)
-from tests.tiny import BPE_CORPUS, byte_level_bpe, tiny_tokenizer, trained_tokenizer
+from tests.tiny import BPE_CORPUS, byte_level_bpe, tiny_tokenizer, trained_tokenizer  # noqa: E402
 
 BUILT = {
     "byte-level": byte_level_bpe,

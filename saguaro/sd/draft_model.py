@@ -29,6 +29,7 @@ from saguaro.engine.sequence import Sequence
 from saguaro.sampling.batch import processed_probs
 from saguaro.sampling.ranked import RankTable, rank_table
 from saguaro.sampling.sampler import sample
+from saguaro.sd.draft_graph import StepsShape, steps_graph
 from saguaro.sd.types import Proposal, Proposer
 
 if TYPE_CHECKING:  # hints only
@@ -53,6 +54,8 @@ class DraftModelProposer(Proposer):
         self.keep_ranked = keep_ranked
         self.states: dict[int, DraftState] = {}  # the draft caches this proposer keeps (no ``state_of``)
         self._state_of = state_of
+        # greedy rounds' steps 2..K as one graph replay on the paged backend (``draft_graph.py``)
+        self.steps_graph = steps_graph(runner) if reweight is None and not keep_ranked else None
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int], read: bool = True) -> Proposal:
         """Draft ``num_tokens[b]`` tokens for each sequence, one draft pass per step. The drawn tokens stay on
@@ -61,6 +64,9 @@ class DraftModelProposer(Proposer):
         ``read=False`` skips that read: SD's verifier takes the tokens on the device and reads them with its
         outcome."""
         k_max = max(num_tokens, default=0)
+        graphed = self._graphed(seqs, num_tokens, k_max)
+        if graphed is not None:
+            return self._propose_graphed(seqs, k_max, graphed, read)
         vocab = self.runner.config.vocab_size
         probs = torch.zeros(len(seqs), max(k_max, 1), vocab, device=self.runner.device)
         steps: list[tuple[list[int], torch.Tensor]] = []  # per step: the rows drafting, their tokens [rows]
@@ -106,6 +112,37 @@ class DraftModelProposer(Proposer):
         # the one read from the device
         tokens = [row[:n] for row, n in zip(on_device.tolist(), counts)] if steps else [[] for _ in seqs]
         return Proposal(tokens, probs, no_mass, rank_table=table, rank_rows=rank_rows)
+
+    def _graphed(self, seqs: list[Sequence], num_tokens: list[int], k_max: int) -> StepsShape | None:
+        """The steps graph's shape for this round, or None where it runs step by step: not every sequence greedy
+        at the same K of at least 2, or a block table past the graph's."""
+        if (self.steps_graph is None or not seqs or any(k != k_max for k in num_tokens)
+                or not all(s.params.greedy for s in seqs)):
+            return None
+        if any(len(s.tokens) + k_max - 1 > self.steps_graph.table_width * self.runner.block_size for s in seqs):
+            return None
+        return self.steps_graph.shape(len(seqs), k_max)
+
+    def _propose_graphed(self, seqs: list[Sequence], k: int, shape: StepsShape, read: bool) -> Proposal:
+        """``propose`` for a greedy round: the first step as a pass, steps 2..K as one replay."""
+        items = [self._feed(seq, seq.tokens[self._state(seq).num_cached:]) for seq in seqs]
+        logits = torch.cat(self.runner.forward(items))
+        first = logits.argmax(dim=-1)  # greedy rows: the argmax (``sample`` of their one-hot probabilities)
+        rows = []
+        for seq in seqs:
+            state = self._state(seq)
+            self.runner.blocks.reserve(state.block_table, state.num_cached + k - 1)
+            rows.append([1, state.num_cached] + state.block_table
+                        + [0] * (shape.table_width - len(state.block_table)))
+            state.num_cached += k - 1
+        rest = self.steps_graph.run(shape, first, rows)
+        on_device = torch.cat([first[:, None], rest[:len(seqs)]], dim=1)
+        vocab = self.runner.config.vocab_size
+        probs = torch.zeros(len(seqs), k, vocab, device=logits.device).scatter_(2, on_device[..., None], 1.0)
+        no_mass = torch.zeros(len(seqs), dtype=torch.bool)
+        if not read:
+            return Proposal(None, probs, no_mass, device_tokens=on_device, counts=[k] * len(seqs))
+        return Proposal(on_device.tolist(), probs, no_mass)
 
     def prefill(self, seqs: list[Sequence], ends: list[int] | None = None) -> None:
         """Feed every token but the last, or up to ``ends[i]`` of a chunked prefill (``propose`` starts from

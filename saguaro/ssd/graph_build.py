@@ -135,6 +135,7 @@ class GraphBuild:
         self.net, self.cache, self.capture, self.device = net, cache, capture, device
         self.graphs: dict[BuildShape, tuple[torch.Tensor, torch.Tensor, Callable[[], None], BuildOutputs]] = {}
         self._copied = None  # on a GPU: an event after the last staging copy
+        self.started = False  # capture_all ran: a capture now is one beside the target
 
     @torch.inference_mode()
     def run(self, shape: BuildShape, rows: list[list[int]]) -> BuildOutputs:
@@ -151,10 +152,19 @@ class GraphBuild:
         replay()
         return out
 
+    def capture_all(self, shapes: list[BuildShape]) -> None:
+        """Capture ``shapes`` now, at start-up (``graph_staging.startup_shapes``); a shape outside them is still
+        captured on first use, with a warning: on a GPU that capture runs while the target serves."""
+        for shape in shapes:
+            self._graph(shape)
+        self.started = True
+        log.info("captured %d build graphs of the speculator at start-up", len(shapes))
+
     def _graph(self, shape: BuildShape):
         if shape not in self.graphs:
             with CAPTURE_LOCK:
-                log.info("capturing the speculator's build graph for %s", shape)
+                (log.warning if self.started else log.info)("capturing the speculator's build graph for %s%s", shape,
+                                                            " after start-up" if self.started else "")
                 self.graphs[shape] = self._make(shape)
         return self.graphs[shape]
 

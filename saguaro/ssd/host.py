@@ -72,12 +72,15 @@ def start_speculator(draft: SpeculatorDraft | LoadedModel | str, opts: Speculato
 
     The draft's graphs are captured before the speculator serves (a GPU's paged backend; nothing elsewhere):
     every row bucket a tree step can reach, for every width of its extra slots (tree step j reads j + 1), so
-    that no round captures, and the speculator never captures beside the target."""
+    that no round captures, and the speculator never captures beside the target. The build graphs too
+    (``Speculator.capture_builds``)."""
     runner = as_draft(draft).speculator_runner(opts)
     runner.capture_graphs(opts.graph_rows(), tuple(range(opts.k + 1)))
-    if recorder is None:
-        return Speculator(runner, opts.plan)
-    return RecordingSpeculator(runner, opts.plan, recorder)
+    if recorder is not None:
+        return RecordingSpeculator(runner, opts.plan, recorder)
+    speculator = Speculator(runner, opts.plan)
+    speculator.capture_builds(opts.max_num_seqs)  # and the build graphs, every shape a round can take
+    return speculator
 
 
 def never() -> bool:

@@ -138,6 +138,12 @@ class Speculator:
             return None
         return GraphBuild(backend.net, self.runner.cache, graphs.capture, self.runner.device)
 
+    def capture_builds(self, max_seqs: int) -> None:
+        """Capture the build graph of every shape a round of at most ``max_seqs`` sequences can take, now (start-up):
+        no round then captures beside the target. Nothing where builds run in Python."""
+        if self.graph is not None:
+            self.graph.capture_all(graph_staging.startup_shapes(self, max_seqs))
+
     def fan_out_for(self, state: SeqState) -> list[int]:
         """F_0..F_K for the cache of a sequence's speculation under verification."""
         return self.plan.fan_out(seq_temperature(state.seq), state.drafted_by, self.batch)

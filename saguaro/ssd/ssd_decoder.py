@@ -30,6 +30,7 @@ from saguaro.ssd.link import SpeculatorLink
 from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
 from saguaro.ssd_settings import MissStrategy
 from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
+from saguaro.ssd.stream_priority import no_lane
 from saguaro.ssd.target_features import TargetFeatures
 
 log = logging.getLogger("saguaro.ssd")
@@ -57,6 +58,8 @@ class SSDDecoder(Decoder):
         self.target = target
         self.features = features  # the target's features for an EAGLE-3 speculator (None: a draft model's)
         self.link: SpeculatorLink | None = link
+        # a thread link on a GPU: the target's rounds on its high-priority stream (``stream_priority.py``)
+        self.lane = getattr(link, "target_lane", None) or no_lane()
         self.plan = plan  # what the speculator was told (fan-outs, C, miss strategy)
         self.k = plan.k
         self.lookahead = self.k + 1
@@ -74,6 +77,11 @@ class SSDDecoder(Decoder):
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
             return self.local_sd.decode(seqs)
+        with self.lane():
+            return self._round(seqs)
+
+    def _round(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Verify what is pending, then send the outcomes and take the next speculations."""
         t0 = time.perf_counter()
         out: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         ready = [s for s in seqs if s.seq_id in self.pending]

@@ -18,7 +18,9 @@ Where the thread runs (its "lane"):
     its split count to the lane's SMs. Each response carries a CUDA event recorded on that stream after ``respond``;
     the target's stream waits on it before reading the response's device tensors; and a request carrying an
     EAGLE-3 head's target features carries an event recorded on the target's stream after they were written,
-    which the speculator's stream waits on before copying them (``eagle.features.cross_fence``). No NCCL.
+    which the speculator's stream waits on before copying them (``eagle.features.cross_fence``). The target's
+    rounds run on a stream of the highest priority, the speculator's of the lowest (``stream_priority.py``;
+    ``SAGUARO_STREAM_PRIORITIES=0`` turns that off). No NCCL.
 
 Failure never hangs the target: an exception in the thread travels to the next ``exchange``,
 and a thread that does not answer within ``opts.timeout_s`` is given up on; both raise
@@ -46,6 +48,7 @@ from saguaro.eagle.features import cross_fence, fence_features
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.host import SpeculatorOptions, serve, start_speculator
 from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse
+from saguaro.ssd.stream_priority import LanePriorities, TargetLane, lane_priorities
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -76,7 +79,9 @@ class ThreadLink:
         self.replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
         self.stopping = threading.Event()  # set by stop/kill: builds end at their next step, the loop exits
         self._switch = _SwitchInterval.hold()
-        self.thread = threading.Thread(target=self._serve, args=(draft, sms), daemon=True,
+        priorities = lane_priorities(opts.device)  # GPU: the target's rounds first, the build in what is left
+        self.target_lane = TargetLane(opts.device, priorities)
+        self.thread = threading.Thread(target=self._serve, args=(draft, sms, priorities), daemon=True,
                                        name="saguaro-speculator")
         self.thread.start()
         try:  # the thread places the draft and sets up its lane first; a failure there is a start-up error
@@ -139,10 +144,10 @@ class ThreadLink:
                                 ) from reply.error
 
     # -- the speculator's side (runs in the thread) ------------------------------
-    def _serve(self, draft: Any, sms: int | None) -> None:
+    def _serve(self, draft: Any, sms: int | None, priorities: LanePriorities | None) -> None:
         opts = self.opts
         try:
-            with _lane(opts, sms) as stream, torch.no_grad():  # grad mode is per thread
+            with _lane(opts, sms, priorities) as stream, torch.no_grad():  # grad mode is per thread
                 speculator = start_speculator(draft, opts)
                 self.replies.put(_Reply())  # ready
                 serve(speculator, self._next_request,
@@ -191,8 +196,9 @@ class _SwitchInterval:
 
 
 @contextmanager
-def _lane(opts: SpeculatorOptions, sms: int | None) -> Iterator[Any]:
-    """Run the body on the speculator's lane; yields its CUDA stream (None on the CPU)."""
+def _lane(opts: SpeculatorOptions, sms: int | None, priorities: LanePriorities | None = None) -> Iterator[Any]:
+    """Run the body on the speculator's lane; yields its CUDA stream (None on the CPU), of the speculator's
+    priority where ``priorities`` are set (a green context's stream keeps the default, the lowest)."""
     if opts.device == "cpu":
         if opts.cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, set(opts.cores))  # pid 0 from a thread: this thread only (Linux)
@@ -206,7 +212,8 @@ def _lane(opts: SpeculatorOptions, sms: int | None) -> Iterator[Any]:
     try:
         # a stream of the thread's own, never the one set_context made current: the caching allocator keys
         # its pools by stream, and would take that one for the target's
-        stream = green.Stream() if green is not None else torch.cuda.Stream(device)
+        low = {} if priorities is None else {"priority": priorities.speculator}
+        stream = green.Stream() if green is not None else torch.cuda.Stream(device, **low)
         lane_sm_count(sms if green is not None else None)  # attention splits sized to the lane's SMs
         with torch.cuda.stream(stream):  # the current stream is per thread too: the target's is untouched
             yield stream

@@ -1,0 +1,119 @@
+"""SD's draft steps 2..K as one captured graph (``sd/draft_graph.py``), on the paged backend's CPU stand-in.
+
+* Greedy SD through it equals AR token for token, and its proposals equal the step-by-step ones (tokens and
+  probabilities) over rounds with commits.
+* It captures under ``CaptureChecker``; a host read planted in it fails the capture (negative control).
+* The host's torch calls per greedy round are the same for K = 2 and K = 5 (the replay counts as one call, as on a
+  GPU it is one launch); step by step they grow with K (negative control).
+"""
+import pytest
+import torch
+
+from saguaro import SamplingParams
+from saguaro.backends.paged.capture_check import HostSyncError
+from saguaro.engine.model_runner import ModelRunner
+from saguaro.engine.sequence import Sequence
+from saguaro.sd import draft_graph
+from saguaro.sd.draft_model import DraftModelProposer
+from benchmarks.build_counters import TorchCalls
+from tests.test_backends import ENGINE_PROMPTS, greedy, use_paged_backend
+from tests.tiny import tiny_model, truncated
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def draft():
+    return tiny_model(seed=5, layers=2, sharpness=3.0)
+
+
+def _proposer(draft, graph: bool) -> DraftModelProposer:
+    proposer = DraftModelProposer(ModelRunner(draft.model, 128, BLOCK, backend="paged", max_seq_len=64))
+    assert proposer.steps_graph is not None
+    if not graph:
+        proposer.steps_graph = None
+    return proposer
+
+
+def _seqs(prompts):
+    return [Sequence(list(p), SamplingParams()) for p in prompts]
+
+
+def test_greedy_sd_through_the_steps_graph_equals_ar(monkeypatch):
+    use_paged_backend(monkeypatch)
+    replays = []
+    real = draft_graph.DraftStepsGraph.run
+    monkeypatch.setattr(draft_graph.DraftStepsGraph, "run", lambda self, *a: replays.append(1) or real(self, *a))
+    from saguaro import LLM
+    target = tiny_model(seed=3, layers=3, sharpness=3.0)
+    with LLM(target=target, mode="ar", block_size=4, max_num_seqs=5) as llm:
+        ar = greedy(llm, ENGINE_PROMPTS)
+    with LLM(target=target, mode="sd", block_size=4, max_num_seqs=5, draft=truncated(target, 1),
+             num_speculative_tokens=3, adaptive=False) as llm:
+        graphs = llm.engine.decoder.proposer.steps_graph.graphs
+        at_start = set(graphs)  # captured at start-up: buckets 1..8, K = 2 and 3
+        assert {(s.seqs, s.steps) for s in at_start} == {(b, k) for b in (1, 2, 4, 8) for k in (1, 2)}
+        assert greedy(llm, ENGINE_PROMPTS) == ar
+        assert set(graphs) == at_start  # none captured while serving
+    assert len(replays) >= 3  # the rounds whose sequences all draft K (budgets shorten the others)
+
+
+def test_the_steps_graph_proposes_what_the_steps_propose(draft):
+    proposers = [_proposer(draft, True), _proposer(draft, False)]
+    seqs = [_seqs(ENGINE_PROMPTS[:3]) for _ in proposers]
+    for p, s in zip(proposers, seqs):
+        p.prefill(s)
+    for round_ in range(6):
+        out = [p.propose(s, [4] * len(s)) for p, s in zip(proposers, seqs)]
+        assert out[0].tokens == out[1].tokens, round_
+        assert torch.equal(out[0].probs, out[1].probs), round_
+        for p, s in zip(proposers, seqs):
+            for b, seq in enumerate(s):  # accept a prefix (b + round_) % 5 long, then the target's token
+                accepted = (b + round_) % 5
+                seq.output_ids += out[0].tokens[b][:accepted] + [(round_ * 7 + b) % 50]
+                p.commit(seq, 4, accepted)
+    assert len(proposers[0].steps_graph.graphs) == 1
+
+
+def test_the_steps_graph_captures_under_the_checker(draft, monkeypatch):
+    proposer = _proposer(draft, True)
+    seqs = _seqs([[3, 7, 1, 9]])
+    proposer.prefill(seqs)
+    proposer.propose(seqs, [3])
+    assert len(proposer.steps_graph.graphs) == 1  # captured (checked) and replayed
+    proposer.commit(seqs[0], 3, 1)
+    seqs[0].output_ids += [5, 6]
+    net = proposer.steps_graph.net
+    monkeypatch.setattr(proposer.steps_graph, "net", lambda ids, *a: net(ids + int(ids[0]) * 0, *a))
+    proposer.steps_graph.net.logits = net.logits
+    proposer.steps_graph.graphs.clear()
+    with pytest.raises(HostSyncError):
+        proposer.propose(seqs, [3])
+
+
+def _calls(draft, monkeypatch, k: int, graph: bool) -> int:
+    proposer = _proposer(draft, graph)
+    calls = TorchCalls()
+    if graph:
+        real = draft_graph.DraftStepsGraph._graph
+
+        def counted(self, shape):
+            host, staged, feed, replay, out = real(self, shape)
+            return host, staged, feed, calls.replayed(replay), out
+        monkeypatch.setattr(draft_graph.DraftStepsGraph, "_graph", counted)
+    seqs = _seqs([[3, 7, 1, 9], [5, 2]])
+    proposer.prefill(seqs)
+    proposer.propose(seqs, [k, k])  # the capture
+    for seq in seqs:
+        proposer.commit(seq, k, 0)
+        seq.output_ids.append(11)
+    with calls:
+        proposer.propose(seqs, [k, k])
+    return calls.count
+
+
+def test_host_torch_calls_per_round_do_not_grow_with_k(draft, monkeypatch):
+    graphed = {k: _calls(draft, monkeypatch, k, True) for k in (2, 5)}
+    assert graphed[2] == graphed[5], graphed
+    stepped = {k: _calls(draft, monkeypatch, k, False) for k in (2, 5)}
+    assert stepped[5] > stepped[2] and stepped[5] > graphed[5], (stepped, graphed)
