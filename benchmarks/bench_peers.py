@@ -19,6 +19,7 @@ the 1.5B target and to Saguaro's AR of this run, acceptance, the prompt token co
 
     saguaro bench peers                                         # 3 prompts, 48 tokens, 1 thread
     saguaro bench peers --prompts 1 --max-tokens 8 --only llama-q4-ar,saguaro-ar   # smoke test
+    saguaro bench peers --only llama.cpp --memory      # + resident memory and load time (peer_memory.py)
 """
 from __future__ import annotations
 
@@ -35,6 +36,7 @@ from benchmarks import llama_cpp as lc
 from benchmarks.common import (DRAFT, TARGET, Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, prepare_prompts, ratio, run_engine, settings, summarize_records,
                                table, write_results)
+from benchmarks.peer_memory import measure as measure_memory, memory_table
 from saguaro.loading.paths import cache_root
 
 LLAMA, SAGUARO = "llama.cpp", "saguaro"
@@ -88,6 +90,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="never build llama.cpp: use the cached build, or fail if there is none")
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs of the build")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one llama.cpp program may run (default 900)")
+    p.add_argument("--memory", action="store_true",
+                   help="also Saguaro's resident memory and load times (bf16/int8/int4 AR, SSD), fresh processes")
     args = p.parse_args(argv)
     if any(t != 0 for t in args.temperatures):
         p.error("only greedy decoding (--temperatures 0) is compared with llama.cpp")
@@ -305,6 +309,7 @@ class Results:
     records: dict[str, list[Any]] = field(default_factory=dict)
     commands: dict[str, Any] = field(default_factory=dict)
     not_run: dict[str, str] = field(default_factory=dict)  # Saguaro rows this machine cannot run, and why
+    memory: dict[str, dict[str, Any]] = field(default_factory=dict)  # --memory: peer_memory.py's rows
 
 
 def run_row(r: Row, build: lc.Build | None, files: dict[str, Path], prompts: list[Prompt], labels: dict[str, str],
@@ -343,6 +348,9 @@ def write(args, labels, res: Results, files, versions, left: list[str]) -> str:
     if left:
         payload["rows_not_run"] = left
         markdown += f"\n\nPartial: rows not run yet: {', '.join(left)}."
+    if res.memory:
+        payload["memory"] = res.memory
+        markdown += "\n\n" + memory_table(res.memory)
     payload["saguaro_requests"] = [rec.to_json() for recs in res.records.values() for rec in recs]
     write_results(args.out, "bench_peers", payload, markdown)
     return markdown
@@ -379,6 +387,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {r.key}: {e}", file=sys.stderr)
             return 1
         markdown = write(args, labels, res, files, versions, [x.key for x in rows[i + 1:]])
+    if args.memory:
+        ssd = saguaro_options(next(r for r in ROWS if r.key == "saguaro-ssd"), args)
+        res.memory = measure_memory(args.target, ssd, prompts[0].ids, args.timeout, log)
+        markdown = write(args, labels, res, files, versions, [])
     print(markdown)
     log(f"wrote {args.out / 'bench_peers.json'} and {args.out / 'bench_peers.md'}")
     return 0

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 
 PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+MADV_WILLNEED = 3  # read the range ahead, asynchronously, in large requests
 MADV_DONTNEED = 4
 MADV_HUGEPAGE = 14
 _LINUX = os.path.exists("/proc/self/smaps")

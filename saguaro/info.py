@@ -1,8 +1,13 @@
-"""``saguaro info``: this CPU's features, the kernel tier each model of the demo pair runs on and why, and the
-pair's one-core memory floor.
+"""``saguaro info``: this CPU's features, the kernel tier each model of the demo pair runs on and why, the
+pair's one-core memory floor, and its expected resident footprint.
 
 The floor: a decode step streams every packed weight once, so one token of a model costs at least its
 packed bytes / the bandwidth one core streams (a sum over a huge-page buffer, ``calibration/bus.py``).
+
+The footprint: after loading, a process holds its packed arena (the one copy of its matrices), the KV cache
+blocks its requests wrote (allocated untouched: ``kv/``) and the runtime (Python, torch, Saguaro: this
+process's resident memory before it loads a model). SSD runs the draft in a process of its own, so the demo's
+SSD holds two runtimes. ``saguaro bench peers --memory`` measures the real figure.
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.backends.cpu_kernels.model import pass_bytes, unsupported_reason
 from saguaro.models.draft_format import DraftFormat
 
+DEMO_CONTEXT = 4096  # the demo's max_model_len
 FEATURES = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "avx512_vnni", "avx2", "fma", "f16c", "asimd")
 
 
@@ -28,6 +34,7 @@ class ModelLine:
     path: str          # "cpu_kernels/<tier>" or "eager"
     why: str
     bytes_per_token: int
+    kv_bytes_per_token: int  # bf16 keys and values of every layer
 
 
 def cpu_name() -> str:
@@ -53,7 +60,20 @@ def model_line(role: str, name: str, fmt: DraftFormat) -> ModelLine:
         path, why = f"cpu_kernels/{tier}", kernels.why(tier)
     else:
         path, why = "eager", reason
-    return ModelLine(role, name, label, path, why, pass_bytes(loaded.config, fmt.weights, rows))
+    cfg = loaded.config
+    kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    return ModelLine(role, name, label, path, why, pass_bytes(cfg, fmt.weights, rows), kv)
+
+
+def footprint(models: list[ModelLine], runtime_bytes: int, context: int = DEMO_CONTEXT) -> str:
+    """The demo SSD's expected resident memory: packed arenas, KV caches full to ``context`` tokens, and one
+    runtime per process (the target's and the speculator's)."""
+    arenas = sum(m.bytes_per_token for m in models)
+    kv = sum(m.kv_bytes_per_token for m in models) * context
+    total = arenas + kv + len(models) * runtime_bytes
+    return (f"expected footprint of the demo's SSD ({len(models)} processes): {arenas / 1e9:.2f} GB packed weights "
+            f"+ {kv / 1e9:.2f} GB KV cache ({context} tokens) + {len(models)} x {runtime_bytes / 1e9:.2f} GB "
+            f"runtime = about {total / 1e9:.2f} GB resident (measure: saguaro bench peers --memory)")
 
 
 def one_core_bandwidth(seconds: float = 2.0) -> float:
@@ -63,6 +83,8 @@ def one_core_bandwidth(seconds: float = 2.0) -> float:
 
 
 def report(target: str, draft: str, draft_format: DraftFormat) -> str:
+    from saguaro.host_memory import resident_bytes
+    runtime = resident_bytes()  # before any model is loaded
     flags = kernels.cpu_flags()
     have = [f for f in FEATURES if f in flags]
     lines = [f"CPU: {cpu_name()} ({platform.machine()}, {os.cpu_count()} cores), "
@@ -75,5 +97,6 @@ def report(target: str, draft: str, draft_format: DraftFormat) -> str:
         floor = m.bytes_per_token / bandwidth
         lines.append(f"{m.role:6s} {m.name}: {m.weights}; {m.path} ({m.why}); {m.bytes_per_token / 1e9:.3f} GB per "
                      f"token, floor {floor * 1e3:.1f} ms ({1 / floor:.1f} tok/s)")
+    lines.append(footprint(models, runtime))
     lines.append(f"one-core bandwidth: {bandwidth / 1e9:.1f} GB/s (sum over 1 GiB in huge pages, core 0)")
     return "\n".join(lines)

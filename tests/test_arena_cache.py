@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -37,7 +38,9 @@ def cache(monkeypatch, tmp_path):
 
 def fast(model_dir, weights="bf16", head_ids=None):
     loaded = load_model(model_dir, dtype=torch.bfloat16, progress=False)
-    return FastCausalLM(loaded.model, weights, head_ids), loaded.config
+    model = FastCausalLM(loaded.model, weights, head_ids)
+    arena_cache.wait_for_stores()  # the store runs in the background
+    return model, loaded.config
 
 
 @pytest.fixture(scope="module")
@@ -139,6 +142,64 @@ def test_two_processes_loading_at_once_both_succeed(model_dir, packed, cache):
     want = hashlib.sha256(packed["bf16"].numpy().tobytes()).hexdigest()
     assert [out.strip() for out, _ in outs] == [want, want]
     (path,) = arena_files(cache)
+    assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]
+    mapped, _ = fast(model_dir)
+    assert MappedPages().path(mapped.arena) == str(path)
+
+
+def test_the_load_returns_before_the_store_finishes(model_dir, packed, cache, monkeypatch):
+    release, writing = threading.Event(), threading.Event()
+    write = arena_cache._write
+
+    def slow_write(f, header, buffer):  # a disk far slower than the load
+        writing.set()
+        assert release.wait(60)
+        write(f, header, buffer)
+
+    monkeypatch.setattr(arena_cache, "_write", slow_write)
+    loaded = load_model(model_dir, dtype=torch.bfloat16, progress=False)
+    model = FastCausalLM(loaded.model)
+    try:
+        assert writing.wait(60) and not arena_files(cache)  # returned while the store waits to write
+        assert torch.equal(first_logits(model, loaded.config), packed["bf16"])  # serving meanwhile
+    finally:
+        release.set()
+        arena_cache.wait_for_stores()
+    (path,) = arena_files(cache)
+    mapped, cfg = fast(model_dir)
+    assert MappedPages().path(mapped.arena) == str(path)
+    assert torch.equal(first_logits(mapped, cfg), packed["bf16"])
+
+
+EXIT_MID_STORE = """
+import os, sys, torch
+from saguaro.backends.cpu_kernels import arena_cache
+from saguaro.backends.cpu_kernels.model import FastCausalLM
+from saguaro.loading import load_model
+
+def dying_write(f, header, buffer):  # the process ends with half the arena written
+    f.write(header)
+    f.write(memoryview(buffer.numpy())[:buffer.numel() // 2])
+    f.flush()
+    os._exit(0)
+
+arena_cache._write = dying_write
+FastCausalLM(load_model(sys.argv[1], dtype=torch.bfloat16, progress=False).model)
+arena_cache.wait_for_stores()
+"""
+
+
+def test_a_process_that_exits_mid_store_leaves_nothing_used(model_dir, packed, cache, caplog):
+    env = {**os.environ, "SAGUARO_CACHE": str(cache), "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", EXIT_MID_STORE, str(model_dir)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert not arena_files(cache) and [p for p in (cache / "arenas").iterdir() if ".tmp-" in p.name]
+    caplog.set_level("INFO", "saguaro.fast")
+    packed_again, cfg = fast(model_dir)
+    assert MappedPages().path(packed_again.arena) is None and "mapped the packed" not in caplog.text
+    assert torch.equal(first_logits(packed_again, cfg), packed["bf16"])
+    (path,) = arena_files(cache)  # stored whole this time; the dead writer's temporary is gone
     assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]
     mapped, _ = fast(model_dir)
     assert MappedPages().path(mapped.arena) == str(path)

@@ -216,3 +216,37 @@ def test_int4_target_rows_quantize_the_target_only():
         plain = bp.saguaro_options(rows[key.replace("-q4", "")], args)
         assert "target_weights" not in plain and plain["mode"] == mode
     assert bp.saguaro_options(rows["saguaro-q4-sd"], args)["draft_weights"] == "int4"
+
+
+def test_the_memory_rows_on_a_tiny_pair(tmp_path, monkeypatch):
+    """--memory runs every memory row in fresh processes on a tiny pair, and writes the table and the JSON."""
+    import json
+
+    import torch
+
+    from benchmarks.peer_memory import MEMORY_ROWS
+    from saguaro.backends.cpu_kernels import build as kernels
+    from tests.tiny import perturbed, save_hf, tiny_model
+    if not kernels.available():
+        pytest.skip("needs the CPU kernels (AVX2 or better)")
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path / "cache"))
+    target = tiny_model(seed=6, vocab=512, layers=2, hidden=256, sharpness=4.0)
+    target_dir = save_hf(target, tmp_path / "target", torch.bfloat16)
+    draft_dir = save_hf(perturbed(target, 0.2), tmp_path / "draft", torch.bfloat16)
+    monkeypatch.setattr(bp, "prepare_prompts", lambda tok, names, n: [bp.Prompt("humaneval", 0, "x", [5, 9, 2], "x")])
+    out = tmp_path / "results"
+    assert bp.main(["--target", str(target_dir), "--draft", str(draft_dir), "--draft-vocab", "256", "--only",
+                    "saguaro-ar", "--memory", "--prompts", "1", "--max-tokens", "4", "--threads", "1",
+                    "--out", str(out)]) == 0
+    memory = json.loads((out / "bench_peers.json").read_text())["memory"]
+    assert list(memory) == [key for key, _, _ in MEMORY_ROWS]
+    for key, row in memory.items():
+        assert "error" not in row, row
+        assert row["rss_gb"] > 0.05 and row["load_s"] > 0 and row["first_load_s"] > 0
+        assert row["options"]["kv_cache_tokens"] == 4096 and row["options"]["max_model_len"] == 4096
+        assert row["processes"] == (2 if key == "mem-ssd" else 1)  # SSD's speculator is a process of its own
+    assert memory["mem-int4"]["options"]["target_weights"] == "int4"
+    assert memory["mem-ssd"]["options"]["mode"] == "ssd" and memory["mem-bf16"]["options"]["mode"] == "ar"
+    assert list((tmp_path / "cache").rglob("*.arena"))  # the second run of each row loads from the arena cache
+    md = (out / "bench_peers.md").read_text()
+    assert "resident GB" in md and "SSD, bf16 target + int4 draft (2 processes)" in md

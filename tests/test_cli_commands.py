@@ -82,6 +82,24 @@ def test_info_names_the_cpu_and_each_models_path(dirs):
     assert out.startswith("CPU: ") and "kernel tiers this CPU executes" in out
     assert f"target {target}: bf16;" in out and f"draft  {draft}: int4;" in out
     assert "one-core bandwidth" in out
+    line = next(x for x in out.splitlines() if x.startswith("expected footprint of the demo's SSD (2 processes)"))
+    assert "(4096 tokens)" in line and "2 x " in line
+
+
+def test_the_footprint_adds_arenas_kv_caches_and_a_runtime_per_process(dirs):
+    from saguaro.backends.cpu_kernels.model import pass_bytes
+    from saguaro.info import footprint, model_line
+    from saguaro.loading import load_model
+    from saguaro.models.draft_format import DraftFormat
+    target, draft = (str(d) for d in dirs)
+    models = [model_line("target", target, DraftFormat()), model_line("draft", draft, DraftFormat("int4"))]
+    cfg = load_model(target, torch.bfloat16, progress=False).config
+    assert models[0].bytes_per_token == pass_bytes(cfg, "bf16")
+    assert models[0].kv_bytes_per_token == cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 4  # k and v, bf16
+    arenas = models[0].bytes_per_token + models[1].bytes_per_token
+    kv = (models[0].kv_bytes_per_token + models[1].kv_bytes_per_token) * 100
+    line = footprint(models, runtime_bytes=10**9, context=100)
+    assert f"about {(arenas + kv + 2 * 10**9) / 1e9:.2f} GB" in line and f"{arenas / 1e9:.2f} GB packed" in line
 
 
 def healthy(port: int) -> bool:

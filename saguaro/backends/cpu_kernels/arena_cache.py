@@ -6,6 +6,13 @@ stores them and every later load maps them: it costs about as long as touching t
 them all), the eager weights are never read, and two engines of one model on a machine share the pages through
 the page cache. Weights that are not mapped from files (a model built in memory) are never cached.
 
+What a cached load costs (the 1.5B, bf16, a shared 2-core Zen 4): 1.9 s of ``LLM(...)`` with the arena in the
+page cache (0.6 s of it the checksum), 9.1 s with it read from disk (7.2 s the checksum: the disk read, which
+the first forward pass would wait for anyway). So the whole checksum is verified on every load, not only a
+header: skipping it would move the read, not save it, and a flipped byte would change outputs silently.
+``MADV_WILLNEED`` asks the kernel to read the file ahead in large requests: 3x faster for a cold 278 MB arena
+(0.14 s, not 0.40-0.49 s), no measurable change for the 1.5B's 2.9 GB (its pages map as huge pages already).
+
 Where: ``<weights dir>/arenas/`` when the weights are in Saguaro's cache directory (a converted GGUF), else
 ``<cache root>/arenas/`` (an HF directory stays as its owner left it). ``SAGUARO_ARENA_CACHE=off`` turns it off.
 
@@ -15,6 +22,12 @@ sum of the arena's 64-bit words mod 2**64, so any changed byte changes it). A fi
 key, the wrong size or a bad checksum is logged and packed again, never used. Writers write a temporary sibling
 and rename it into place, so a reader sees a whole file or none; a lock lets one process at a time store a
 given arena (another packing the same model at once uses its own arena and stores nothing).
+
+The store runs in a background thread (``store_in_background``) once the arena is packed: the load returns at
+once instead of waiting for 3 GB to be checksummed and written (for the 1.5B that doubled a first load). The
+arena is never written after packing, so the thread reads it while the engine runs. The thread is not a
+daemon: the interpreter finishes the store before it exits. A process killed meanwhile leaves only its
+temporary, which no reader opens and the next store removes.
 """
 from __future__ import annotations
 
@@ -24,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import threading
 import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,13 +45,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from saguaro.host_memory import MADV_HUGEPAGE, advise
+from saguaro.host_memory import MADV_HUGEPAGE, MADV_WILLNEED, advise
 from saguaro.loading.paths import cache_root, remove_dead_temporaries
 
 log = logging.getLogger("saguaro.fast")
 ARENA_VERSION = 1
 HEADER = 4096
 ENV = "SAGUARO_ARENA_CACHE"
+_stores: list[threading.Thread] = []  # background stores not yet joined
 
 
 @dataclass(frozen=True)
@@ -98,6 +113,7 @@ def load(key: ArenaKey) -> torch.Tensor | None:
         else:
             data = torch.from_file(str(path), shared=False, size=HEADER + key.nbytes, dtype=torch.uint8)[HEADER:]
             advise(data, MADV_HUGEPAGE)  # where the kernel maps file pages huge
+            advise(data, MADV_WILLNEED)  # a file not in the page cache is read ahead in large requests
             if checksum(data) == header.get("checksum"):
                 log.info("mapped the packed %s arena from %s", key.weights, path)
                 return data
@@ -127,11 +143,29 @@ def store(key: ArenaKey, buffer: torch.Tensor) -> None:
             if len(header) > HEADER:
                 raise OSError(f"a header of {len(header)} bytes (its weights files' names are too long)")
             with open(tmp, "wb") as f:
-                f.write(header.encode().ljust(HEADER, b"\0"))
-                f.write(memoryview(buffer.numpy()))
+                _write(f, header.encode().ljust(HEADER, b"\0"), buffer)
             os.replace(tmp, path)
             log.info("stored the packed %s arena in %s", key.weights, path)
     except OSError as e:  # a read-only or full disk: this load keeps its arena, the next packs again
         log.warning("could not store the packed arena in %s: %s", path, e)
         if tmp is not None:
             tmp.unlink(missing_ok=True)
+
+
+def _write(f, header: bytes, buffer: torch.Tensor) -> None:
+    f.write(header)
+    f.write(memoryview(buffer.numpy()))
+
+
+def store_in_background(key: ArenaKey, buffer: torch.Tensor) -> threading.Thread:
+    """``store`` from a thread, so the load that packed ``buffer`` returns without waiting for the write."""
+    thread = threading.Thread(target=store, args=(key, buffer), name="saguaro-arena-store")
+    thread.start()
+    _stores[:] = [t for t in _stores if t.is_alive()] + [thread]
+    return thread
+
+
+def wait_for_stores(timeout: float | None = None) -> None:
+    """Join the background stores this process started (a test, or a caller about to read the files)."""
+    for thread in list(_stores):
+        thread.join(timeout)

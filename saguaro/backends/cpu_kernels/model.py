@@ -180,7 +180,7 @@ class FastCausalLM:
         arena = _Arena(nbytes, weights, self.ops, cached)
         self._pack(model, arena, head, pages if cached is None else None)
         if key is not None and cached is None:
-            arena_cache.store(key, arena.buffer)
+            arena_cache.store_in_background(key, arena.buffer)  # the load returns while it writes
         self.arena = arena.buffer
         self.embed = model.model.embed_tokens.weight
         self.norm = model.model.norm.weight

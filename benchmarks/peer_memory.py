@@ -1,0 +1,115 @@
+"""Resident memory and load time of Saguaro's configurations, the table ``saguaro bench peers --memory`` adds.
+
+Each configuration runs twice in a fresh process: the first may convert the weights and stores the packed arena
+(its load time is reported as the first load), the second loads from those caches, generates 8 greedy tokens
+and reports its load time and the resident memory (RSS) of the engine's processes summed (SSD: the target's and
+the speculator's). The KV cache holds 4,096 tokens, the context of llama.cpp's rows, so the figures compare with
+llama.cpp's resident memory on the same model and context (measured with ``/usr/bin/time -v``, for example).
+"""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import fmt, table
+
+CONTEXT = 4096  # llama.cpp's rows: -c 4096
+TOKENS = 8
+# (key, label, the LLM options beyond the shared ones; "ssd": bench peers' SSD row with its int4 draft)
+MEMORY_ROWS = (("mem-bf16", "AR, bf16 target", {}),
+               ("mem-int8", "AR, int8 target", {"target_weights": "int8"}),
+               ("mem-int4", "AR, int4 target", {"target_weights": "int4"}),
+               ("mem-ssd", "SSD, bf16 target + int4 draft (2 processes)", None))
+
+PROBE = """
+import json, sys, time
+t0 = time.perf_counter()
+from saguaro import LLM, SamplingParams
+from saguaro.backends.cpu_kernels import arena_cache
+from benchmarks.peer_memory import tree_resident_bytes
+spec = json.loads(sys.argv[1])
+t1 = time.perf_counter()
+with LLM(target=spec["target"], **spec["options"]) as llm:
+    t2 = time.perf_counter()
+    out = llm.generate([spec["prompt"]], SamplingParams(temperature=0.0, max_tokens=spec["tokens"]))
+    arena_cache.wait_for_stores()  # the first run's background store, so the second maps the arena
+    rss, processes = tree_resident_bytes()
+    print(json.dumps({"import_s": t1 - t0, "load_s": t2 - t1, "rss_bytes": rss, "processes": processes,
+                      "tokens": len(out[0].token_ids)}))
+"""
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*/children"):
+        try:
+            found += [int(c) for c in task.read_text().split()]
+        except (OSError, ValueError):
+            pass
+    return found
+
+
+def tree_resident_bytes(pid: int | None = None) -> tuple[int, int]:
+    """Resident bytes of a process and all its descendants summed, and how many processes that is."""
+    from saguaro.host_memory import resident_bytes
+    todo, seen = [pid or os.getpid()], []
+    while todo:
+        p = todo.pop()
+        seen.append(p)
+        todo += _children(p)
+    return sum(resident_bytes(p) for p in seen), len(seen)
+
+
+def options_for(extra: dict[str, Any] | None, ssd: dict[str, Any]) -> dict[str, Any]:
+    """A row's LLM options: bench peers' AR or SSD options with a KV cache of llama.cpp's context."""
+    base = {k: v for k, v in ssd.items() if k not in ("mode", "draft", "num_speculative_tokens", "fan_out",
+                                                      "branch_steps", "draft_weights", "draft_vocab",
+                                                      "calibration_workload")}
+    chosen = dict(ssd) if extra is None else dict(base, mode="ar", **extra)
+    return dict(chosen, max_model_len=CONTEXT, kv_cache_tokens=CONTEXT)
+
+
+def run_probe(target: str, options: dict[str, Any], prompt: list[int], timeout: float) -> dict[str, Any]:
+    spec = json.dumps({"target": target, "options": options, "prompt": prompt, "tokens": TOKENS})
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                        os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", PROBE, spec], capture_output=True, text=True, timeout=timeout,
+                          env=env)
+    if done.returncode != 0:
+        raise RuntimeError(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure(target: str, ssd_options: dict[str, Any], prompt: list[int], timeout: float,
+            log=print) -> dict[str, dict[str, Any]]:
+    """Every memory row: the first load's time, then the cached load's time and resident memory."""
+    results: dict[str, dict[str, Any]] = {}
+    for key, label, extra in MEMORY_ROWS:
+        options = options_for(extra, ssd_options)
+        try:
+            first = run_probe(target, options, prompt, timeout)
+            cached = run_probe(target, options, prompt, timeout)
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            log(f"{key}: not measured: {e}")
+            results[key] = {"label": label, "error": str(e)}
+            continue
+        results[key] = {"label": label, "first_load_s": first["load_s"], "load_s": cached["load_s"],
+                        "import_s": cached["import_s"], "rss_gb": cached["rss_bytes"] / 1e9,
+                        "processes": cached["processes"], "options": options}
+        log(f"  {key}: cached load {cached['load_s']:.2f} s, {cached['rss_bytes'] / 1e9:.2f} GB resident")
+    return results
+
+
+def memory_table(results: dict[str, dict[str, Any]]) -> str:
+    lines = [[r["label"], fmt(r.get("rss_gb")), r.get("processes", "-"), fmt(r.get("first_load_s")),
+              fmt(r.get("load_s")), fmt(r.get("import_s"))] for r in results.values()]
+    return ("Resident memory after loading and generating 8 tokens (RSS of the engine's processes summed), "
+            f"a {CONTEXT}-token KV cache as llama.cpp's rows; load: `LLM(...)` in a fresh process, the first run "
+            "(converting and packing, where nothing was cached yet) and the next, mapping the converted weights "
+            "and the packed arena; "
+            "import: `import saguaro` before it.\n\n"
+            + table(["config", "resident GB", "processes", "first run load s", "cached load s", "import s"], lines))
