@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from benchmarks.bench_peers import cpu_description
-from benchmarks.common import (DRAFT, TARGET, Prompt, add_common_args, draft_options, engine_options, environment,
+from benchmarks.common import (Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, median, prepare_prompts, ratio, sampling_params, settings, str_list,
                                table, temp_key, write_results)
 
@@ -32,8 +32,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="saguaro bench adapt", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(p, prompts=2, max_tokens=48, temperatures="0,1", datasets=DATASETS)
-    p.add_argument("--target", default=TARGET, help=f"target model (default {TARGET})")
-    p.add_argument("--draft", default=DRAFT, help=f"draft model of SD and SSD (default {DRAFT})")
     p.add_argument("--modes", type=str_list, default=["sd", "ssd"], help="speculative modes (default sd,ssd)")
     p.add_argument("--ks", type=int_list, default=[2, 3, 4, 5], help="fixed K rows (default 2,3,4,5)")
     p.add_argument("--max-k", type=int, default=5, help="the adaptive rows' largest K (default 5)")

@@ -122,7 +122,7 @@ def test_eagle_draft_under_tensor_parallelism(target, head_dir, ar_outputs, mode
     fp32. The residual stream is all-reduced, whole on every rank, so rank 0 taps it; the head reads the whole
     embedding table, of which rank 0 holds a vocabulary shard. SSD ships both to its speculator process."""
     with LLM(target=target, draft=str(head_dir), mode=mode, num_speculative_tokens=3, block_size=4,
-             dtype="float32", tensor_parallel_size=2) as llm:
+             dtype="float32", tensor_parallel_size=2, adaptive=False) as llm:  # a fixed K: drafts every round
         assert llm.engine.target.cache.data.shape[3] == 1  # each rank holds one of the 2 KV heads
         assert llm.draft.embed.shape[0] == target.config.vocab_size
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))

@@ -54,7 +54,8 @@ def samples(url: str) -> dict[tuple[str, tuple], float]:
 
 @pytest.mark.parametrize("mode", ["ar", "sd", pytest.param("ssd", marks=pytest.mark.worker_failure)])
 def test_32_streaming_clients(pair, alone, mode):
-    options = {} if mode == "ar" else dict(draft=pair[1], mode=mode, num_speculative_tokens=K)
+    options = {} if mode == "ar" else dict(draft=pair[1], mode=mode, num_speculative_tokens=K,
+                                           adaptive=False)  # fixed K: the spec metrics below count drafts
     llm = LLM(pair[0], block_size=4, kv_cache_tokens=256, max_num_seqs=16, **options)
     with running_server(llm) as served:
         client = openai.OpenAI(base_url=served.base_url, api_key="unused", max_retries=0, timeout=120)

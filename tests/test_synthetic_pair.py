@@ -40,7 +40,8 @@ def test_layer_skip_draft_agrees_partly(prompt_ids):
     assert agreement.p_hit > 0.0
     assert agreement.by_position[0] > agreement.by_position[-1]  # deeper drafts are accepted less
 
-    metrics = engine_metrics(target, draft, prompt_ids, TOKENS, mode="sd", num_speculative_tokens=4)
+    metrics = engine_metrics(target, draft, prompt_ids, TOKENS, mode="sd", num_speculative_tokens=4,
+                             adaptive=False)
     rounds = (metrics.accepted_tokens + metrics.rounds) / agreement.tokens_per_round
     assert metrics.acceptance_rate == pytest.approx(agreement.acceptance)
     assert metrics.rounds == pytest.approx(rounds)
