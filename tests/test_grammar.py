@@ -10,7 +10,7 @@ import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.sampling.grammar import GrammarState, JsonGrammar
-from tests.tiny import byte_level_model, tiny_model, truncated
+from tests.tiny import byte_level_model, every_mode, tiny_model, truncated
 
 jsonschema = pytest.importorskip("jsonschema")  # a dev dependency (the GPU check runs without it)
 
@@ -34,21 +34,11 @@ def _params(target, schema: dict | None) -> SamplingParams:
                           grammar=JsonGrammar(None if schema is None else json.dumps(schema)))
 
 
-def _modes(target):
-    draft = truncated(target, 1)
-    common = dict(block_size=4)
-    yield "ar", LLM(target, **common)
-    yield "sd", LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, **common)
-    yield "ngram", LLM(target=target, mode="sd", proposer="ngram", num_speculative_tokens=3, **common)
-    yield "ssd", LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=3, fan_out=[2, 2, 2, 4],
-                     worker_timeout_s=60, **common)
-
-
 @pytest.fixture(scope="module")
 def outputs(target):
     prompts = [target.tokenizer.encode(t) for t in TEXTS + JSON_TEXTS]
     results = {}
-    for mode, llm in _modes(target):
+    for mode, llm in every_mode(target, truncated(target, 1)):
         with llm:
             for name, schema in (("schema", SCHEMA), ("object", None)):
                 results[mode, name] = [(o.token_ids, o.text, o.finish_reason)

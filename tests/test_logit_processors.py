@@ -14,7 +14,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.logit_processors import apply_logit_processors
 from tests.processor_reference import reference_greedy, reference_logits
-from tests.tiny import PROMPTS, weak_pair
+from tests.tiny import PROMPTS, every_mode, weak_pair
 
 N_TOKENS = 20
 CASES = {
@@ -72,21 +72,11 @@ def pair():
     return weak_pair()
 
 
-def _modes(pair):
-    target, draft = pair
-    common = dict(block_size=4)
-    yield "ar", LLM(target, **common)
-    yield "sd", LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, **common)
-    yield "ngram", LLM(target=target, mode="sd", proposer="ngram", num_speculative_tokens=3, **common)
-    yield "ssd", LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=3, fan_out=[2, 2, 2, 4],
-                     worker_timeout_s=60, **common)
-
-
 @pytest.fixture(scope="module")
 def outputs(pair):
     """Every case's greedy outputs in every mode, with one engine per mode."""
     results = {}
-    for mode, llm in _modes(pair):
+    for mode, llm in every_mode(*pair):
         with llm:
             for name, params in CASES.items():
                 params = replace(params, max_tokens=N_TOKENS)
@@ -125,7 +115,7 @@ def test_min_tokens_holds_back_stop_tokens_in_every_mode(pair):
     params = SamplingParams(max_tokens=N_TOKENS, min_tokens=8, stop_token_ids=[stop])
     reference = reference_greedy(pair[0], prompt, params, N_TOKENS, end_ids=[stop])
     assert stop not in reference[:8] and len(reference) >= 8
-    for mode, llm in _modes(pair):
+    for mode, llm in every_mode(*pair):
         with llm:
             out = llm.generate([prompt], params)[0]
         assert out.token_ids == reference, mode

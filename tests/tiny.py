@@ -140,3 +140,15 @@ def save_hf(loaded: LoadedModel, directory: Path, dtype: torch.dtype = torch.flo
     loaded.tokenizer.backend.save(str(directory / "tokenizer.json"))
     (directory / "tokenizer_config.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}))
     return directory
+
+
+def every_mode(target: LoadedModel, draft: LoadedModel):
+    """(mode, engine) for AR, SD with ``draft``, n-gram SD and SSD over one target, each engine made when reached
+    (close it after use): the set an exactness test runs one case through."""
+    from saguaro import LLM
+    common = dict(block_size=4)
+    yield "ar", LLM(target, **common)
+    yield "sd", LLM(target=target, draft=draft, mode="sd", num_speculative_tokens=3, **common)
+    yield "ngram", LLM(target=target, mode="sd", proposer="ngram", num_speculative_tokens=3, **common)
+    yield "ssd", LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=3, fan_out=[2, 2, 2, 4],
+                     worker_timeout_s=60, **common)
