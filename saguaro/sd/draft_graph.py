@@ -18,7 +18,7 @@ import torch
 
 from saguaro.backends.paged.graphs import CAPTURE_LOCK
 from saguaro.backends.paged.metadata import PagedMetadata
-from saguaro.ssd.graph_build import SEQ_BUCKETS
+from saguaro.backends.paged.graphs import SEQ_BUCKETS
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,6 @@ from saguaro.sampling.sampler import inverse_cdf
 from saguaro.ssd.counter_rng import branch_counter, counter_uniforms
 
 log = logging.getLogger("saguaro.ssd")
-SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 HEAD = ("valid", "base", "known", "greedy", "temperature", "top_k", "top_p", "seed")
 _F64 = struct.Struct("<d")
 _I64 = struct.Struct("<q")

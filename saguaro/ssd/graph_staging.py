@@ -10,7 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from saguaro.ssd.cache import BranchGroup
-from saguaro.ssd.graph_build import SEQ_BUCKETS, BuildShape, float_bits
+from saguaro.backends.paged.graphs import SEQ_BUCKETS
+from saguaro.ssd.graph_build import BuildShape, float_bits
 from saguaro.ssd.seq_state import SeqState
 from saguaro.ssd_settings import DraftedBy
 

@@ -49,6 +49,8 @@ from saguaro.kv.kv_cache import KVCache
 
 log = logging.getLogger("saguaro.graphs")
 ROW_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
+# sequences per captured multi-step graph (the speculator's build, SD's draft steps): one graph per bucket
+SEQ_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 CAPTURE_LOCK = threading.Lock()  # one capture at a time in the process, whichever thread or runner
 
 
