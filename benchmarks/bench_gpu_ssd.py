@@ -37,8 +37,10 @@ from benchmarks.build_counters import BuildCounts, build_kind, counting
 from benchmarks.common import (Prompt, environment, float_list, fmt, group_records, int_list, log, parse_fan_out,
                                ratio, run_engine, settings, table, temp_key, write_results)
 from benchmarks.gpu_projection import PROFILE_PATH, load_profile, project
-from benchmarks.gpu_ssd_rows import ConfigRow, ProjectionRow, SSDShape, best_of, complete, config_row, goal_rows
+from benchmarks.gpu_ssd_rows import (ConfigRow, ProjectionRow, SSDShape, best_of, complete, config_row, goal_rows,
+                                     lanes_text)
 from benchmarks.synthetic import DEFAULT_RECIPES, SHAPES, prompts, random_model, synthetic_pair
+from saguaro.ssd.lane_profile import PRIORITIES_ENV, SMS_ENV
 
 PROJECT = "qwen2.5-1.5b:qwen2.5-0.5b,llama-3.1-8b:llama-3.2-1b,qwen2.5-32b:qwen2.5-0.5b"
 
@@ -75,8 +77,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="the speculator's builds to run each SSD configuration with, comma separated: python, graph "
                         "(default both; the graph build needs the paged backend: a GPU's, or --paged on a CPU)")
     p.add_argument("--priorities", type=priorities, default=None,
-                   help="stream priorities to run each SSD configuration with, comma separated: off, on (default "
-                        "both on a GPU; on a CPU there are no streams and rows run once)")
+                   help="stream priorities to run each SSD configuration with, comma separated: off, on (both on "
+                        "all SMs), auto (the engine's own choice: the overlap probe's verdict for the card, "
+                        "saguaro/ssd/lane_profile.py) (default auto,off,on on a GPU; on a CPU there are no streams "
+                        "and rows run once)")
     p.add_argument("--paged", action="store_true",
                    help="run every configuration on the paged backend (on a CPU its stand-in, so the graph build runs)")
     p.add_argument("--warmup-tokens", type=int, default=32,
@@ -87,7 +91,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = p.parse_args(argv)
     args.context = args.context or args.prompt_len + args.max_tokens // 2
     if args.priorities is None:
-        args.priorities = ["off", "on"] if torch.device(args.device).type == "cuda" else ["on"]
+        args.priorities = ["auto", "off", "on"] if torch.device(args.device).type == "cuda" else ["on"]
     args.sd_k = sorted(set(args.sd_k) | {s.k for s in args.ssd})  # verification alone at every SSD K
     args.ssd = [SSDShape(s.k, s.fan_out, s.branch_steps, args.deep_branches if s.branch_steps else 1)
                 for s in args.ssd]
@@ -119,23 +123,29 @@ def builds(text: str) -> list[str]:
 
 def priorities(text: str) -> list[str]:
     out = [x.strip() for x in text.split(",") if x.strip()]
-    if not out or any(x not in ("off", "on") for x in out):
-        raise argparse.ArgumentTypeError(f"priorities are off and/or on, got {text!r}")
+    if not out or any(x not in ("off", "on", "auto") for x in out):
+        raise argparse.ArgumentTypeError(f"priorities are off, on and/or auto, got {text!r}")
     return out
 
 
 @contextmanager
-def stream_priorities(on: bool):
-    """``SAGUARO_STREAM_PRIORITIES`` for the engines started inside (``saguaro/ssd/stream_priority.py``)."""
-    saved = os.environ.get("SAGUARO_STREAM_PRIORITIES")
-    os.environ["SAGUARO_STREAM_PRIORITIES"] = "1" if on else "0"
+def stream_priorities(setting: str | None):
+    """The lanes of the speculator threads started inside: "off" / "on", stream priorities so on all SMs (the
+    settings ``saguaro/ssd/lane_profile.py`` reads); "auto" or None, the engine's own choice (settings untouched)."""
+    if setting not in ("off", "on"):
+        yield
+        return
+    values = {PRIORITIES_ENV: "1" if setting == "on" else "0", SMS_ENV: "0"}
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["SAGUARO_STREAM_PRIORITIES"]
-        else:
-            os.environ["SAGUARO_STREAM_PRIORITIES"] = saved
+        for k, v in saved.items():
+            if v is None:
+                del os.environ[k]
+            else:
+                os.environ[k] = v
 
 
 def pairs(text: str) -> list[tuple[str, str]]:
@@ -181,7 +191,7 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
     rows = []
     for name, mode, k, shape, extra, build, priority in configs:
         graph = build == "graph"
-        with build_kind(graph, args.paged), stream_priorities(priority != "off"):
+        with build_kind(graph, args.paged), stream_priorities(priority):
             records = run_engine(name, dict(base, mode=mode, **extra), batch, args, target=target)
             counts = count_builds(name, dict(base, mode=mode, **extra), batch, args, target) if mode == "ssd" else None
         summaries = group_records(records)
@@ -192,6 +202,7 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
             if counts is not None:
                 row.build = build
                 row.priorities = priority if torch.device(args.device).type == "cuda" else None  # CPU: no streams
+                row.lanes = records[0].extra.get("lanes") if records else None
                 row.torch_calls_per_build, row.device_reads_per_round = (counts.torch_calls_per_build,
                                                                          counts.device_reads_per_round)
             rows.append(row)
@@ -274,7 +285,9 @@ def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected,
              "gpu_ssd_rows.py). SSD rows run the speculator's Python build or its graph build (one replay per "
              "round); calls/build: torch calls the host makes per build; reads/round: the speculator's device reads "
              "per round (benchmarks/build_counters.py, counted in a short run after the timed one). On a GPU each SSD "
-             "row runs with stream priorities off and on (the target's stream first; saguaro/ssd/stream_priority.py)."
+             "row runs with the engine's own arrangement of the GPU (priorities auto: the overlap probe's verdict "
+             "for the card, else the default; saguaro/ssd/lane_profile.py) and with stream priorities off and on, "
+             "all SMs shared; lanes: the arrangement its speculator thread used and its source."
              + (" Every configuration ran on the paged backend (--paged)." if args.paged else ""), ""]
     for t in args.temperatures:
         at_t = [r for r in rows if r.temperature == t]
@@ -282,15 +295,17 @@ def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected,
         lines += [f"## {temp_key(t)}{' (greedy)' if t == 0 else ''}", "",
                   table(["config", "tok/s", "xAR", "xSD best", "tok/rnd", "accept", "p_hit", "verify", "alone",
                          "beside/alone", "pass", "build", "wait", "E_hit", "E_miss", "predicted tok/s", "error",
-                         "calls/build", "reads/round"],
+                         "calls/build", "reads/round", "lanes"],
                         [[r.name + (" FAILED" if r.failure else ""), fmt(r.tok_s, ".1f"),
                           fmt(ratio(r.tok_s, ar.get(t))), fmt(ratio(r.tok_s, sd_best)),
                           fmt(r.tokens_per_round), fmt(r.acceptance), fmt(r.p_hit), fmt(r.verify_ms, ".3f"),
                           fmt(r.verify_alone_ms, ".3f"), fmt(r.beside_over_alone), fmt(r.verify_pass_ms, ".3f"),
                           fmt(r.build_ms, ".3f"), fmt(r.wait_ms, ".3f"), fmt(r.e_hit), fmt(r.e_miss),
                           fmt(r.predicted_tok_s, ".1f"), fmt(r.prediction_error, "+.1%"),
-                          fmt(r.torch_calls_per_build, ".0f"), fmt(r.device_reads_per_round, ".2f")]
-                         for r in at_t]), ""]
+                          fmt(r.torch_calls_per_build, ".0f"), fmt(r.device_reads_per_round, ".2f"),
+                          lanes_text(r.lanes)] for r in at_t]), ""]
+        lines += [f"Lanes ({source}): {detail}." for source, detail in dict.fromkeys(
+            (r.lanes["source"], r.lanes["detail"]) for r in at_t if r.lanes)] + [""]
         lines += [f"**{r.name} FAILED**: SSD fell back to n-gram SD: {r.failure}. Its figures are n-gram SD's." for r
                   in at_t if r.failure] + ([""] if any(r.failure for r in at_t) else [])
         if t in best:

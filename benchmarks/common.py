@@ -184,6 +184,7 @@ def run_requests(llm: Any, config: str, prompts: list[Prompt], temperatures: lis
         llm.generate([prompts[0].ids], SamplingParams(max_tokens=warmup_tokens))
     reports_cache = bool(getattr(llm.engine.decoder, "reports_cache", False))
     decoder = llm.engine.decoder
+    lanes = getattr(getattr(decoder, "link", None), "lanes", None)  # a speculator thread's GPU arrangement
     records = []
     for temperature in temperatures:
         for p in prompts:
@@ -196,7 +197,8 @@ def run_requests(llm: Any, config: str, prompts: list[Prompt], temperatures: lis
                 out.spec_counts if out.spec is not None else None,
                 rounds.slice(i0, len(rounds)) if rounds is not None else [],
                 # SSD whose speculator failed finished with n-gram SD: the record says so, never passes as SSD
-                {"reports_cache": reports_cache, "speculator_failure": getattr(decoder, "failure", None)}))
+                {"reports_cache": reports_cache, "speculator_failure": getattr(decoder, "failure", None),
+                 "lanes": None if lanes is None else asdict(lanes)}))
             log(f"  {config} | {p.dataset}[{p.index}] T={temperature:g}: {len(out.token_ids)} tokens, "
                 f"{t.decode_tokens_per_s:.2f} tok/s" + (f", acceptance {out.spec.acceptance_rate:.2f}"
                                                         if out.spec is not None else ""))

@@ -12,11 +12,15 @@ context of ``--sms`` SMs (its graphs captured there, as the speculator thread's 
 * together: the draft replays on one stream and the verification on the other, launched at once (wall time).
 
 It reports each side's slowdown beside the other (beside / alone) and how much faster the two finish together
-than one after the other. A run on two streams of one process once hung (``/work/shared/GPU.md``), so the
-measurement runs in a child process under a watchdog: past ``--watchdog-s`` the child is killed and the probe
-reports "hung" instead of hanging the GPU check; a configuration that raises is reported failed and the rest run.
-Without CUDA it reports "skipped". Everything but the child's measurement runs anywhere
-(``scripts/gpu_check.sh --dry-run`` imports it).
+than one after the other, and saves its verdict -- the arrangement whose pair finishes soonest together, with the
+figures that chose it, the card and torch's version -- as the profile a speculator thread on this card reads at
+start-up (``saguaro/ssd/lane_profile.py``; ``--profile`` writes it elsewhere).
+
+A run on two streams of one process once hung (``/work/shared/GPU.md``), so the measurement runs in a child
+process under a watchdog: past ``--watchdog-s`` the child is killed and the probe reports "hung" instead of
+hanging the GPU check; a configuration that raises is reported failed and the rest run. Without CUDA it reports
+"skipped" and saves nothing. Everything but the child's measurement runs anywhere (``scripts/gpu_check.sh
+--dry-run`` imports it).
 
     python -m benchmarks.gpu_overlap --watchdog-s 90 --out results
 """
@@ -36,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import fmt, int_list, log, table, write_results
+from saguaro.ssd.lane_profile import Arrangement, Candidate, LaneProfile, save_lane_profile, verdict
 
 STATUSES = ("ok", "skipped", "hung", "failed")
 
@@ -55,6 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--watchdog-s", type=float, default=90.0, help="kill the measurement after this long (default 90)")
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--name", default="gpu_overlap")
+    p.add_argument("--profile", type=Path, help="where to save the verdict (default: the cache's profile for the card, "
+                                                "which the engine reads)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)  # the measurement itself
     return p.parse_args(argv)
 
@@ -87,10 +94,8 @@ def _choices(*allowed: str):
 
 
 @dataclass(frozen=True)
-class Lanes:
+class Lanes(Arrangement):
     """One configuration: stream priorities on or off, and the draft's SMs (None: all, no green context)."""
-    priorities: bool
-    sms: int | None
 
     @property
     def name(self) -> str:
@@ -112,6 +117,9 @@ class LaneResult:
     sequential_ms: float | None = None  # wall: the draft, then the verification
     together_ms: float | None = None  # wall: both at once
     error: str | None = None
+    priorities: bool = True  # the arrangement measured
+    sms: int | None = None
+    together_spread: float | None = None  # (q3 - q1) / median of the together wall times
 
     @property
     def verify_slowdown(self) -> float | None:
@@ -135,10 +143,29 @@ def _ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def candidates(rows: list[dict[str, Any]]) -> list[Candidate]:
+    """The measured rows as the profile weighs them (a failed one has no figure and is never chosen)."""
+    return [Candidate(Arrangement(r.get("priorities", True), r.get("sms")), r.get("together_speedup") or 0.0,
+                      r.get("verify_slowdown"), r.get("draft_slowdown"), r.get("together_spread")) for r in rows]
+
+
 def best(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The configuration whose pair finishes soonest together (the engine's choice to make from this probe)."""
-    done = [r for r in rows if r.get("together_speedup")]
-    return max(done, key=lambda r: r["together_speedup"]) if done else None
+    """The row whose pair finishes soonest together, as ``lane_profile.verdict`` chooses (ties included)."""
+    top = verdict(candidates(rows))
+    return None if top is None else rows[candidates(rows).index(top)]
+
+
+def lane_profile(result: dict[str, Any], args: argparse.Namespace) -> LaneProfile | None:
+    """The verdict of a run that measured something, as the engine's profile; None where nothing was."""
+    if result["status"] != "ok":
+        return None
+    weighed = candidates(result["configurations"])
+    top = verdict(weighed)
+    if top is None:
+        return None
+    keep = ("target", "draft", "verify_rows", "draft_steps", "context", "reps")
+    return LaneProfile(result["device"], result["torch"], top, weighed,
+                       settings={k: getattr(args, k) for k in keep})
 
 
 def report(result: dict[str, Any], args: argparse.Namespace) -> str:
@@ -161,6 +188,8 @@ def report(result: dict[str, Any], args: argparse.Namespace) -> str:
         top = best(rows)
         if top is not None:
             lines += [f"Best: {top['name']} ({fmt(top['together_speedup'], '.2f')}x faster together).", ""]
+        if result.get("profile_path"):
+            lines += [f"Saved as the engine's arrangement on this card: {result['profile_path']}.", ""]
     return "\n".join(lines)
 
 
@@ -171,9 +200,14 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(measure(args)), flush=True)
         os._exit(0)  # no destructors: the green contexts' could abort the child after its result (GPU.md)
     result = watched(argv, args.watchdog_s)
+    profile = lane_profile(result, args)
+    if profile is not None:
+        result["profile_path"] = str(save_lane_profile(profile, args.profile))
+        result["verdict"] = profile.to_dict()
     text = report(result, args)
     print(text)
-    write_results(args.out, args.name, {"benchmark": "gpu_overlap", "settings": vars(args) | {"out": str(args.out)},
+    write_results(args.out, args.name, {"benchmark": "gpu_overlap",
+                                        "settings": vars(args) | {"out": str(args.out), "profile": str(args.profile)},
                                         **result}, text)
     return 0 if result["status"] in ("ok", "skipped") else 1
 
@@ -189,14 +223,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     verify = _replayable(args.target, args.verify_rows, args, seed=0)
     rows, drafts = [], {}
     for lanes in configurations(args):
-        result = LaneResult(lanes.name)
+        result = LaneResult(lanes.name, priorities=lanes.priorities, sms=lanes.sms)
         try:
             _measure_lanes(lanes, verify, drafts, args, result)
         except Exception as e:  # noqa: BLE001 -- one configuration's failure (a green context refused) is reported
             result.error = f"{type(e).__name__}: {e}"
         log(f"{lanes.name}: {result.to_dict()}")
         rows.append(result.to_dict())
-    return {"status": "ok", "device": torch.cuda.get_device_name(0), "configurations": rows}
+    return {"status": "ok", "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+            "configurations": rows}
 
 
 _GREENS: dict[int, Any] = {}
@@ -274,11 +309,21 @@ def _measure_lanes(lanes: Lanes, verify, drafts: dict, args: argparse.Namespace,
 
     for mode in ("verify", "draft", "together"):  # warm-up
         rep(mode)
-    med = {mode: [statistics.median(x) if None not in x else None for x in zip(*(rep(mode) for _ in range(args.reps)))]
-           for mode in ("verify", "draft", "sequential", "together")}
+    runs = {mode: list(zip(*(rep(mode) for _ in range(args.reps))))
+            for mode in ("verify", "draft", "sequential", "together")}
+    med = {mode: [statistics.median(x) if None not in x else None for x in columns] for mode, columns in runs.items()}
     out.verify_alone_ms, out.draft_alone_ms = med["verify"][0], med["draft"][1]
+    out.together_spread = _spread(list(runs["together"][2]))
     out.verify_beside_ms, out.draft_beside_ms, out.together_ms = med["together"]
     out.sequential_ms = med["sequential"][2]
+
+
+def _spread(values: list[float]) -> float | None:
+    """(q3 - q1) / median: how far the repeats scatter, relative to their median."""
+    if len(values) < 2:
+        return None
+    q1, q2, q3 = statistics.quantiles(values, n=4)
+    return (q3 - q1) / q2 if q2 else None
 
 
 def _replayable(shape: str, rows: int, args: argparse.Namespace, seed: int):

@@ -70,7 +70,8 @@ class ConfigRow:
     prediction_error: float | None = None  # predicted / measured - 1
     failure: str | None = None  # SSD: why its speculator failed; the row then measured n-gram SD and is failed
     build: str | None = None  # SSD: the speculator's build, "python" or "graph" (``ssd/graph_build.py``)
-    priorities: str | None = None  # SSD on a GPU: stream priorities "off" or "on" (``ssd/stream_priority.py``)
+    priorities: str | None = None  # SSD on a GPU: stream priorities "off", "on" or "auto" (the engine's choice)
+    lanes: dict | None = None  # SSD: the arrangement its speculator thread used and its source (``lane_profile``)
     torch_calls_per_build: float | None = None  # SSD: host torch calls per build, median (``build_counters``)
     device_reads_per_round: float | None = None  # SSD: the speculator's device reads per round
 
@@ -111,6 +112,13 @@ class ProjectionRow:
     ssd_p_hit: float
     ssd_x_sd: float
     ssd_x_ar: float
+
+
+def lanes_text(lanes: dict | None) -> str:
+    """A row's ``lanes`` in a table cell: priorities, the speculator's SMs and where that came from."""
+    if not lanes:
+        return "-"
+    return f"prio {'on' if lanes['priorities'] else 'off'}, {lanes['sms'] or 'all'} SMs ({lanes['source']})"
 
 
 def hit_miss_tokens(rounds: list[dict]) -> tuple[float | None, float | None]:

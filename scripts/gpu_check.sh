@@ -2,10 +2,11 @@
 # The whole GPU check in one command, for a GPU machine with no network (torch and triton preinstalled):
 # install what is missing from wheels carried in .whl/ (scripts/gpu_wheels.sh fetches them), run every
 # GPU test, the GPU benchmarks and the overlap probe, and write logs and tables to $OUT (results/ when $OUT
-# is unset). Each step has its own time limit, sized for a cold machine (Triton compiles every kernel
-# specialization on first use; the cache in .triton_cache/ serves later runs on the same machine), so the
-# whole check ends within 8.5 minutes: set-up ~20 s, GPU tests 170 s, bench_gpu 110 s, bench_gpu_ssd 130 s,
-# overlap probe 70 s. A failing step does not stop the ones after it, and the exit status says whether any
+# is unset). The probe runs before bench_gpu_ssd: it saves its verdict (how to arrange the GPU between the
+# target and the speculator, saguaro/ssd/lane_profile.py) and the SSD table's "auto" rows run with it. Each step
+# has its own time limit, sized for a cold machine (Triton compiles every kernel specialization on first use;
+# the cache in .triton_cache/ serves later runs on the same machine), so the whole check ends within 9 minutes:
+# set-up ~20 s, GPU tests 170 s, bench_gpu 110 s, overlap probe 70 s, bench_gpu_ssd 150 s. A failing step does not stop the ones after it, and the exit status says whether any
 # failed (an SSD row whose speculator failed fails its step). bench_gpu_ssd writes its measured table
 # before its projections, so a step cut short by its limit still leaves that table.
 #
@@ -41,6 +42,7 @@ from benchmarks.gpu_overlap import configurations, parse_args
 assert len(configurations(parse_args([]))) == 8
 from benchmarks.bench_gpu_ssd import parse_args as ssd_args
 assert ssd_args(['--ssd', '4:last3', '--builds', 'python,graph']).builds == ['python', 'graph']
+assert ssd_args(['--priorities', 'auto,off,on']).priorities == ['auto', 'off', 'on']
 print('imported', len(list(pathlib.Path('benchmarks').glob('*.py'))), 'benchmark modules')" || return 1
     marked=$(grep -l "mark\.gpu" "$tests_dir"/*.py)
     expected=$(PYTHONPATH=$PWD collect_gpu_tests $marked) || return 1
@@ -81,13 +83,16 @@ step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember a 
 step gpu_tests 170 python3 -m pytest -o addopts= -o faulthandler_timeout=45 -q -m gpu -p no:cacheprovider -rs tests
 step bench_gpu 110 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b --max-tokens 64 --sd-k 3,4 \
     --out "$OUT"
-# SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), with the speculator's
-# graph build, stream priorities off and on (torch calls per build and device reads per round counted in a short
-# run after each; the Python build's rows: --builds python,graph, past this step's limit), Thm 2 against the measurement, and projections from the real pair's profile
-# (results/profile_qwen2.5-coder_code.json, tracked)
-step bench_gpu_ssd 130 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 2 --max-tokens 96 \
-    --sd-k 3,4 --ssd "4:last3" --builds graph --priorities off,on --reps 10 --project qwen2.5-1.5b:qwen2.5-0.5b --out "$OUT"
 # a verification graph beside draft graphs on two streams of one process, under its own watchdog: stream
-# priorities off and on, the draft on all SMs and in green contexts of 16, 32 and 66 SMs
+# priorities off and on, the draft on all SMs and in green contexts of 16, 32 and 66 SMs; its verdict is saved
+# as the engine's arrangement on this card (the cache's profiles/lanes__<card>.json)
 step overlap_probe 70 python3 -m benchmarks.gpu_overlap --reps 10 --watchdog-s 60 --out "$OUT"
+# SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), with the speculator's
+# graph build, in the probe's arrangement (auto) and with stream priorities off and on on all SMs (torch calls per
+# build and device reads per round counted in a short run after each; the Python build's rows: --builds
+# python,graph, past this step's limit), Thm 2 against the measurement, and projections from the real pair's
+# profile (results/profile_qwen2.5-coder_code.json, tracked)
+step bench_gpu_ssd 150 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 2 --max-tokens 96 \
+    --sd-k 3,4 --ssd "4:last3" --builds graph --priorities auto,off,on --reps 10 --project qwen2.5-1.5b:qwen2.5-0.5b \
+    --out "$OUT"
 exit $status

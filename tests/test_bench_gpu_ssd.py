@@ -34,6 +34,7 @@ def test_ssd_mode_end_to_end_on_cpu(tmp_path):
         assert ssd["mode"] == "ssd" and 0.0 <= ssd["p_hit"] <= 1.0 and ssd["tokens_per_round"] >= 1.0
         assert ssd["verify_alone_ms"] == rows["SD K=2"]["verify_ms"] and ssd["beside_over_alone"] > 0
         assert ssd["verify_pass_ms"] > 0 and ssd["predicted_tok_s"] > 0 and ssd["prediction_error"] is not None
+        assert ssd["lanes"]["source"] == "cpu" and "not a CUDA device" in ssd["lanes"]["detail"]
     (best,) = result["best"]
     assert best["sd"] == "SD K=2" and best["ssd"].startswith("SSD") and best["ssd_over_sd"] > 0
     assert {"rows_1", "rows_3"} <= set(result["passes"]["target"]) and "tree_3" in result["passes"]["draft"]
@@ -105,8 +106,8 @@ def test_priority_rows_run_with_the_setting_off_and_on(tmp_path, monkeypatch):
     from saguaro.ssd import stream_priority, thread_link
     seen = []
     real = thread_link.lane_priorities
-    monkeypatch.setattr(thread_link, "lane_priorities", lambda device: seen.append(stream_priority.enabled())
-                        or real(device))
+    monkeypatch.setattr(thread_link, "lane_priorities", lambda device, on=None: seen.append(stream_priority.enabled())
+                        or real(device, on))
     assert bench_gpu.main(["--mode", "ssd", "--device", "cpu", "--shape", "tiny", "--prompts", "1", "--prompt-len",
                            "16", "--max-tokens", "6", "--sd-k", "2", "--ssd", "2:uniform", "--builds", "python",
                            "--priorities", "off,on", "--reps", "1", "--verify-rows", "2,3", "--tree-rows", "4",
@@ -117,6 +118,31 @@ def test_priority_rows_run_with_the_setting_off_and_on(tmp_path, monkeypatch):
     assert False in seen and True in seen and seen.index(False) < seen.index(True)
     assert all(r["priorities"] is None for r in rows.values())  # the CPU: no streams to order
     assert parse_args(["--device", "cpu"]).priorities == ["on"]
-    assert parse_args(["--device", "cuda:0"]).priorities == ["off", "on"]
+    assert parse_args(["--device", "cuda:0"]).priorities == ["auto", "off", "on"]
     with pytest.raises(SystemExit):
         parse_args(["--priorities", "high"])
+
+
+def test_the_rows_say_which_arrangement_the_engine_used_and_whence(tmp_path, monkeypatch):
+    """--priorities auto: the engine's own choice, here the overlap probe's verdict for a card (its name standing
+    in on the CPU); on: priorities on, all SMs, set over the verdict. Both in the JSON's ``lanes`` and the table."""
+    import torch
+    from saguaro.ssd import lane_profile
+    from saguaro.ssd.lane_profile import Arrangement, Candidate, LaneProfile, save_lane_profile
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    monkeypatch.setattr(lane_profile, "device_card", lambda device: "NVIDIA H200")
+    best = Candidate(Arrangement(False, 16), 1.5, 1.1, 1.4, 0.02)
+    save_lane_profile(LaneProfile("NVIDIA H200", torch.__version__, best, [best]))
+    assert bench_gpu.main(["--mode", "ssd", "--device", "cpu", "--shape", "tiny", "--prompts", "1", "--prompt-len",
+                           "16", "--max-tokens", "6", "--sd-k", "2", "--ssd", "2:uniform", "--builds", "python",
+                           "--priorities", "auto,on", "--reps", "1", "--verify-rows", "2,3", "--tree-rows", "4",
+                           "--project", "none", "--warmup-tokens", "0", "--out", str(tmp_path), "--name", "lanes"]) == 0
+    rows = {r["name"]: r["lanes"] for r in json.loads((tmp_path / "lanes.json").read_text())["rows"]}
+    auto, on = rows["SSD K=2 F=[1,1,1], python build, priorities auto"], rows["SSD K=2 F=[1,1,1], python build, "
+                                                                              "priorities on"]
+    assert (auto["priorities"], auto["sms"], auto["source"]) == (False, 16, "profile")
+    assert (on["priorities"], on["sms"], on["source"]) == (True, None, "setting")
+    assert rows["AR"] is None and rows["SD K=2"] is None
+    text = (tmp_path / "lanes.md").read_text()
+    assert "prio off, 16 SMs (profile)" in text and "prio on, all SMs (setting)" in text
+    assert "Lanes (profile): the overlap probe's verdict" in text

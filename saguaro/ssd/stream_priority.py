@@ -3,8 +3,10 @@ build on one of the lowest. When both streams have blocks ready, the GPU's sched
 the build fills the SMs it leaves; the verification then waits less behind the build. A block already running is
 never preempted, so priorities shorten the target's wait without stopping the build.
 
-``SAGUARO_STREAM_PRIORITIES=0`` turns them off (both sides at the default priority), for the overlap probe and
-``bench gpu --mode ssd``, which measure both. On the CPU there are no streams and nothing changes.
+Whether a speculator thread uses them is the overlap probe's verdict for the card (``lane_profile.py``; on by
+default). ``SAGUARO_STREAM_PRIORITIES=0`` turns them off, ``=1`` on, over the verdict (both sides at the default
+priority when off), for ``bench gpu --mode ssd``, which measures both. On the CPU there are no streams and nothing
+changes.
 """
 from __future__ import annotations
 

@@ -19,8 +19,9 @@ Where the thread runs (its "lane"):
     the target's stream waits on it before reading the response's device tensors; and a request carrying an
     EAGLE-3 head's target features carries an event recorded on the target's stream after they were written,
     which the speculator's stream waits on before copying them (``eagle.features.cross_fence``). The target's
-    rounds run on a stream of the highest priority, the speculator's of the lowest (``stream_priority.py``;
-    ``SAGUARO_STREAM_PRIORITIES=0`` turns that off). No NCCL.
+    rounds run on a stream of the highest priority, the speculator's of the lowest (``stream_priority.py``).
+    Priorities and the green context are as the overlap probe found best on this card (``lane_profile.py``;
+    ``SAGUARO_STREAM_PRIORITIES`` and ``SAGUARO_SPECULATOR_SMS`` override it). No NCCL.
 
 Failure never hangs the target: an exception in the thread travels to the next ``exchange``,
 and a thread that does not answer within ``opts.timeout_s`` is given up on; both raise
@@ -36,9 +37,9 @@ import os
 import queue
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -48,6 +49,7 @@ from saguaro.eagle.features import cross_fence, fence_features
 from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.host import SpeculatorOptions, serve, start_speculator
 from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse
+from saguaro.ssd.lane_profile import resolve_lanes
 from saguaro.ssd.stream_priority import LanePriorities, TargetLane, lane_priorities
 
 log = logging.getLogger("saguaro.ssd")
@@ -74,12 +76,16 @@ class ThreadLink:
     """The engine's handle on a speculator thread (the ``SpeculatorLink`` protocol)."""
 
     def __init__(self, draft: Any, opts: SpeculatorOptions, sms: int | None = None):
+        """``sms``: a green context of that many SMs for the speculator, over the probe's verdict."""
         self.opts = opts
         self.requests: queue.SimpleQueue[RoundRequest] = queue.SimpleQueue()
         self.replies: queue.SimpleQueue[_Reply] = queue.SimpleQueue()
         self.stopping = threading.Event()  # set by stop/kill: builds end at their next step, the loop exits
+        self.lanes = resolve_lanes(opts.device)  # the probe's verdict for this card, or the default; reported
+        sms = self.lanes.sms if sms is None else sms
         self._switch = _SwitchInterval.hold()
-        priorities = lane_priorities(opts.device)  # GPU: the target's rounds first, the build in what is left
+        # GPU: the target's rounds first, the build in what is left
+        priorities = lane_priorities(opts.device, on=self.lanes.priorities)
         self.target_lane = TargetLane(opts.device, priorities)
         self.thread = threading.Thread(target=self._serve, args=(draft, sms, priorities), daemon=True,
                                        name="saguaro-speculator")
@@ -147,7 +153,7 @@ class ThreadLink:
     def _serve(self, draft: Any, sms: int | None, priorities: LanePriorities | None) -> None:
         opts = self.opts
         try:
-            with _lane(opts, sms, priorities) as stream, torch.no_grad():  # grad mode is per thread
+            with _lane(opts, sms, priorities, self._green_refused) as stream, torch.no_grad():  # grad: per thread
                 speculator = start_speculator(draft, opts)
                 self.replies.put(_Reply())  # ready
                 serve(speculator, self._next_request,
@@ -156,6 +162,10 @@ class ThreadLink:
         except BaseException as e:  # handed to the target's next exchange
             log.error("speculator thread raised %s: %s", type(e).__name__, e, exc_info=True)
             self.replies.put(_Reply(error=e))
+
+    def _green_refused(self) -> None:
+        """The lane asked for a green context and shares all SMs instead (logged there): report what runs."""
+        self.lanes = replace(self.lanes, sms=None, detail=f"{self.lanes.detail}; no green context here, all SMs")
 
     def _next_request(self) -> RoundRequest | None:
         req = self.requests.get()
@@ -196,9 +206,11 @@ class _SwitchInterval:
 
 
 @contextmanager
-def _lane(opts: SpeculatorOptions, sms: int | None, priorities: LanePriorities | None = None) -> Iterator[Any]:
+def _lane(opts: SpeculatorOptions, sms: int | None, priorities: LanePriorities | None = None,
+          green_refused: Callable[[], None] = lambda: None) -> Iterator[Any]:
     """Run the body on the speculator's lane; yields its CUDA stream (None on the CPU), of the speculator's
-    priority where ``priorities`` are set (a green context's stream keeps the default, the lowest)."""
+    priority where ``priorities`` are set (a green context's stream keeps the default, the lowest).
+    ``green_refused`` is called where ``sms`` asked for a green context and none could be had."""
     if opts.device == "cpu":
         if opts.cores and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, set(opts.cores))  # pid 0 from a thread: this thread only (Linux)
@@ -209,6 +221,8 @@ def _lane(opts: SpeculatorOptions, sms: int | None, priorities: LanePriorities |
     device = torch.device(opts.device)
     torch.cuda.set_device(device)  # the current device is per thread
     green = _green_context(device, sms)
+    if sms and green is None:
+        green_refused()
     try:
         # a stream of the thread's own, never the one set_context made current: the caching allocator keys
         # its pools by stream, and would take that one for the target's
