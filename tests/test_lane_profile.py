@@ -155,3 +155,30 @@ def test_the_probe_saves_its_verdict_and_nothing_when_it_measured_nothing(cache,
     assert gpu_overlap.main(["--out", str(tmp_path / "out")]) == 1
     assert not lane_profile_path(CARD).exists() and "verdict" not in json.loads(
         (tmp_path / "out" / "gpu_overlap.json").read_text())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_a_gpu_the_speculator_runs_in_the_profiles_arrangement(cache):
+    """The real card's profile: priorities off and a green context of 16 SMs; greedy SSD still equals AR."""
+    from saguaro import LLM, SamplingParams
+    from saguaro.ssd import thread_link
+    from tests.tiny import tiny_model, truncated
+    card = torch.cuda.get_device_name(0)
+    best = Candidate(Arrangement(False, 16), 1.5)
+    save_lane_profile(LaneProfile(card, torch.__version__, best, [best]))
+    target, prompts = tiny_model(seed=3, layers=3, sharpness=3.0), [[1, 2, 3], [7]]
+    params = SamplingParams(max_tokens=16)
+    with LLM(target, block_size=4) as ar:
+        expected = [o.token_ids for o in ar.generate(prompts, params)]
+    with LLM(target=target, draft=truncated(target, 1), mode="ssd", device="cuda:0", num_speculative_tokens=3,
+             fan_out=[1, 1, 1, 2], block_size=4, speculator_transport="thread") as llm:
+        link = llm.engine.decoder.link
+        assert link.lanes.source == "profile" and not link.lanes.priorities
+        assert link.target_lane.stream is None  # priorities off: the target's rounds where they are
+        from torch.cuda.green_contexts import GreenContext
+        assert link.lanes.sms == (16 if hasattr(GreenContext, "Stream") else None)
+        if link.lanes.sms:
+            assert (0, 16) in thread_link._GREEN_CONTEXTS
+        assert [o.token_ids for o in llm.generate(prompts, params)] == expected
+        assert llm.engine.decoder.failure is None
