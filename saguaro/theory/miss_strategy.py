@@ -27,7 +27,9 @@ m = 1; T_ngram = 0; T_jit = T_p; E_miss_jit = E_hit) this is Thm 18:
 
 from __future__ import annotations
 
+import inspect
 import math
+from typing import Any
 
 from .speedup import ssd_speedup_batch
 
@@ -108,24 +110,17 @@ def miss_strategy_speedups(
     return float(s_jit), float(s_ngram)
 
 
-def choose_miss_strategy(
-    batch_size: float,
-    p_hit: float,
-    E_hit: float,
-    T_p: float,
-    E_miss_ngram: float,
-    T_ngram: float = 0.0,
-    E_miss_jit: float | None = None,
-    T_jit: float | None = None,
-    p_hit_ngram: float | None = None,
-) -> str:
+def choose_miss_strategy(*args: Any, **kwargs: Any) -> str:
     """Thm 18 decision: ``"jit"`` if the just-in-time primary strategy has the larger Cor. 17 speedup at this
-    batch size, else ``"ngram"`` (ties go to "ngram").
+    batch size, else ``"ngram"`` (ties go to "ngram"). The arguments are ``miss_strategy_speedups``' (its
+    signature is this one's too, for ``help`` and ``inspect``).
 
     With ``p_hit_ngram`` unset this equals ``"jit" if batch_size < critical_batch_size(...) else "ngram"``; the
     direct comparison also covers a per-option hit rate, where no closed form exists.
     """
-    s_jit, s_ngram = miss_strategy_speedups(
-        batch_size, p_hit, E_hit, T_p, E_miss_ngram, T_ngram, E_miss_jit, T_jit, p_hit_ngram
-    )
+    s_jit, s_ngram = miss_strategy_speedups(*args, **kwargs)
     return "jit" if s_jit > s_ngram else "ngram"
+
+
+choose_miss_strategy.__signature__ = inspect.signature(miss_strategy_speedups).replace(  # type: ignore[attr-defined]
+    return_annotation=str)
