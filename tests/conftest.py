@@ -3,9 +3,10 @@
 The engine survives a dead speculator by finishing its requests with n-gram SD in the target
 process, and that path is exact too. So a bug that crashes the worker would still pass every
 equality and distribution test; this guard makes it visible. Tests that kill the worker on
-purpose are marked ``worker_failure``. Also: ``cpu_tier``, the CPU kernel tiers to test, and the
-parallel run (pytest-xdist, ``-n auto`` in pyproject.toml): one worker per core while memory allows,
-with ``SAGUARO_CORES=none``, so that no engine is pinned and the scheduler keeps every core busy.
+purpose are marked ``worker_failure``. Also: ``pair``, the tiny weak target/draft pair; ``cpu_tier``, the CPU
+kernel tiers to test; and the parallel run (pytest-xdist, ``-n auto`` in pyproject.toml): one worker per core
+while memory allows, with ``SAGUARO_CORES=none``, so that no engine is pinned and the scheduler keeps every core
+busy.
 """
 import logging
 import os
@@ -31,6 +32,13 @@ def pytest_configure(config) -> None:
     # while the other core idles (measured: a third less time for the SSD distribution tests beside others)
     if os.environ.get("PYTEST_XDIST_WORKER") and "SAGUARO_CORES" not in os.environ:
         os.environ["SAGUARO_CORES"] = "none"
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """``tests.tiny.weak_pair()``, made once per module; a module that needs another pair defines its own."""
+    from tests.tiny import weak_pair
+    return weak_pair()
 
 
 @pytest.fixture(scope="module", params=runnable_tiers())

@@ -10,7 +10,7 @@ from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
 from saguaro.ssd.speculator import Speculator
-from tests.tiny import PROMPTS, greedy_tokens, weak_pair
+from tests.tiny import PROMPTS, greedy_tokens
 
 TOKENS = 24
 
@@ -32,11 +32,6 @@ class Scripted(KSchedule):
 
 
 SCRIPTS = {"switching": [3, 0, 1, 0, 0, 2, 3, 3], "ar-then-back": [0, 0, 0, 0, 3, 3, 0, 2]}
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
 
 
 @pytest.fixture(scope="module")

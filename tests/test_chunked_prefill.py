@@ -5,15 +5,10 @@ import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.engine.model_runner import ModelRunner
-from tests.tiny import PROMPTS, greedy_tokens, weak_pair
+from tests.tiny import PROMPTS, arriving, greedy_tokens
 
 LONG = [(7 * i + 3) % 64 for i in range(41)]  # a prompt of 41 tokens: 14 chunks of 3
 CHUNK = 3
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
 
 
 @pytest.fixture(scope="module")
@@ -42,14 +37,7 @@ def test_greedy_equals_unchunked_ar(pair, reference, name, options):
     prefills chunk by chunk)."""
     with _llm(pair, name.split("-")[0], **options) as llm:
         engine = llm.engine
-        params = SamplingParams(max_tokens=16)
-        seqs = [engine.add_request(PROMPTS[0], params)]
-        for prompt in PROMPTS[1:] + [LONG]:
-            engine.step()
-            engine.step()
-            seqs.append(engine.add_request(prompt, params))
-        while engine.has_unfinished:
-            engine.step()
+        seqs = arriving(engine, PROMPTS + [LONG], SamplingParams(max_tokens=16), steps_between=2)
         assert getattr(engine.decoder, "failure", None) is None
         assert engine.target.blocks.num_free == engine.target.blocks.num_blocks
     assert [s.output_ids for s in seqs] == reference

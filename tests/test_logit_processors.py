@@ -14,7 +14,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.engine.sequence import Sequence
 from saguaro.sampling.logit_processors import apply_logit_processors
 from tests.processor_reference import reference_greedy, reference_logits
-from tests.tiny import PROMPTS, every_mode, weak_pair
+from tests.tiny import PROMPTS, every_mode
 
 N_TOKENS = 20
 CASES = {
@@ -65,11 +65,6 @@ def test_rows_without_processors_are_untouched():
 def test_bad_processor_settings(kwargs, message):
     with pytest.raises(ValueError, match=message):
         SamplingParams(**kwargs)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
 
 
 @pytest.fixture(scope="module")

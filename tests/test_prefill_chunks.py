@@ -12,7 +12,7 @@ from saguaro import LLM, SamplingParams
 from saguaro.config import Config
 from saguaro.engine.prefill_chunks import (PROBE_TOKENS, FixedChunks, PrefillCost, PrefillCosts, TimedChunks,
                                            prefill_chunks)
-from tests.tiny import PROMPTS, greedy_tokens, weak_pair
+from tests.tiny import PROMPTS, arriving, greedy_tokens
 
 import torch
 
@@ -138,11 +138,6 @@ def _inject(llm: LLM, cost: PrefillCost, budget_s: float) -> list[list[tuple[int
 
 
 @pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
-
-
-@pytest.fixture(scope="module")
 def reference(pair):
     return greedy_tokens(pair[0], PROMPTS + [LONG], 12)
 
@@ -159,13 +154,8 @@ def test_timed_chunks_are_exact_and_fit(pair, reference, mode, options):
     draft = pair[1] if mode != "ar" else None
     with LLM(target=pair[0], draft=draft, mode=mode, block_size=4, enforce_eager=True, **options) as llm:
         passes = _inject(llm, COST, budget)
-        engine, params = llm.engine, SamplingParams(max_tokens=12)
-        seqs = [engine.add_request(PROMPTS[0], params)]
-        for prompt in PROMPTS[1:] + [LONG]:
-            engine.step()
-            seqs.append(engine.add_request(prompt, params))
-        while engine.has_unfinished:
-            engine.step()
+        engine = llm.engine
+        seqs = arriving(engine, PROMPTS + [LONG], SamplingParams(max_tokens=12))
         assert getattr(engine.decoder, "failure", None) is None
         assert engine.target.blocks.num_free == engine.target.blocks.num_blocks
     assert [s.output_ids for s in seqs] == reference

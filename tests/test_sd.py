@@ -3,13 +3,8 @@ import pytest
 
 from saguaro import LLM, SamplingParams
 from saguaro.loading import VocabularyMismatchError
-from tests.tiny import PROMPTS, greedy_tokens, tiny_model, weak_pair
+from tests.tiny import PROMPTS, greedy_tokens, tiny_model
 
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,6 @@ text_string_to_metric_families = pytest.importorskip("prometheus_client.parser")
 
 from saguaro import LLM, SamplingParams  # noqa: E402
 from tests.serving import http, running_server  # noqa: E402
-from tests.tiny import weak_pair  # noqa: E402
 
 CLIENTS = 32
 K = 3
@@ -30,11 +29,6 @@ def requests() -> list[dict]:
         request.update({"temperature": 0} if i % 2 == 0 else {"temperature": 0.8, "top_p": 0.95, "seed": i})
         out.append(request)
     return out
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
 
 
 @pytest.fixture(scope="module")

@@ -14,14 +14,9 @@ import pytest
 from saguaro import LLM, SamplingParams
 from saguaro.ssd.speculator import Speculator
 from saguaro.ssd import thread_link
-from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated, weak_pair
+from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated
 
 TRANSPORTS = ["process", "thread"]
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
 
 
 @pytest.fixture(scope="module")

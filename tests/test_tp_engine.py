@@ -17,14 +17,9 @@ from saguaro import LLM, SamplingParams
 from saguaro.parallel import TensorParallelError
 from saguaro.parallel.groups import TPGroups
 from tests.dist_harness import measure
-from tests.tiny import PROMPTS, greedy_tokens, perturbed, save_hf, tiny_model, weak_pair
+from tests.tiny import PROMPTS, greedy_tokens, perturbed, save_hf, tiny_model
 
 MAX_TOKENS = 10
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
 
 
 @pytest.fixture(scope="module")

@@ -115,6 +115,19 @@ def greedy_tokens(loaded: LoadedModel, prompts: list[list[int]], max_tokens: int
         return [o.token_ids for o in llm.generate(prompts, SamplingParams(max_tokens=max_tokens))]
 
 
+def arriving(engine, prompts: list[list[int]], params, steps_between: int = 1) -> list:
+    """Each prompt after the first added ``steps_between`` engine steps after the one before, while those decode
+    (so prefill chunks and decode rounds interleave), then steps to the end; the sequences, in prompt order."""
+    seqs = [engine.add_request(prompts[0], params)]
+    for prompt in prompts[1:]:
+        for _ in range(steps_between):
+            engine.step()
+        seqs.append(engine.add_request(prompt, params))
+    while engine.has_unfinished:
+        engine.step()
+    return seqs
+
+
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }} {{ m['content'] }} {% endfor %}"
 
 
