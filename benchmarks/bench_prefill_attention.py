@@ -13,7 +13,6 @@ queries (below the tiled kernel's threshold), each group over the context it see
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import statistics
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_results
 from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.kv.metadata import build_metadata
 
@@ -90,10 +90,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{engine['prefill_s']:.2f} s, {engine['tokens_per_s']:.0f} tok/s")
     table = "\n".join(lines) + "\n"
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps({"setup": setup, "kernels": rows, "engine": engine}, indent=2))
+    out = Path(args.out)  # a prefix: OUT.json and OUT.md
+    write_results(out.parent, out.name, {"setup": setup, "kernels": rows, "engine": engine}, table)
     return 0
 
 

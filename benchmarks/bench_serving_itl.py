@@ -18,7 +18,6 @@ token is reported beside it.
 from __future__ import annotations
 
 import argparse
-import json
 import platform
 import random
 import statistics
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.common import write_results
 from saguaro import LLM, SamplingParams
 
 
@@ -130,10 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                      f"{r['itl_max_ms']:.1f} | {r['steady_itl_ms']:.1f} | {r['long_ttft_s']:.2f} |")
     table = "\n".join(lines) + "\n"
     print(table)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.with_suffix(".md").write_text(table)
-    out.with_suffix(".json").write_text(json.dumps({"setup": setup, "rows": rows}, indent=2))
+    out = Path(args.out)  # a prefix: OUT.json and OUT.md
+    write_results(out.parent, out.name, {"setup": setup, "rows": rows}, table)
     return 0
 
 
