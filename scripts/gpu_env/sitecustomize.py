@@ -9,9 +9,11 @@ name only such distributions provide cannot be imported. The standard library an
 from __future__ import annotations
 
 import importlib.abc
+import importlib.machinery
 import importlib.metadata as md
 import os
 import re
+import site
 import sys
 
 GPU_MACHINE = ("torch", "triton", "transformers", "tokenizers", "safetensors", "numpy", "jinja2", "tqdm", "rich")
@@ -56,6 +58,13 @@ def hidden_modules() -> set[str]:
             if not any(_norm(d) in keep for d in dists)}
 
 
+SITE = {os.path.realpath(p) for p in site.getsitepackages() + [site.getusersitepackages()]}
+
+
+def _outside_site(path):
+    return [p for p in (sys.path if path is None else path) if p and os.path.realpath(p) not in SITE]
+
+
 class _Hide(importlib.abc.MetaPathFinder):
     """Stands in for the finders present at start-up: finds nothing hidden, so an import fails as on the GPU
     machine and ``importlib.util.find_spec`` (how libraries probe for optional packages) answers None."""
@@ -66,7 +75,9 @@ class _Hide(importlib.abc.MetaPathFinder):
 
     def find_spec(self, fullname, path=None, target=None):
         if fullname.partition(".")[0] in self.names:
-            return None
+            # a hidden name may still come from a library's own vendored copy (setuptools appends its _vendor
+            # folder to sys.path): search every path entry but the installed distributions' folders
+            return importlib.machinery.PathFinder.find_spec(fullname, _outside_site(path), target)
         for finder in self.finders:
             spec = finder.find_spec(fullname, path, target) if hasattr(finder, "find_spec") else None
             if spec is not None:
