@@ -72,11 +72,12 @@ def encode(frames: list[torch.Tensor], device_frames: bool) -> tuple[torch.Tenso
         if f.dtype not in _DTYPES:
             raise ValueError(f"cannot send a {f.dtype} frame; the wire carries {_DTYPES}")
         flat = f.reshape(-1)
-        if flat.is_cuda and device_frames:
+        if flat.is_cuda and device_frames and flat.numel():
             place = DEVICE
             device.append(flat.contiguous())
         else:
-            flat = flat.cpu()  # the Gloo link's host copy of a GPU frame (an EAGLE-3 target's features)
+            # the Gloo link's host copy of a GPU frame (an EAGLE-3 target's features); an empty one needs none
+            flat = flat.cpu() if flat.numel() else torch.empty(0, dtype=flat.dtype)
             nbytes = flat.numel() * flat.element_size()
             place = INLINE if used + nbytes <= _INLINE_BYTES else HOST
             if place == INLINE:
@@ -187,6 +188,13 @@ class Channel:
         return frames
 
     def close(self) -> None:
+        """Drop this end. The NCCL group is aborted, not shut down: a transfer to a peer that died would never
+        finish, and NCCL's watchdog would end this whole process at its timeout."""
+        if self.gpu is not None and hasattr(self.gpu, "abort"):
+            try:
+                self.gpu.abort()
+            except RuntimeError:
+                pass
         self.host = self.gpu = None
         self.store = None
 
