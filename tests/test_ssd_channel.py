@@ -28,14 +28,14 @@ from saguaro.ssd.protocol import (CMD_PREFILL, CMD_ROUND, CMD_STOP, Admission, O
                                   RoundResponse, SpecRow, pack_request, pack_response, unpack_request,
                                   unpack_response)
 from saguaro.workers.process import WorkerProcess, free_port
+from tests.host_reads import READS
 
 K, V, WIDTH = 3, 1000, 24  # a [K, V] float32 block (12 KB) needs a frame of its own; greedy fields ride inline
-READS = {torch.Tensor.tolist, torch.Tensor.item, torch.Tensor.cpu, torch.Tensor.numpy, torch.Tensor.__bool__,
-         torch.Tensor.__int__, torch.Tensor.__float__, torch.Tensor.__index__}
 
 
 class HostReads(TorchFunctionMode):
-    """Counts tensors turned into host values (``tolist``, ``cpu``, ...) in the thread that entered it."""
+    """Counts every tensor turned into host values (``tolist``, ``cpu``, ...) in the thread that entered it: on a
+    GPU each would wait for the device (``tests/host_reads.py`` counts only values that came from a model pass)."""
 
     def __init__(self) -> None:
         super().__init__()
