@@ -69,5 +69,5 @@ def build_decoder(cfg: Config, target: Target, draft: Draft) -> Decoder:
         link = ThreadLink(draft, opts)
     else:
         from saguaro.ssd.worker import WorkerLink
-        link = WorkerLink(draft, opts)
+        link = WorkerLink(draft, opts, cfg.device)
     return SSDDecoder(runner, link, plan, target.max_model_len, features, k_schedule(cfg, plan))

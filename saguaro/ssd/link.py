@@ -4,8 +4,8 @@
 once, at start-up (``saguaro.placement``):
 
   * ``WorkerLink`` (``worker.py``): a process of its own, pinned to CPU cores or on another
-    GPU; messages are packed into tensors and cross torch.distributed (Gloo, or NCCL between
-    two distinct GPUs);
+    GPU; messages are packed into tensors and cross torch.distributed (``channel.py``: Gloo, and
+    between two distinct GPUs the distributions and features over NCCL, GPU to GPU);
   * ``ThreadLink`` (``thread_link.py``): a thread of the target's process, fed through an
     in-process queue; messages pass as objects, and on a GPU it works on its own CUDA stream;
   * ``InProcessLink`` (``in_process.py``): no concurrency at all, each exchange responds and then

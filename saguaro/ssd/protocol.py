@@ -10,11 +10,13 @@ up to K tokens, and for sampled rows the distributions the tokens were drawn fro
 Wire format
 -----------
 Only the process transport packs messages (in-process transports pass the objects). A packed
-message is a short list of flat tensors (``Channel`` sends each with its dtype and length):
+message is a short list of flat tensors (``Channel`` sends each with its dtype and length, from where it lives):
 
 * request:  ``[int64 fields]``, plus ``[features]`` in the target's dtype when an EAGLE-3 speculator is sent
-  the target's features (a prefill chunk's, a round's verified positions');
-* response: ``[int64 fields, float32 probs]``.
+  the target's features (a prefill chunk's, a round's verified positions'), on the target's device;
+* response: ``[int64 fields, float32 probs]``, the probs stacked on the speculator's device.
+
+The int64 fields are built on the host and read there once per message; nothing else is copied to the host.
 
 Every row of a response carries explicit flags in the columns of ``RowColumns``, the one table
 both sides index: ``HAS_PROBS`` says whether a [K, V] block for this row follows in ``probs``
@@ -161,7 +163,8 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
     out += req.order
     out += ks
     fields = torch.tensor(out, dtype=torch.int64)
-    return [fields, torch.cat([f.reshape(-1) for f in sent]).cpu()] if sent else [fields]
+    # the features stay on the target's device: the NCCL link carries them from there (``channel.py``)
+    return [fields, torch.cat([f.reshape(-1) for f in sent])] if sent else [fields]
 
 
 def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
@@ -215,26 +218,32 @@ def pack_response(resp: RoundResponse, k: int) -> list[torch.Tensor]:
         if n > k:
             raise ValueError(f"row {r} holds {n} tokens, more than K = {k}")
         meta += [int(row.hit), int(row.point_mass), int(row.probs is not None), n, *row.tokens, *[0] * (k - n)]
-    probs = stack_padded(blocks, k, vocab, torch.device("cpu"))
+    # stacked on the device the distributions are on (the speculator's GPU: the NCCL link sends them from there)
+    probs = stack_padded(blocks, k, vocab, blocks[0].device if blocks else torch.device("cpu"))
     head = [_bits(resp.build_s), _bits(resp.respond_s), resp.build_steps, len(resp.rows), k, vocab]
     return [torch.tensor(head + meta, dtype=torch.int64), probs.reshape(-1)]
 
 
 def unpack_response(frames: list[torch.Tensor], k: int, vocab: int) -> RoundResponse:
+    """The response of ``frames``: its int64 fields read to the host at once (one read), its distributions
+    left where they arrived (views of the probs frame, on the verifier's device over the NCCL link)."""
     fields, flat_probs = frames
-    build_s, respond_s, steps, n, sent_k, sent_vocab = fields[:_HEAD].tolist()
+    v = fields.tolist()
+    build_s, respond_s, steps, n, sent_k, sent_vocab = v[:_HEAD]
     if sent_k != k:
         raise ValueError(f"response packed for K = {sent_k}, expected K = {k}")
-    meta = fields[_HEAD:].view(n, RowColumns.TOKENS + k)
-    has_probs = meta[:, RowColumns.HAS_PROBS].bool()
-    num_blocks = int(has_probs.sum())
+    width = RowColumns.TOKENS + k
+    if len(v) != _HEAD + n * width:
+        raise ValueError(f"response holds {len(v)} fields, {n} rows of K = {k} need {_HEAD + n * width}")
+    meta = [v[_HEAD + r * width:_HEAD + (r + 1) * width] for r in range(n)]
+    num_blocks = sum(1 for m in meta if m[RowColumns.HAS_PROBS])
     if num_blocks and sent_vocab != vocab:
         raise ValueError(f"response distributions have {sent_vocab} entries, expected the vocabulary {vocab}")
     if flat_probs.numel() != num_blocks * k * sent_vocab:
         raise ValueError(f"{num_blocks} rows flag distributions but {flat_probs.numel()} values follow")
     probs = flat_probs.view(num_blocks, k, sent_vocab)
     rows, b = [], 0
-    for m in meta.tolist():
+    for m in meta:
         count = m[RowColumns.NUM_TOKENS]
         row_probs = None
         if m[RowColumns.HAS_PROBS]:

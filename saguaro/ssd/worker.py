@@ -58,11 +58,12 @@ class WorkerLink:
 
     ``draft`` is a draft kind (``saguaro.drafts``: its ``shipment`` says what the worker receives), or a bare
     registry name or path (the worker loads it) or ``LoadedModel`` (its weights reach the worker in shared
-    memory). Start-up raises ``WorkerStartError`` within
-    ``opts.timeout_s`` of the worker dying or stalling (model loading gets at least 600 s).
+    memory). ``device`` is the target's: this end of an NCCL link receives the distributions there. Start-up
+    raises ``WorkerStartError`` within ``opts.timeout_s`` of the worker dying or stalling (model loading gets at
+    least 600 s).
     """
 
-    def __init__(self, draft: SpeculatorDraft | LoadedModel | str, opts: SpeculatorOptions):
+    def __init__(self, draft: SpeculatorDraft | LoadedModel | str, opts: SpeculatorOptions, device: str = "cpu"):
         self.opts = opts
         port = free_port()
         counters = MessageCounters()
@@ -72,18 +73,26 @@ class WorkerLink:
                                          role="SSD speculator", hint=HINT, killed_hint=KILLED_HINT)
         finally:
             shipment.close()  # the worker inherited its own descriptor (or never started)
-        backend = "gloo" if opts.device == "cpu" else "nccl"
-        device = "cpu" if opts.device == "cpu" else opts.device
+        # a speculator on the CPU: Gloo, whatever the target's device (its features cross as host frames)
+        backend, device = ("gloo", "cpu") if opts.device == "cpu" else ("nccl", device)
         try:
             self.channel = self.process.expect(
                 "connecting", lambda: Channel(0, port, counters, backend, device, opts.timeout_s), opts.timeout_s)
             load_s = max(opts.timeout_s, 600)
-            ready = self.process.expect(
-                "loading the draft", lambda: self.channel.recv(timeout_s=load_s, alive=self.process.is_alive), load_s)
+            ready = self.process.expect("loading the draft", lambda: self._ready(load_s), load_s)
         except BaseException:
             self.process.kill()
             raise
         self.vocab = int(ready[0])
+
+    def _ready(self, timeout_s: float) -> list[torch.Tensor]:
+        try:
+            return self.channel.recv(timeout_s=timeout_s, alive=self.process.is_alive)
+        except ChannelClosed:
+            # a worker that fails closes its socket as it exits, which ends the receive before the process can be
+            # seen gone: wait for that, so that the start-up error says how it ended
+            self.process.join(timeout=5)
+            raise
 
     def prefill(self, request: RoundRequest) -> None:
         """Send admissions to prefill ahead of their first round (no response). Raises ``ChannelClosed``."""
