@@ -52,7 +52,9 @@ def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper, transp
     assert [o.token_ids for o in outs] == ar_outputs
     if sum(fan_out) == 0:
         assert metrics.cache_hit_rate == 0
-    elif fan_out[-1] >= 2:
+    elif fan_out[-1] >= 2 and fallback == "jit":
+        # (after an n-gram backup speculation the tiny random pair hits about 1 round in 90, too few to assert on
+        # 24 tokens; whether those rounds hit depends on how far each build got)
         assert metrics.cache_hit_rate > 0
     assert any(t.build_steps for t in trace) or sum(fan_out) == 0
     assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
