@@ -44,17 +44,20 @@ class TreeModel:
 
     def fan_outs(self, seqs: list[Sequence], tree: int, batch: int) -> np.ndarray:
         """[B, K + 1]: each sequence's F_0..F_K in ``tree`` (after a primary speculation)."""
-        return np.array([self.plan.fan_out(seq_temperature(s), DraftedBy.PRIMARY, batch, tree) for s in seqs])
+        temperatures = [seq_temperature(s) for s in seqs]
+        lists = {t: self.plan.fan_out(t, DraftedBy.PRIMARY, batch, tree) for t in set(temperatures)}
+        return np.array([lists[t] for t in temperatures]).reshape(len(seqs), self.plan.k + 1)
 
     def model_hits(self, fan_outs: np.ndarray, weights: np.ndarray, sources: list[int]) -> np.ndarray:
         """[B]: p_hit of each request's K-draft speculation, ``weights[b]`` its outcome law over depths 0..K
         (K = ``weights.shape[1] - 1`` <= the plan's; its all-accepted outcome takes the plan's F_K)."""
         k = weights.shape[1] - 1
         depths = np.r_[np.arange(k), self.plan.k]
-        out = np.empty(len(sources))
-        for b, i in enumerate(sources):
-            curves = self.curves[i]
-            out[b] = weights[b] @ curves[depths, np.minimum(fan_outs[b, depths], curves.shape[1] - 1)]
+        rows, out = np.asarray(sources), np.empty(len(sources))
+        for i in set(sources):  # one gather per prior temperature
+            mine, curves = rows == i, self.curves[i]
+            hits = curves[depths[None, :], np.minimum(fan_outs[mine][:, depths], curves.shape[1] - 1)]
+            out[mine] = (weights[mine] * hits).sum(axis=1)
         return np.clip(out, 0.0, 1.0)
 
     def hit_tokens(self, seqs: list[Sequence], tree: int, fan_outs: np.ndarray, tokens: np.ndarray,
