@@ -9,10 +9,11 @@ from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan, TreeOption
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
 from saguaro.ssd.speculator import Speculator
-from tests.test_adapt_exact import Scripted
-from tests.tiny import PROMPTS, greedy_tokens, weak_pair
+from tests import test_adapt_exact as exact
+from tests.test_adapt_exact import TOKENS, Scripted
+from tests.tiny import PROMPTS
 
-TOKENS = 24
+pair, ar_outputs = exact.pair, exact.ar_outputs  # the weak pair and its AR outputs (module fixtures)
 
 
 class CyclingTrees(Scripted):
@@ -26,16 +27,6 @@ class CyclingTrees(Scripted):
         self.tree = len(self.used) % self.trees
         self.used.append(self.tree)
         return super()._choose(seqs)
-
-
-@pytest.fixture(scope="module")
-def pair():
-    return weak_pair()
-
-
-@pytest.fixture(scope="module")
-def ar_outputs(pair):
-    return greedy_tokens(pair[0], PROMPTS, TOKENS)
 
 
 @pytest.mark.parametrize("transport", ["thread", "process"])

@@ -35,11 +35,17 @@ def captures(monkeypatch):
     return made
 
 
-def test_the_engine_captures_no_build_graph_after_start_up(monkeypatch, captures):
-    use_paged_backend(monkeypatch)
-    replayed = []
+@pytest.fixture
+def replayed(monkeypatch):
+    """Every build graph replayed, by its shape, in order."""
+    shapes = []
     real = GraphBuild.run
-    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, rows: replayed.append(shape) or real(self, shape, rows))
+    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, rows: shapes.append(shape) or real(self, shape, rows))
+    return shapes
+
+
+def test_the_engine_captures_no_build_graph_after_start_up(monkeypatch, captures, replayed):
+    use_paged_backend(monkeypatch)
     from saguaro import LLM
     target = tiny_model(seed=3, layers=3, sharpness=3.0)
     with LLM(target=target, mode="ssd", block_size=4, max_num_seqs=5, draft=truncated(target, 1),
@@ -55,11 +61,8 @@ def test_the_engine_captures_no_build_graph_after_start_up(monkeypatch, captures
         (False, False), (True, False), (True, True)}
 
 
-def test_every_cache_tree_is_captured_at_start_up_and_replayed(monkeypatch, captures):
+def test_every_cache_tree_is_captured_at_start_up_and_replayed(monkeypatch, captures, replayed):
     use_paged_backend(monkeypatch)
-    replayed = []
-    real = GraphBuild.run
-    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, rows: replayed.append(shape) or real(self, shape, rows))
     from saguaro import LLM
     target = tiny_model(seed=3, layers=3, sharpness=3.0)
     expected = greedy_tokens(target, ENGINE_PROMPTS, 10)
