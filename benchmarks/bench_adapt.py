@@ -1,12 +1,15 @@
 """Adaptive speculation against the best fixed configuration and AR, per dataset, temperature and batch size.
 
 Rows, on the same chat-templated prompts: AR; SD and SSD at each fixed K of ``--ks`` (``adaptive=False``); SD
-and SSD adaptive (the default: each request's K chosen every round, 0 to ``--max-k``). Per dataset and
+and SSD adaptive (the default: each request's K chosen every round, 0 to ``--max-k``, and SSD's cache tree --
+fan-outs and taper -- every round); and SSD adaptive with its plan's tree only (``PLAN_TREE``: K adapts, the
+fan-outs do not), so the tree's share of the gain shows. Per dataset and
 temperature and batch size: tok/s of every row (all requests' new tokens over the wall time of their batch,
 median over batches), the best fixed configuration chosen after the fact (AR included), and the adaptive rows'
 ratio to it and to AR. Batches hold ``--batch`` requests of one dataset, and with ``--mixed`` also one batch
 of every dataset's prompts together (code and chat in one batch). The K chosen per round by the adaptive rows
-is kept for every request, and one request per dataset is drawn (``results/bench_adapt_k.png``).
+is kept for every request (and SSD's branches per build), and one request per dataset is drawn
+(``results/bench_adapt_k.png``); the table gives the adaptive SSD rows' mean branches per build.
 
     saguaro bench adapt                                    # Qwen pair, 4 datasets, T=0 and 1, batch 1
     saguaro bench adapt --target smollm2-135m --draft smollm2-135m --draft-weights int4 --prompts 1 \\
@@ -26,6 +29,7 @@ from benchmarks.common import (Prompt, add_common_args, draft_options, engine_op
 
 DATASETS = "humaneval,mtbench,mtbench-math,mtbench-writing"
 MIXED = "mixed"  # the batch of every dataset's prompts together
+PLAN_TREE = dict(fan_out_scales=[], fan_out_shapes=[], taper=False)  # adaptive K over the plan's own tree only
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -54,6 +58,9 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         spec = dict(base, mode=mode, draft=args.draft, **draft_options(args))
         out += [(f"{mode.upper()} K={k}", dict(spec, num_speculative_tokens=k, adaptive=False)) for k in args.ks]
         out.append((f"{mode.upper()} adaptive K<={args.max_k}", dict(spec, num_speculative_tokens=args.max_k)))
+        if mode == "ssd":
+            out.append((f"SSD adaptive K<={args.max_k} plan tree",
+                        dict(spec, num_speculative_tokens=args.max_k, adapt=PLAN_TREE)))
     return out
 
 
@@ -90,6 +97,7 @@ def run_config(name: str, options: dict[str, Any], prompts: list[Prompt], args: 
                                  "tokens": tokens, "wall_s": wall, "token_ids": [o.token_ids for o in outs],
                                  "datasets": [p.dataset for p in batch],
                                  "k_per_round": [o.spec.k_per_round if o.spec else [] for o in outs],
+                                 "fan_out_per_round": [o.spec.fan_out_per_round if o.spec else [] for o in outs],
                                  "acceptance": [o.spec.acceptance_rate if o.spec else None for o in outs]})
                     log(f"  {name} | {group} T={temperature:g} b={runs[-1]['batch']}: {tokens} tokens, "
                         f"{runs[-1]['tok_s']:.2f} tok/s")
@@ -105,13 +113,20 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, An
         speed = {n: median(r["tok_s"] for r in at if r["config"] == n) for n in names}
         fixed = {n: s for n, s in speed.items() if "adaptive" not in n and s is not None}
         best = max(fixed, key=fixed.get) if fixed else None
-        cell = {"temperature": t, "dataset": dataset, "batch": batch, "tok_s": speed, "best_fixed": best}
+        cell = {"temperature": t, "dataset": dataset, "batch": batch, "tok_s": speed, "best_fixed": best,
+                "mean_fan_out": {n: mean_fan_out([r for r in at if r["config"] == n]) for n in names}}
         for n in names:
             if "adaptive" in n:
                 cell[f"{n} x best fixed"] = ratio(speed[n], fixed.get(best))
                 cell[f"{n} x AR"] = ratio(speed[n], speed.get("AR"))
         cells.append(cell)
     return cells
+
+
+def mean_fan_out(runs: list[dict[str, Any]]) -> float | None:
+    """Mean branches asked of a build per request and speculating round (None: no SSD build recorded)."""
+    built = [f for r in runs for row in r.get("fan_out_per_round", []) for f in row if f]
+    return sum(built) / len(built) if built else None
 
 
 def greedy_equal(runs: list[dict[str, Any]]) -> tuple[int, int]:
@@ -125,11 +140,12 @@ def greedy_equal(runs: list[dict[str, Any]]) -> tuple[int, int]:
 
 def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
     adaptive = [n for n in names if "adaptive" in n]
+    trees = [n for n in adaptive if n.startswith("SSD")]
     headers = ["T", "dataset", "b", *names, "best fixed", *(f"{n} x best" for n in adaptive),
-               *(f"{n} x AR" for n in adaptive)]
+               *(f"{n} x AR" for n in adaptive), *(f"{n} branches/build" for n in trees)]
     rows = [[temp_key(c["temperature"]), c["dataset"], c["batch"], *(fmt(c["tok_s"][n]) for n in names),
              c["best_fixed"] or "-", *(fmt(c[f"{n} x best fixed"]) for n in adaptive),
-             *(fmt(c[f"{n} x AR"]) for n in adaptive)] for c in cells]
+             *(fmt(c[f"{n} x AR"]) for n in adaptive), *(fmt(c["mean_fan_out"][n]) for n in trees)] for c in cells]
     equal, compared = greedy_equal(runs)
     env = environment()
     cpu = cpu_description()

@@ -14,6 +14,11 @@ class AdaptSettings:
     share of the older evidence (0.8: roughly the last 5 rounds count). A request at K = 0 probes with
     ``probe_k`` drafts after ``probe_interval`` rounds, the interval doubling after each probe that does not
     pay, up to ``max_probe_interval``. Speculation must beat AR by ``min_gain`` (predicted speedup) to be chosen.
+
+    SSD also chooses each round's cache tree among the plan's own and a few more fixed at start-up
+    (``saguaro.adapt.trees``): the plan's fan-outs scaled by each of ``fan_out_scales``, Thm 12's geometric shape
+    at the plan's budget for each acceptance in ``fan_out_shapes``, and with ``taper`` the plan's fan-outs under
+    the other taper (tapered if the plan's tree is full, full if it is tapered). All empty / False: the plan's.
     """
     max_k: int | None = None
     prior: float | None = None
@@ -23,8 +28,17 @@ class AdaptSettings:
     probe_interval: int = 8
     max_probe_interval: int = 64
     min_gain: float = 1.02
+    fan_out_scales: tuple[float, ...] = (0.5, 2.0)
+    fan_out_shapes: tuple[float, ...] = (0.3, 0.9)
+    taper: bool = True
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "fan_out_scales", tuple(self.fan_out_scales))  # a list from JSON or a CLI
+        object.__setattr__(self, "fan_out_shapes", tuple(self.fan_out_shapes))
+        if any(not s > 0 for s in self.fan_out_scales):
+            raise ValueError(f"adaptive fan_out_scales must be > 0, got {list(self.fan_out_scales)}")
+        if any(not 0.0 < a < 1.0 for a in self.fan_out_shapes):
+            raise ValueError(f"adaptive fan_out_shapes are acceptances in (0, 1), got {list(self.fan_out_shapes)}")
         if self.max_k is not None and (not isinstance(self.max_k, int) or self.max_k < 0):
             raise ValueError(f"adaptive max_k must be an integer >= 0 (0: AR), got {self.max_k!r}")
         if self.prior is not None and not 0.0 <= self.prior <= 1.0:

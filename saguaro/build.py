@@ -51,7 +51,8 @@ def build_decoder(cfg: Config, target: Target, draft: Draft) -> Decoder:
     runner.capture_graphs(cfg.graph_rows, taps=draft.taps)
     if cfg.mode == "ar":
         return ARDecoder(runner)
-    from saguaro.adapt.build import k_schedule  # each request's K per round (adaptive unless cfg.adaptive is off)
+    # each request's K per round (adaptive unless cfg.adaptive is off); SSD's cache tree per round too
+    from saguaro.adapt.build import k_schedule, ssd_schedule
     if cfg.mode == "sd":
         from saguaro.sd.sd import SDDecoder
         return SDDecoder(runner, draft.proposer(cfg, runner, runner.blocks.num_blocks), cfg.num_speculative_tokens,
@@ -60,7 +61,8 @@ def build_decoder(cfg: Config, target: Target, draft: Draft) -> Decoder:
     from saguaro.ssd.host import SpeculatorOptions
     from saguaro.ssd.ssd_decoder import SSDDecoder
     from saguaro.ssd.target_features import TargetFeatures
-    plan = ssd_plan(cfg, runner.config.vocab_size)
+    # adaptive: the plan gains the cache trees the schedule picks from per round, before the speculator gets it
+    plan, schedule = ssd_schedule(cfg, ssd_plan(cfg, runner.config.vocab_size))
     opts = SpeculatorOptions.from_config(cfg, plan)
     # a draft that reads the target's features (an EAGLE-3 head) taps them before the speculator's first message
     features = TargetFeatures(runner, draft.taps) if draft.taps else None
@@ -70,4 +72,4 @@ def build_decoder(cfg: Config, target: Target, draft: Draft) -> Decoder:
     else:
         from saguaro.ssd.worker import WorkerLink
         link = WorkerLink(draft, opts, cfg.device)
-    return SSDDecoder(runner, link, plan, target.max_model_len, features, k_schedule(cfg, plan))
+    return SSDDecoder(runner, link, plan, target.max_model_len, features, schedule)

@@ -44,3 +44,29 @@ def test_out_spec_and_metrics_report_the_schedule():
     assert _value(text, "saguaro:spec_decode_k_count") == len(chosen)
     assert _value(text, "saguaro:spec_decode_rounds_at_k0_total") == chosen.count(0)
     assert 'saguaro:spec_decode_k_bucket{le="0.0"} ' + f"{float(chosen.count(0))}" in text
+
+
+def test_ssd_reports_the_fan_out_chosen_per_round():
+    target, draft = weak_pair()
+    with LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=3, block_size=4, adapt=MOVING,
+             speculator_transport="thread") as llm:
+        metrics = ServerMetrics(llm.engine)
+        engine = llm.engine
+        seqs = [engine.add_request(p, SamplingParams(max_tokens=20)) for p in PROMPTS]
+        counts = {s.seq_id: RequestCounts() for s in seqs}
+        while engine.has_unfinished:
+            for seq, _ in engine.step():
+                metrics.on_tokens(seq, counts[seq.seq_id])
+        outs = [engine.output(s) for s in seqs]
+        plan = engine.decoder.plan
+    built = []
+    for out in outs:
+        spec = out.spec
+        assert len(spec.fan_out_per_round) == len(spec.k_per_round)
+        assert all((f > 0) == (k > 0) for f, k in zip(spec.fan_out_per_round, spec.k_per_round))
+        assert set(spec.fan_out_per_round) - {0} <= {sum(f) for f in plan.lists()}  # one of the plan's trees
+        built += [f for f in spec.fan_out_per_round if f]
+    assert built and llm.spec_metrics(outs).mean_fan_out == pytest.approx(sum(built) / len(built))
+    text = generate_latest(metrics.registry).decode()
+    assert _value(text, "saguaro:ssd_build_fan_out_count") == len(built)
+    assert _value(text, "saguaro:ssd_build_fan_out_sum") == sum(built)

@@ -197,7 +197,7 @@ def bench_cases(target: Path, draft: Path, head: str, out: Path) -> dict[str, tu
         "serving_itl": (["--model", target, "--prompt-tokens", "64", "--streams", "2", "--chunks", "0,16", "--out",
                          out / "itl"], "itl.json"),
         "tp": ([*pair, "--modes", "ar", "--sizes", "1,2", "--max-tokens", "4", "--out", out], "bench_tp.json"),
-        "adapt": ([*pair, *serve, "--modes", "sd", "--ks", "2", "--max-k", "2", "--temperatures", "0",
+        "adapt": ([*pair, *serve, "--modes", "ssd", "--ks", "2", "--max-k", "2", "--temperatures", "0",
                    "--warmup-tokens", "0"], "bench_adapt.json"),
         "prefill_attention": (["--new", "32", "--cached", "64", "--prompt-tokens", "0", "--out",
                                out / "prefill_attention"], "prefill_attention.json"),

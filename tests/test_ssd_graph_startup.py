@@ -6,6 +6,8 @@ the target's verification, and synchronize the device under it).
   5 to 1 replay build graphs, and none is captured after start-up.
 * On a speculator alone: 40 rounds of mixed requests, admissions, releases and a preemption capture nothing new.
 * Negative control: without the start-up capture the same rounds do capture.
+* With adaptation the plan offers several cache trees: each is captured at start-up, a round in any of them
+  replays its graph, and greedy outputs equal AR's.
 """
 import random
 
@@ -16,7 +18,8 @@ from saguaro.ssd.graph_build import GraphBuild
 from saguaro.ssd.protocol import Admission, RoundRequest
 from tests.test_backends import ENGINE_PROMPTS, use_paged_backend
 from tests.test_ssd_graph_build import VOCAB, _round_request, paged_speculator
-from tests.tiny import perturbed, tiny_model, truncated
+from tests.test_adapt_trees_exact import CyclingTrees
+from tests.tiny import greedy_tokens, perturbed, tiny_model, truncated
 
 
 @pytest.fixture
@@ -32,11 +35,17 @@ def captures(monkeypatch):
     return made
 
 
-def test_the_engine_captures_no_build_graph_after_start_up(monkeypatch, captures):
-    use_paged_backend(monkeypatch)
-    replayed = []
+@pytest.fixture
+def replayed(monkeypatch):
+    """Every build graph replayed, by its shape, in order."""
+    shapes = []
     real = GraphBuild.run
-    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, rows: replayed.append(shape) or real(self, shape, rows))
+    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, rows: shapes.append(shape) or real(self, shape, rows))
+    return shapes
+
+
+def test_the_engine_captures_no_build_graph_after_start_up(monkeypatch, captures, replayed):
+    use_paged_backend(monkeypatch)
     from saguaro import LLM
     target = tiny_model(seed=3, layers=3, sharpness=3.0)
     with LLM(target=target, mode="ssd", block_size=4, max_num_seqs=5, draft=truncated(target, 1),
@@ -50,6 +59,22 @@ def test_the_engine_captures_no_build_graph_after_start_up(monkeypatch, captures
     assert at_start and captures == at_start, "a build graph was captured after start-up"
     assert {s.seqs for s in replayed} >= {1, 2, 4, 8} and {(s.sampled, s.filters) for s in replayed} == {
         (False, False), (True, False), (True, True)}
+
+
+def test_every_cache_tree_is_captured_at_start_up_and_replayed(monkeypatch, captures, replayed):
+    use_paged_backend(monkeypatch)
+    from saguaro import LLM
+    target = tiny_model(seed=3, layers=3, sharpness=3.0)
+    expected = greedy_tokens(target, ENGINE_PROMPTS, 10)
+    with LLM(target=target, mode="ssd", block_size=4, max_num_seqs=5, draft=truncated(target, 1),
+             num_speculative_tokens=3, fan_out=[1, 1, 1, 2], speculator_transport="thread") as llm:
+        at_start = list(captures)
+        trees = llm.engine.decoder.plan.trees
+        llm.engine.decoder.schedule = CyclingTrees(3, [3], trees)
+        outs = llm.generate(ENGINE_PROMPTS, SamplingParams(max_tokens=10))
+    assert trees > 3 and at_start and captures == at_start, "a build graph was captured after start-up"
+    assert len({(s.counts, s.widths) for s in replayed}) >= trees - 1  # the trees' shapes (two may coincide)
+    assert [o.token_ids for o in outs] == expected
 
 
 def _rounds(spec, n: int) -> None:

@@ -2,12 +2,18 @@
 
 The profile (``calibration.store.resolve_profile``: the stored one, or the documented defaults, logged) gives
 the prior acceptance by position per temperature, the backup's acceptance, SSD's hit rate under the plan
-(``policy.predict_fixed``), and the pass-cost tables the chooser starts from and keeps fresh.
+(``policy.predict_fixed``), and the pass-cost tables the chooser starts from and keeps fresh. For SSD,
+``ssd_schedule`` also adds the cache trees the schedule chooses among to the plan (``trees.tree_options``),
+before the speculator is given it.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 from saguaro.adapt.costs import LiveCosts
 from saguaro.adapt.schedule import AdaptiveK, Priors, SSDModel
+from saguaro.adapt.tree_choice import TreeModel
+from saguaro.adapt.trees import tree_options
 from saguaro.engine.k_schedule import FixedK, KSchedule
 from saguaro.calibration.policy import entry_at, predict_fixed
 from saguaro.calibration.profile import Profile
@@ -20,13 +26,31 @@ from saguaro.ssd_settings import DraftedBy, MissStrategy
 
 
 def k_schedule(cfg: Config, plan: SpecPlan | None = None) -> KSchedule:
-    """``FixedK`` at the configured K when ``cfg.adaptive`` is off, else ``AdaptiveK`` (SSD: over ``plan``)."""
-    k = int(cfg.num_speculative_tokens)
+    """``FixedK`` at the configured K when ``cfg.adaptive`` is off, else ``AdaptiveK`` (SSD: over ``plan``, its
+    own tree only: ``ssd_schedule`` adds the others)."""
     if not cfg.adaptive:
-        return FixedK(k)
-    draft = cfg.draft or "ngram"
-    profile = resolve_profile(cfg.target, draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
-                              draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
+        return FixedK(int(cfg.num_speculative_tokens))
+    return _adaptive(cfg, _profile(cfg), plan)
+
+
+def ssd_schedule(cfg: Config, plan: SpecPlan) -> tuple[SpecPlan, KSchedule]:
+    """SSD's plan and schedule: with adaptation, the plan gains the trees of ``trees.tree_options`` (fixed here,
+    at start-up) and the schedule picks one of them per round; without, both are as given."""
+    if not cfg.adaptive:
+        return plan, FixedK(int(cfg.num_speculative_tokens))
+    profile = _profile(cfg)
+    plan = replace(plan, options=plan.options + tree_options(plan, profile, cfg.adapt))
+    return plan, _adaptive(cfg, profile, plan)
+
+
+def _profile(cfg: Config) -> Profile:
+    return resolve_profile(cfg.target, cfg.draft or "ngram", cfg.dtype, int(cfg.num_speculative_tokens),
+                           enforce_eager=_timed_eager(cfg), draft_format=cfg.draft_format.tag,
+                           workload=cfg.calibration_workload)
+
+
+def _adaptive(cfg: Config, profile: Profile, plan: SpecPlan | None) -> AdaptiveK:
+    k = int(cfg.num_speculative_tokens)
     costs = LiveCosts.from_timing(profile.timing)
     ngram = cfg.mode == "sd" and cfg.proposer == "ngram"
     if ngram:  # the matcher drafts on the host in no time worth modelling; its acceptance is the backup's
@@ -37,8 +61,10 @@ def k_schedule(cfg: Config, plan: SpecPlan | None = None) -> KSchedule:
         t0 = priors.temperatures[0]
         branches = max(sum(plan.fan_out(t0, DraftedBy.PRIMARY)), 1)
         build = build_time(profile.timing, k, 1, branches, plan.steps_for(t0), plan.deep_branches)
+        sources = [entry_at(profile, t).primary for t in priors.temperatures]
+        trees = TreeModel(plan, profile.timing, sources) if all(s.hit_curves for s in sources) else None
         ssd = SSDModel(lambda b: plan.miss_strategy_for(b) == MissStrategy.JIT, build.t_hit * build.t_v,
-                       slowdowns(profile.timing, branches)[0])
+                       slowdowns(profile.timing, branches)[0], trees)
     return AdaptiveK(k, cfg.adapt, costs, priors, ssd)
 
 

@@ -73,6 +73,15 @@ class AcceptanceEstimate:
         w = self.prior_weight[j]
         return (self.accepted[j] + w * prior) / (self.tried[j] + w)
 
+    def outcome_pmf(self, k: int) -> list[float]:
+        """[P(0), ..., P(k)]: the law of a K-draft round's outcome, d drafts accepted then one rejected (d < K),
+        or all K accepted (index K), from the rates by position."""
+        out, run = [], 1.0
+        for a in self.rates(k):
+            out.append(run * (1.0 - a))
+            run *= a
+        return out + [run]
+
     def expected_tokens(self, k: int) -> list[float]:
         """[E(0), ..., E(k)]: expected tokens a round of K drafts yields, E(K) = 1 + sum_{i<=K} prod_{j<=i} a_j
         (positional form of ``theory.speedup.expected_tokens``, which it equals when every a_j is the same)."""

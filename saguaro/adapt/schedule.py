@@ -2,6 +2,7 @@
 verified before it (the seam it fills, ``KSchedule``, is ``saguaro.engine.k_schedule``'s)."""
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -11,6 +12,7 @@ from saguaro.adapt.costs import LiveCosts
 from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
+from saguaro.adapt.tree_choice import TreeModel
 from saguaro.engine.k_schedule import KSchedule
 from saguaro.engine.sequence import Sequence
 
@@ -48,6 +50,7 @@ class SSDModel:
     jit_misses_at: Callable[[int], bool]  # batch size -> whether misses are drafted just in time (Thm 18)
     build_prior_s: float  # the build's time before one is measured
     slowdown: float = 1.0  # the verification's beside a build (the profile's contention probe; 1 without one)
+    trees: TreeModel | None = None  # the plan's cache trees, one chosen per round (None: the plan's own only)
 
 
 class AdaptiveK(KSchedule):
@@ -59,7 +62,14 @@ class AdaptiveK(KSchedule):
 
     A sampled request with a seed chooses from its own verified rounds only: the profile's costs at batch 1,
     its prior hit rate, never a clock or its neighbours. Its K, and so its draws, are then the same alone or
-    in any batch, run after run, as at a fixed K; requests without a seed use everything measured."""
+    in any batch, run after run, as at a fixed K; requests without a seed use everything measured.
+
+    SSD with ``ssd.trees``: each round also picks the cache tree the speculator builds (``self.tree``, one for
+    the batch, as the GPU build captures one shape per tree): every tree's gains come from ``tree_choice``'s
+    model with the request's estimate, the tree whose sequences' best gains sum highest is taken (ties: the
+    lower index, the plan's own first), and each request's K is its best in that tree. A tree's hit rate is
+    the request's measured one moved by the model's difference from the tree its observed rounds were built
+    in; a build's time is the profile's for the tree scaled as the measured builds were."""
 
     def __init__(self, max_k: int, settings: AdaptSettings, costs: LiveCosts, priors: Priors,
                  ssd: SSDModel | None = None):
@@ -70,6 +80,9 @@ class AdaptiveK(KSchedule):
         self.priors = priors
         self.ssd = ssd
         self.states: dict[int, RequestState] = {}
+        # the last two rounds' trees and their predicted builds (profile units), oldest first
+        self.sent: deque[tuple[int, float]] = deque(maxlen=2)
+        self.build_scale: float | None = None  # measured build / the profile's for its tree (None: none measured)
 
     def state(self, seq: Sequence) -> RequestState:
         state = self.states.get(seq.seq_id)
@@ -85,15 +98,48 @@ class AdaptiveK(KSchedule):
         if self.max_k == 0 or not seqs:
             return [0] * len(seqs)
         seeded = [s.generator is not None and s.params.seed is not None for s in seqs]
-        ks: dict[int, int] = {}
-        for reproducible in (False, True):
-            group = [s for s, flag in zip(seqs, seeded) if flag == reproducible]
-            if group:
-                costs = (BatchCosts.at(self.profile, 1, self.max_k) if reproducible
-                         else BatchCosts.at(self.costs, len(seqs), self.max_k))
-                for seq, row in zip(group, self.gains(group, costs, reproducible)):
-                    ks[seq.seq_id] = self._one(seq, row)
-        return [ks[s.seq_id] for s in seqs]
+        live = self._live_gains(seqs, BatchCosts.at(self.costs, len(seqs), self.max_k))
+        group = [s for s, flag in zip(seqs, seeded) if flag]
+        rows = dict(zip([s.seq_id for s in group],
+                        self.gains(group, BatchCosts.at(self.profile, 1, self.max_k), True) if group else []))
+        ks = [self._one(seq, rows.get(seq.seq_id, row)) for seq, row in zip(seqs, live)]
+        if self.ssd is not None and self.ssd.trees is not None:
+            for seq, k in zip(seqs, ks):  # the branches asked of the build for it (none at K = 0)
+                seq.spec.fan_out_per_round.append(int(sum(self.ssd.trees.fan_outs([seq], self.tree, len(seqs))[0]))
+                                                  if k else 0)
+        return ks
+
+    def _live_gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
+        """[B, max_k + 1] from everything measured, in the round's tree (SSD: chosen here, ``self.tree``)."""
+        trees = self.ssd.trees if self.ssd is not None else None
+        if trees is None:
+            return self.gains(seqs, costs)
+        gains = self.tree_gains(seqs, costs)
+        best = np.where(gains[..., 1:].max(axis=-1) >= self.settings.min_gain, gains[..., 1:].max(axis=-1), 1.0)
+        self.tree = int(np.argmax(best.sum(axis=1)))  # the first of equals: the plan's own tree first
+        self.sent.append((self.tree, self.ssd.trees.build(seqs, self.tree, len(seqs))[0]))
+        return gains[self.tree]
+
+    def tree_gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
+        """[trees, B, max_k + 1]: ``gains`` in each of the plan's trees (see the class docstring)."""
+        trees, states = self.ssd.trees, [self.state(seq) for seq in seqs]
+        tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
+        weights = np.array([state.estimate.outcome_pmf(self.max_k) for state in states])
+        sources = [state.prior_index for state in states]
+        observed = np.array([state.hit_rate.rate(0) for state in states])
+        built_in = self.sent[0][0] if self.sent else 0  # the tree the last verified speculations' cache was
+        reference = trees.model_hits(trees.fan_outs(seqs, built_in, costs.batch), weights, sources)
+        backup = _column([self.priors.backup_acceptance[state.prior_index] for state in states])
+        scale = self.build_scale if self.build_scale is not None else self.costs.target_scale
+        out = []
+        for tree in range(trees.trees):
+            fan_outs = trees.fan_outs(seqs, tree, costs.batch)
+            p_hit = np.clip(observed + trees.model_hits(fan_outs, weights, sources) - reference, 0.0, 1.0)
+            build_s, slowdown = trees.build(seqs, tree, costs.batch)
+            round_ = SSDRound(p_hit[:, None], build_s * scale, self.ssd.jit_misses_at(costs.batch), backup, slowdown)
+            out.append(ssd_gains(trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources), costs, round_,
+                                 miss_tokens=tokens))
+        return np.stack(out)
 
     def gains(self, seqs: list[Sequence], costs: BatchCosts, reproducible: bool = False) -> np.ndarray:
         """[B, max_k + 1]: each sequence's predicted speedup over AR at K = 0..max_k in a round of ``costs``
@@ -142,6 +188,13 @@ class AdaptiveK(KSchedule):
 
     def observe_build(self, seconds: float) -> None:
         self.costs.observe_build(seconds)
+        if self.ssd is None or self.ssd.trees is None or not self.sent or seconds <= 0:
+            return
+        predicted = self.sent[0][1]  # the build this response reports ran in the tree sent the round before
+        if predicted > 0:
+            ratio = seconds / predicted
+            w = self.costs.weight
+            self.build_scale = ratio if self.build_scale is None else (1 - w) * self.build_scale + w * ratio
 
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)

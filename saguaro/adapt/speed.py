@@ -57,12 +57,14 @@ class SSDRound:
     slowdown: float = 1.0  # the verification's, beside a build (the bus contention)
 
 
-def ssd_gains(tokens: np.ndarray, costs: BatchCosts, round_: SSDRound) -> np.ndarray:
-    """Predicted speedup over AR at K = 0..max_k (Cor. 17 at the batch size): ``tokens[..., k]`` = E_hit(k)."""
+def ssd_gains(tokens: np.ndarray, costs: BatchCosts, round_: SSDRound,
+              miss_tokens: np.ndarray | None = None) -> np.ndarray:
+    """Predicted speedup over AR at K = 0..max_k (Cor. 17 at the batch size): ``tokens[..., k]`` = E_hit(k);
+    ``miss_tokens`` E(k) of a just-in-time miss's K drafts where a hit carries fewer (a tapered tree)."""
     k = np.arange(tokens.shape[-1])
     verify = costs.verify * round_.slowdown
     if round_.jit_misses:
-        e_miss, t_miss = tokens, k * costs.draft_step / verify
+        e_miss, t_miss = tokens if miss_tokens is None else miss_tokens, k * costs.draft_step / verify
     else:
         e_miss, t_miss = np.asarray(expected_tokens(round_.backup_acceptance, k)), np.zeros(len(k))
     speedup = ssd_speedup_batch(round_.p_hit, tokens, e_miss, round_.build_s / verify, t_miss, costs.batch)

@@ -54,11 +54,12 @@ def backup_weights(source: Source, k: int) -> np.ndarray:
     return w / w.sum() if w.size == k + 1 and w.sum() > 0 else depth_weights_for(source, k)
 
 
-def deep_share(source: Source, fan_out: list[int], length: int, deep: int) -> float:
-    """The share of the cache's hit probability carried by its ``deep`` likeliest (depth, rank) outcomes."""
+def deep_share(source: Source, fan_out: list[int], length: int, deep: int, weights: np.ndarray | None = None) -> float:
+    """The share of the cache's hit probability carried by its ``deep`` likeliest (depth, rank) outcomes
+    (``weights``: the outcome law over depths 0..K, as for ``hit_rate``; default the source's)."""
     k = len(fan_out) - 1
     curves = depth_curves(source, k)
-    w = depth_weights_for(source, length)
+    w = depth_weights_for(source, length) if weights is None else np.r_[weights[:length], weights[length:].sum()]
     scores = []
     for i, d in enumerate(list(range(length)) + [k]):
         f = min(fan_out[d], len(curves[d]) - 1)

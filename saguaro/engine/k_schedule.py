@@ -4,7 +4,9 @@ round logic and whoever chooses K (``FixedK`` here; the adaptive chooser is ``sa
 ``choose`` runs before a round's drafting (SD) or before the speculator answers (SSD), ``observe`` after the
 round's verification. The choice for round t therefore reads only outcomes of rounds before t -- never round
 t's own drafts judged by the target -- and K only says how many drafts are verified, so every K is exact.
-K = 0 is an AR step for that request.
+K = 0 is an AR step for that request. In SSD ``choose`` also leaves ``tree``: which of the plan's cache trees
+(fan-outs and taper) the speculator builds in this round, for the whole batch; it changes what the speculator
+prepares, never what a round verifies.
 """
 from __future__ import annotations
 
@@ -20,6 +22,7 @@ class KSchedule(ABC):
         if max_k < 0:
             raise ValueError(f"max K must be >= 0, got {max_k}")
         self.max_k = max_k
+        self.tree = 0  # SSD: the plan's cache tree the round's build uses (``SpecPlan.trees``; 0 its own)
 
     def choose(self, seqs: list[Sequence]) -> list[int]:
         ks = self._choose(seqs)

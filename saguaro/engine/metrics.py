@@ -39,9 +39,12 @@ def summarize(stats: list[SpeculationCounts], with_cache: bool = False) -> Specu
     chosen = [k for s in stats for k in s.k_per_round]
     metrics.rounds_at_k0 = sum(s.rounds_at_k0 for s in stats)
     metrics.mean_k = _ratio(sum(chosen), len(chosen)) or 0.0
+    built = [f for s in stats for f in s.fan_out_per_round if f]
+    metrics.mean_fan_out = _ratio(sum(built), len(built)) or 0.0
     if len(stats) == 1:  # one request's schedule and estimate (summed over several they mean nothing)
         metrics.k_per_round = list(stats[0].k_per_round)
         metrics.acceptance_estimate = list(stats[0].acceptance_estimate)
+        metrics.fan_out_per_round = list(stats[0].fan_out_per_round)
     if with_cache:
         metrics.cache_hit_rate = _ratio(total.cache_hits, total.rounds)
         metrics.hit_rate_after_hit = _ratio(total.hits_after_hit, total.rounds_after_hit)

@@ -19,7 +19,9 @@ SD and SSD add the speculation counters (rounds are "drafts", as in vLLM):
 and SSD the speculation cache: saguaro:ssd_cache_hits_total, saguaro:ssd_cache_misses_total.
 Per-request adaptive K (saguaro.adapt): saguaro:spec_decode_k (histogram of the K chosen per round),
 saguaro:spec_decode_rounds_at_k0_total (rounds a request ran as AR) and
-saguaro:spec_decode_acceptance_estimate{position} (the running requests' mean estimate, read when scraped).
+saguaro:spec_decode_acceptance_estimate{position} (the running requests' mean estimate, read when scraped);
+SSD adds saguaro:ssd_build_fan_out (histogram of the branches each round's build was asked to prepare for a
+request: the sum of the fan-outs of the cache tree chosen for the round).
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ class RequestCounts:
     drafted_by_position: list[int] = field(default_factory=list)
     accepted_by_position: list[int] = field(default_factory=list)
     k_rounds: int = 0  # entries of seq.spec.k_per_round counted
+    fan_out_rounds: int = 0  # entries of seq.spec.fan_out_per_round counted
 
 
 class ServerMetrics:
@@ -88,6 +91,8 @@ class ServerMetrics:
         if self.cache:
             self.hits = Counter("saguaro:ssd_cache_hits", "SSD rounds whose speculation was in the cache.", registry=r)
             self.misses = Counter("saguaro:ssd_cache_misses", "SSD rounds that fell back (cache miss).", registry=r)
+            self.fan_out = Histogram("saguaro:ssd_build_fan_out", "Branches asked of a round's build per request.",
+                                     buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256), registry=r)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -114,6 +119,10 @@ class ServerMetrics:
         self.draft_tokens.inc(s.drafted - counts.drafted)
         self.accepted.inc(s.accepted - counts.accepted)
         if self.cache:
+            for f in s.fan_out_per_round[counts.fan_out_rounds:]:
+                if f:  # a round at K = 0 asks no build
+                    self.fan_out.observe(f)
+            counts.fan_out_rounds = len(s.fan_out_per_round)
             hits = s.cache_hits - counts.cache_hits
             self.hits.inc(hits)
             self.misses.inc(s.rounds - counts.rounds - hits)

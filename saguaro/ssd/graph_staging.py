@@ -49,7 +49,7 @@ def choose_shape(spec, states: list[SeqState], temperature) -> BuildShape | None
     if any(len(r.ids) < width for s in states for r in (s.ranked or [])[:glue_start(s) - len(s.seq) + 1]):
         return None  # a staged ranking shorter than the graph's
     fan_outs = {tuple(spec.fan_out_for(s)) for s in states}
-    temps = {spec.plan.steps_for(temperature(s.seq)) for s in states}
+    temps = {spec.plan.steps_for(temperature(s.seq), spec.tree) for s in states}
     if len(fan_outs) != 1 or len(temps) != 1:
         return None
     need = -(-(max(len(s.seq) for s in states) + k) // spec.runner.block_size)
@@ -58,18 +58,19 @@ def choose_shape(spec, states: list[SeqState], temperature) -> BuildShape | None
     params = [s.seq.params for s in states]
     sampled = not all(p.greedy for p in params)
     filters = any(not p.greedy and (0 < p.top_k < spec.runner.config.vocab_size or p.top_p < 1) for p in params)
-    return _shape(spec, len(states), fan_outs.pop(), temperature(states[0].seq), sampled, filters)
+    return _shape(spec, len(states), fan_outs.pop(), temperature(states[0].seq), sampled, filters, spec.tree)
 
 
-def _shape(spec, seqs: int, fan_out, temperature: float, sampled: bool, filters: bool) -> BuildShape | None:
-    """The shape of a build of ``seqs`` sequences with this fan-out, tree taper (at ``temperature``) and sampling;
-    None when it prepares no branch."""
+def _shape(spec, seqs: int, fan_out, temperature: float, sampled: bool, filters: bool,
+           tree: int = 0) -> BuildShape | None:
+    """The shape of a build of ``seqs`` sequences with this fan-out, the taper of the plan's ``tree`` (at
+    ``temperature``) and sampling; None when it prepares no branch."""
     k, width = spec.k, min(spec.width, spec.runner.config.vocab_size)
     counts = outcome_counts(list(fan_out), k, width)
     branches = sum(counts)
     if not branches:
         return None
-    widths = tuple(min(branches, w) for w in spec.plan.branch_widths(branches, temperature))
+    widths = tuple(min(branches, w) for w in spec.plan.branch_widths(branches, temperature, tree))
     bucket = next(b for b in SEQ_BUCKETS if b >= seqs)
     return BuildShape(bucket, k, counts, widths, width, spec.runner.backend.graphs.max_table_blocks, sampled, filters)
 
@@ -78,19 +79,22 @@ def startup_shapes(spec, max_seqs: int) -> list[BuildShape]:
     """Every shape ``choose_shape`` can answer for rounds of at most ``max_seqs`` sequences, to capture at start-up
     (``GraphBuild.capture_all``): on a GPU a capture later would run beside the target's verification, and a
     capture synchronizes the device. Per batch size (the fan-outs follow it), every bucket of the sequences that
-    build, every temperature's fan-outs and taper, both drafters, and greedy / sampled / filtered."""
+    build, every tree the plan offers (the adaptive schedule picks one per round), every temperature's fan-outs
+    and taper, both drafters, and greedy / sampled / filtered."""
     if spec.conditioned or spec.saguaro_sampling is not None:
         return []  # these always take the Python build
     plan, shapes = spec.plan, {}
     for batch in range(1, min(max_seqs, SEQ_BUCKETS[-1]) + 1):
-        for temperature in plan.temperatures:
-            for drafted_by in DraftedBy:
-                fan_out = plan.fan_out(temperature, drafted_by, batch)
-                for seqs in sorted({next(b for b in SEQ_BUCKETS if b >= n) for n in range(1, batch + 1)}):
-                    for sampled, filters in ((False, False), (True, False), (True, True)):
-                        shape = _shape(spec, seqs, fan_out, temperature, sampled, filters)
-                        if shape is not None:
-                            shapes[shape] = None
+        buckets = sorted({next(b for b in SEQ_BUCKETS if b >= n) for n in range(1, batch + 1)})
+        for tree in range(plan.trees):
+            for temperature in plan.temperatures:
+                for drafted_by in DraftedBy:
+                    fan_out = plan.fan_out(temperature, drafted_by, batch, tree)
+                    for seqs in buckets:
+                        for sampled, filters in ((False, False), (True, False), (True, True)):
+                            shape = _shape(spec, seqs, fan_out, temperature, sampled, filters, tree)
+                            if shape is not None:
+                                shapes[shape] = None
     return list(shapes)
 
 

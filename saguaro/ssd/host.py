@@ -56,7 +56,7 @@ class SpeculatorOptions:
     def graph_rows(self) -> int:
         """The most rows one draft pass can have: every sequence of the largest batch, each with the widest tree
         the plan gives it (or a K+1-token catch-up)."""
-        widest = max(sum(f) for table in self.plan.primary + self.plan.backup for f in table)
+        widest = max(sum(f) for f in self.plan.lists())  # over every tree the plan offers
         return self.max_num_seqs * max(widest + 1, self.k + 1)
 
     def draft_blocks(self) -> int:

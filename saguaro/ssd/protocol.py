@@ -81,6 +81,9 @@ class RoundRequest:
     # per ``order`` entry: the most drafts its answer may hold (the verifier's K for it, saguaro.adapt; 0: none,
     # and no build for it); None: K for every sequence
     ks: list[int] | None = None
+    # the plan's tree (fan-outs and taper, ``SpecPlan.trees``) the build this request starts uses: one for the
+    # round, chosen by the verifier's schedule (saguaro.adapt); 0: the plan's own
+    tree: int = 0
     # in a thread: a GPU event after the target's pass that wrote its features (``eagle.features.fence_features``)
     fence: Any = None
 
@@ -136,7 +139,7 @@ def _float(bits: int) -> float:
 
 
 # -- request ------------------------------------------------------------------------
-# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width, #ks]
+# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width, #ks, tree]
 #               + per outcome [seq_id, k, bonus, #feature rows]
 #               + per admission [seq_id, #tokens, temperature bits, top_k, top_p bits, seed, #feature rows,
 #                                features_start, tokens...]
@@ -152,7 +155,8 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
     sent = [f for f in [o.features for o in req.outcomes] + [a.features for a in req.admissions] if f is not None]
     width = sent[0].shape[-1] if sent else 0
     ks = req.ks or []
-    out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order), width, len(ks)]
+    out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order), width, len(ks),
+           req.tree]
     for o in req.outcomes:
         out += [o.seq_id, o.num_accepted, o.bonus, _rows(o.features)]
     for a in req.admissions:
@@ -169,7 +173,7 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
 
 def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
     v = frames[0].tolist()
-    command, n_out, n_adm, n_rel, n_ord, width, n_ks = v[:7]
+    command, n_out, n_adm, n_rel, n_ord, width, n_ks, tree = v[:8]
     flat = frames[1].view(-1, width) if len(frames) > 1 else None
     taken = 0
 
@@ -180,7 +184,7 @@ def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
         taken += rows
         return flat[taken - rows:taken]
 
-    i = 7
+    i = 8
     outcomes = []
     for _ in range(n_out):
         seq_id, k, bonus, rows = v[i:i + 4]
@@ -200,7 +204,7 @@ def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
         raise ValueError(f"request holds {len(v)} fields, its counts describe {end}")
     if flat is not None and taken != len(flat):
         raise ValueError(f"request carries {len(flat)} feature rows, its counts describe {taken}")
-    return RoundRequest(outcomes, admissions, releases, order, command, ks)
+    return RoundRequest(outcomes, admissions, releases, order, command, ks, tree)
 
 
 # -- response -----------------------------------------------------------------------

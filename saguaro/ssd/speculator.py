@@ -112,11 +112,12 @@ class Speculator:
         self.conditioned = runner.reads_features
         self.k = plan.k
         self.batch = 1  # size of the batch in the last request
+        self.tree = 0  # the plan's tree the last request asked the build for (RoundRequest.tree)
         self.miss_strategies = MissStrategyTracker(self.plan)  # follows the batch size (strategy "auto", Thm 18)
         self.saguaro_sampling = None  # Def. 14 sampling, only when some temperature uses C < 1
         if min(self.plan.c) < 1.0:
             self.saguaro_sampling = SaguaroSampling(lambda s: self.plan.fan_out(seq_temperature(s), DraftedBy.PRIMARY,
-                                                                     self.batch),
+                                                                     self.batch, self.tree),
                                            lambda s: self.plan.c_for(seq_temperature(s)))
         self.width = self.plan.max_fan_out() + 1  # ranked ids kept per draft position (top-F_k plus the drafted)
         self.states: dict[int, SeqState] = {}  # per sequence id, from its prefill or admission to its release
@@ -145,8 +146,8 @@ class Speculator:
             self.graph.capture_all(graph_staging.startup_shapes(self, max_seqs))
 
     def fan_out_for(self, state: SeqState) -> list[int]:
-        """F_0..F_K for the cache of a sequence's speculation under verification."""
-        return self.plan.fan_out(seq_temperature(state.seq), state.drafted_by, self.batch)
+        """F_0..F_K for the cache of a sequence's speculation under verification (in the round's tree)."""
+        return self.plan.fan_out(seq_temperature(state.seq), state.drafted_by, self.batch, self.tree)
 
     @property
     def miss_strategy(self) -> MissStrategy:
@@ -197,6 +198,7 @@ class Speculator:
         for adm in req.admissions:
             self._admit(adm)
         self._set_batch(len(req.order))
+        self.tree = req.tree
         hits: dict[int, CachedBranch] = {}
         adopted: tuple[list[int], list[int]] = ([], [])  # the hits' branch k/v: scratch slots -> cache slots
         for out in req.outcomes:
@@ -371,7 +373,7 @@ class Speculator:
             outcomes = predict_outcomes(ranked, state.sent, self.fan_out_for(state))
             layouts.append(BranchLayout(self.runner.slots(draft.block_table, 0, draft.num_cached), len(seq),
                                         [k for k, _ in outcomes], [t for _, t in outcomes],
-                                        self.plan.branch_widths(len(outcomes), seq_temperature(seq)),
+                                        self.plan.branch_widths(len(outcomes), seq_temperature(seq), self.tree),
                                         block_table=list(draft.block_table)))
         return layouts
 

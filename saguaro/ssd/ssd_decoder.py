@@ -105,7 +105,8 @@ class SSDDecoder(Decoder):
         admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s.seq_id not in verified]
         # the next speculation's K, from the rounds verified so far (this one included): never from its own drafts
         ks = self.schedule.choose(seqs)
-        request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs], ks=ks)
+        request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs], ks=ks,
+                               tree=self.schedule.tree)
         self.released = []
         try:
             response = self.link.exchange(request)

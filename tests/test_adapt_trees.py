@@ -1,0 +1,121 @@
+"""SSD's cache tree per round (saguaro.adapt.trees, tree_choice, the schedule's ``tree``): the options fixed at
+start-up, the plan's lookups of them, the wire, and the chooser's pick by the request's acceptance."""
+import numpy as np
+import pytest
+import torch
+
+from saguaro.adapt.costs import LiveCosts
+from saguaro.adapt.schedule import AdaptiveK, Priors, SSDModel
+from saguaro.adapt.speed import BatchCosts
+from saguaro.adapt.tree_choice import TreeModel
+from saguaro.adapt.trees import geometric, scaled, tree_options
+from saguaro.adapt_settings import AdaptSettings
+from saguaro.calibration.profile import DEFAULTS, default_profile
+from saguaro.config import Config
+from saguaro.engine.sequence import Sequence
+from saguaro.sampling.params import SamplingParams
+from saguaro.ssd.plan import SpecPlan, TreeOption
+from saguaro.ssd.protocol import RoundRequest, pack_request, unpack_request
+from saguaro.ssd_settings import DraftedBy
+from saguaro.theory import integer_geometric_fanout
+
+K = 3
+
+
+def profile():
+    return default_profile("t", "d", torch.float32, k=K)
+
+
+def test_the_options_scale_reshape_and_taper_the_plans_tree():
+    plan = SpecPlan.fixed([2, 2, 2, 4])
+    options = tree_options(plan, profile(), AdaptSettings())
+    lists = [o.primary[0][0] for o in options]
+    assert lists[:2] == [[1, 1, 1, 2], [4, 4, 4, 8]]  # the plan's shape at half and twice its budget
+    shallow, deep = (list(integer_geometric_fanout(a, DEFAULTS["r_p"], K, 10, 64)) for a in (0.3, 0.9))
+    assert lists[2:4] == [shallow, deep] and shallow[0] > deep[0] and deep[K] > shallow[K]
+    assert lists[4] == [2, 2, 2, 4] and options[4].branch_steps == [1]  # the plan's fan-outs, tapered
+    assert all(o.backup[0][0] == o.primary[0][0] for o in options)  # the plan's backup lists were the same
+    assert tree_options(plan, profile(), AdaptSettings(fan_out_scales=(), fan_out_shapes=(), taper=False)) == []
+    same = tree_options(plan, profile(), AdaptSettings(fan_out_scales=(1.0, 0.5, 0.5), fan_out_shapes=()))
+    assert [o.primary[0][0] for o in same] == [[1, 1, 1, 2], [2, 2, 2, 4]]  # copies of a tree are left out
+    tapered = SpecPlan.fixed([2, 2, 2, 4], branch_steps=2)
+    assert tree_options(tapered, profile(), AdaptSettings(fan_out_scales=(), fan_out_shapes=()))[0].branch_steps == [
+        None]  # the other taper of a tapered plan: the full tree
+    assert scaled([1, 0, 0, 1], 0.1) == [1, 0, 0, 0] and geometric([0, 0, 0, 0], 0.5, 1.0) == [0, 0, 0, 0]
+
+
+@pytest.mark.parametrize("bad, message", [(dict(fan_out_scales=[0.0]), "fan_out_scales"),
+                                          (dict(fan_out_shapes=[1.0]), "fan_out_shapes"),
+                                          (dict(fan_out_shapes=[0.0]), "fan_out_shapes")])
+def test_tree_settings_out_of_range_are_refused(bad, message):
+    with pytest.raises(ValueError, match=message):
+        AdaptSettings(**bad)
+    with pytest.raises(ValueError, match=message):
+        Config(target="t", draft="d", mode="ssd", adapt=bad)
+    assert AdaptSettings(fan_out_scales=[0.5]).fan_out_scales == (0.5,)  # a JSON list is taken
+
+
+def test_the_plan_looks_up_every_tree():
+    plan = SpecPlan.fixed([1, 1, 1, 1])
+    plan.options = [TreeOption([[[4, 0, 0, 0]]], [[[0, 0, 0, 5]]], [1])]
+    assert plan.trees == 2 and plan.max_fan_out() == 5
+    assert plan.fan_out(0.0, DraftedBy.PRIMARY, 3, tree=1) == [4, 0, 0, 0]
+    assert plan.fan_out(0.0, DraftedBy.BACKUP, 1, tree=1) == [0, 0, 0, 5]
+    assert plan.branch_widths(4, 0.0, tree=1) == [4, 1, 1] and plan.branch_widths(4, 0.0) == [4, 4, 4]
+    with pytest.raises(ValueError, match="tree 2"):
+        plan.fan_out(0.0, DraftedBy.PRIMARY, 1, tree=2)
+    with pytest.raises(ValueError, match="K\\+1"):
+        SpecPlan(K, [0.0], [[[1] * 4]], [[[1] * 4]], [1.0], options=[TreeOption([[[1, 1]]], [[[1, 1]]])])
+    with pytest.raises(ValueError, match="branch_steps"):
+        SpecPlan(K, [0.0], [[[1] * 4]], [[[1] * 4]], [1.0], options=[TreeOption([[[1] * 4]], [[[1] * 4]], [5])])
+
+
+def test_the_round_s_tree_crosses_the_wire():
+    back = unpack_request(pack_request(RoundRequest(order=[4, 2], ks=[3, 0], tree=5)))
+    assert (back.order, back.ks, back.tree) == ([4, 2], [3, 0], 5)
+    assert unpack_request(pack_request(RoundRequest())).tree == 0
+
+
+def chooser(options: list[TreeOption]) -> AdaptiveK:
+    """Over the plan [1, 1, 1, 1] and ``options``, the default profile's hit curves and costs."""
+    plan = SpecPlan.fixed([1, 1, 1, 1])
+    plan.options = options
+    prof = profile()
+    trees = TreeModel(plan, prof.timing, [prof.temperatures["0.0"].primary])
+    return AdaptiveK(K, AdaptSettings(), LiveCosts.from_timing(prof.timing), Priors([0.0], [[0.75]], [0.3], [0.5]),
+                     SSDModel(lambda b: True, 0.5, 1.0, trees))
+
+
+def seq() -> Sequence:
+    return Sequence([1, 2, 3], SamplingParams(max_tokens=100))
+
+
+SHALLOW, DEEP = TreeOption([[[4, 0, 0, 0]]], [[[4, 0, 0, 0]]]), TreeOption([[[0, 0, 0, 4]]], [[[0, 0, 0, 4]]])
+
+
+def test_a_request_that_accepts_little_wants_shallow_guesses_one_that_accepts_much_deep_ones():
+    c, low, high = chooser([SHALLOW, DEEP]), seq(), seq()
+    for _ in range(12):
+        c.observe(low, K, 0, hit=False)
+        c.observe(high, K, K, hit=True)
+    gains = c.tree_gains([low, high], BatchCosts.at(c.costs, 2, K))
+    assert gains.shape == (3, 2, K + 1)
+    assert gains[1, 0, 1:].max() > gains[2, 0, 1:].max()  # shallow beats deep for the request that rejects
+    assert gains[2, 1, K] > gains[1, 1, K]  # deep beats shallow for the one that accepts all
+    ks = c.choose([high])
+    assert c.tree == 2 and ks == [K]
+    assert high.spec.fan_out_per_round == [4]  # the branches asked of the build for it
+    c.observe_build(0.5)  # this build ran in the tree sent the round before (the same here)
+    assert c.build_scale == pytest.approx(0.5 / c.sent[0][1])
+
+
+def test_a_tree_s_hit_rate_moves_the_measured_one_by_the_model_s_difference():
+    c, s = chooser([SHALLOW]), seq()
+    for _ in range(12):
+        c.observe(s, K, 0, hit=True)  # hits far above what the model says of the plan's tree
+    observed = c.states[s.seq_id].hit_rate.rate(0)
+    weights = np.array([c.states[s.seq_id].estimate.outcome_pmf(K)])
+    own, shallow = (c.ssd.trees.model_hits(c.ssd.trees.fan_outs([s], t, 1), weights, [0])[0] for t in (0, 1))
+    assert shallow > own
+    gains = c.tree_gains([s], BatchCosts.at(c.costs, 1, K))
+    assert gains[1, 0, 1] > gains[0, 0, 1] and observed > 0.9
