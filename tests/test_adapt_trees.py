@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from saguaro.adapt.costs import LiveCosts
-from saguaro.adapt.schedule import AdaptiveK, Priors, SSDModel
+from saguaro.adapt.schedule import TREE_INTERVAL, AdaptiveK, Priors, SSDModel
 from saguaro.adapt.speed import BatchCosts
 from saguaro.adapt.tree_choice import TreeModel
 from saguaro.adapt.trees import geometric, scaled, tree_options
@@ -119,3 +119,17 @@ def test_a_tree_s_hit_rate_moves_the_measured_one_by_the_model_s_difference():
     assert shallow > own
     gains = c.tree_gains([s], BatchCosts.at(c.costs, 1, K))
     assert gains[1, 0, 1] > gains[0, 0, 1] and observed > 0.9
+
+
+def test_every_tree_is_scored_every_few_rounds_and_when_the_batch_changes(monkeypatch):
+    """Scoring every tree costs milliseconds of host time per round at batch 1: the chooser scores them all every
+    ``TREE_INTERVAL`` rounds of one batch (and at once when the batch changes), the chosen tree in between."""
+    c, a, b = chooser([SHALLOW, DEEP]), seq(), seq()
+    scored, real = [], c.tree_gains
+    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None: scored.append(only) or real(seqs, costs, only))
+    for _ in range(TREE_INTERVAL + 1):
+        c.choose([a])
+    assert scored == [None] + [[c.tree]] * (TREE_INTERVAL - 1) + [None]
+    scored.clear()
+    c.choose([a, b])
+    assert scored == [None]

@@ -13,7 +13,7 @@ from tests import test_adapt_exact as exact
 from tests.test_adapt_exact import TOKENS, Scripted
 from tests.tiny import PROMPTS
 
-pair, ar_outputs = exact.pair, exact.ar_outputs  # the weak pair and its AR outputs (module fixtures)
+ar_outputs = exact.ar_outputs  # the weak pair's AR outputs (a module fixture; the pair is conftest's)
 
 
 class CyclingTrees(Scripted):

@@ -17,6 +17,9 @@ from saguaro.engine.k_schedule import KSchedule
 from saguaro.engine.sequence import Sequence
 
 
+TREE_INTERVAL = 8  # rounds between two scorings of every cache tree (the same batch); the chosen one every round
+
+
 def _column(values: list[float]) -> np.ndarray:
     return np.array(values, dtype=float)[:, None]
 
@@ -83,6 +86,8 @@ class AdaptiveK(KSchedule):
         # the last two rounds' trees and their predicted builds (profile units), oldest first
         self.sent: deque[tuple[int, float]] = deque(maxlen=2)
         self.build_scale: float | None = None  # measured build / the profile's for its tree (None: none measured)
+        self.tree = 0
+        self._tree_age, self._tree_batch = TREE_INTERVAL, frozenset()  # rounds since every tree was scored, for whom
 
     def state(self, seq: Sequence) -> RequestState:
         state = self.states.get(seq.seq_id)
@@ -114,14 +119,23 @@ class AdaptiveK(KSchedule):
         trees = self.ssd.trees if self.ssd is not None else None
         if trees is None:
             return self.gains(seqs, costs)
-        gains = self.tree_gains(seqs, costs)
-        best = np.where(gains[..., 1:].max(axis=-1) >= self.settings.min_gain, gains[..., 1:].max(axis=-1), 1.0)
-        self.tree = int(np.argmax(best.sum(axis=1)))  # the first of equals: the plan's own tree first
+        batch = frozenset(s.seq_id for s in seqs)
+        if self._tree_age >= TREE_INTERVAL or batch != self._tree_batch:
+            # every tree scored (milliseconds of numpy at batch 1); between times only the chosen one, which the
+            # estimates move slowly away from
+            gains = self.tree_gains(seqs, costs)
+            best = np.where(gains[..., 1:].max(axis=-1) >= self.settings.min_gain, gains[..., 1:].max(axis=-1), 1.0)
+            self.tree = int(np.argmax(best.sum(axis=1)))  # the first of equals: the plan's own tree first
+            self._tree_age, self._tree_batch, gains = 0, batch, gains[self.tree]
+        else:
+            gains = self.tree_gains(seqs, costs, [self.tree])[0]
+        self._tree_age += 1
         self.sent.append((self.tree, self.ssd.trees.build(seqs, self.tree, len(seqs))[0]))
-        return gains[self.tree]
+        return gains
 
-    def tree_gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
-        """[trees, B, max_k + 1]: ``gains`` in each of the plan's trees (see the class docstring)."""
+    def tree_gains(self, seqs: list[Sequence], costs: BatchCosts, only: list[int] | None = None) -> np.ndarray:
+        """[trees, B, max_k + 1]: ``gains`` in each of the plan's trees (see the class docstring), or in ``only``
+        those."""
         trees, states = self.ssd.trees, [self.state(seq) for seq in seqs]
         tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
         weights = np.array([state.estimate.outcome_pmf(self.max_k) for state in states])
@@ -132,7 +146,7 @@ class AdaptiveK(KSchedule):
         backup = _column([self.priors.backup_acceptance[state.prior_index] for state in states])
         scale = self.build_scale if self.build_scale is not None else self.costs.target_scale
         out = []
-        for tree in range(trees.trees):
+        for tree in range(trees.trees) if only is None else only:
             fan_outs = trees.fan_outs(seqs, tree, costs.batch)
             p_hit = np.clip(observed + trees.model_hits(fan_outs, weights, sources) - reference, 0.0, 1.0)
             build_s, slowdown = trees.build(seqs, tree, costs.batch)
