@@ -51,10 +51,13 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
     logits, rows = target.forward_flat(items)  # [sum of k_b + 1, V] on the target's device
     logits = apply_logit_processors(logits, seqs, rows, draft_tokens)  # row j follows the drafts d_1..d_j
     flat = processed_probs(logits, seqs, rows)
-    # [B, K+1, V]: row b's positions past its own k_b + 1 repeat its last row (the verifier never reads them)
-    starts = torch.tensor(rows).cumsum(0) - torch.tensor(rows)
-    index = starts[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], torch.tensor(rows)[:, None] - 1)
-    p = flat[to_device(index, flat.device)]
+    # [B, K+1, V]: row b's positions past its own k_b + 1 repeat its last row (the verifier never reads them);
+    # the index is a few ints a row, made on the host in one call
+    index, start = [], 0
+    for n in rows:
+        index.append([start + min(j, n - 1) for j in range(k_max + 1)])
+        start += n
+    p = flat[to_device(torch.tensor(index, dtype=torch.long).view(len(seqs), k_max + 1), flat.device)]
     draft_probs = proposal.probs[:, :max(k_max, 1)] if proposal.probs is not None else None
     if draft_probs is not None:
         draft_probs = to_device(draft_probs, flat.device)
