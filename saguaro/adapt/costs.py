@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from saguaro.calibration.profile import RowTimes, Timing
-from saguaro.calibration.timeline import rows_time
+from saguaro.calibration.timeline import RowCurve
 
 
 @dataclass
@@ -26,16 +26,24 @@ class LiveCosts:
     build_s: float | None = None  # SSD: the speculator's build beside a verification (None: not yet measured)
     weight: float = 0.2  # share of a new observation in the averages
     timed: set[str] = field(default_factory=set)  # the scales set from a measurement: "target", "draft"
+    curves: dict[str, RowCurve] = field(default_factory=dict, repr=False, compare=False)  # read every round
 
     @classmethod
     def from_timing(cls, timing: Timing) -> "LiveCosts":
         return cls(dict(timing.target_rows), dict(timing.draft_rows))
 
     def verify(self, rows: int) -> float:
-        return self.target_scale * rows_time(self.target, max(rows, 1))
+        return self.target_scale * self._rows_time("target", max(rows, 1))
 
     def draft_step(self, rows: int) -> float:
-        return self.draft_scale * rows_time(self.draft, max(rows, 1))
+        return self.draft_scale * self._rows_time("draft", max(rows, 1))
+
+    def _rows_time(self, name: str, rows: int) -> float:
+        """``rows_time`` of table ``name``: its curve is kept while the attribute holds the same dict."""
+        table, curve = getattr(self, name), self.curves.get(name)
+        if curve is None or curve.table is not table:
+            curve = self.curves[name] = RowCurve.of(table)
+        return curve(rows)
 
     def _scale(self, name: str, ratio: float) -> None:
         attr = f"{name}_scale"
@@ -46,13 +54,13 @@ class LiveCosts:
         self.timed.add(name)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        predicted = rows_time(self.target, rows) if rows > 0 else 0.0
+        predicted = self._rows_time("target", rows) if rows > 0 else 0.0
         if seconds > 0 and predicted > 0:
             self._scale("target", seconds / predicted)
 
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         """``steps`` draft passes, the widest over ``rows`` rows, took ``seconds`` in all."""
-        predicted = rows_time(self.draft, rows) if rows > 0 and steps > 0 else 0.0
+        predicted = self._rows_time("draft", rows) if rows > 0 and steps > 0 else 0.0
         if seconds > 0 and predicted > 0:
             self._scale("draft", seconds / steps / predicted)
 

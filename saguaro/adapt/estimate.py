@@ -25,6 +25,7 @@ class AcceptanceEstimate:
     prior_weight: list[float] = field(default_factory=list)  # the prior's decayed pseudo-trials per position
     accepted: list[float] = field(default_factory=list)  # decayed acceptances per position
     rounds: int = 0
+    known: dict[int, list[float]] = field(default_factory=dict, repr=False, compare=False)  # rates(k) this round
 
     def __post_init__(self) -> None:
         if not self.prior or any(not 0.0 <= p <= 1.0 for p in self.prior):
@@ -37,6 +38,7 @@ class AcceptanceEstimate:
         if drafted == 0:
             return
         self.rounds += 1
+        self.known.clear()
         grow = drafted - len(self.tried)
         if grow > 0:
             self.tried += [0.0] * grow
@@ -55,7 +57,14 @@ class AcceptanceEstimate:
         return self.rates(j + 1)[j]
 
     def rates(self, k: int) -> list[float]:
-        """[a_1, ..., a_k] (plain Python: the chooser asks for every request every round, K is small)."""
+        """[a_1, ..., a_k] (plain Python: the chooser asks for every request every round, K is small; kept until
+        the next observed round, as a request's estimate is read again by ``observe`` and the next choice)."""
+        known = self.known.get(k)
+        if known is None:
+            known = self.known[k] = self._rates(k)
+        return list(known)
+
+    def _rates(self, k: int) -> list[float]:
         first = self.prior[0]
         scale = self._posterior(0, first) / first if first > 0 else 1.0  # the first position's estimate / prior
         last, seen = len(self.prior) - 1, len(self.tried)

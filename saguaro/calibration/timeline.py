@@ -7,7 +7,7 @@ hit-round times and cached speculation lengths.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -17,14 +17,38 @@ from saguaro.ssd_settings import MissStrategy
 
 def rows_time(table: RowTimes, n: float) -> float:
     """Seconds for a forward over ``n`` rows: piecewise-linear in the measured points, linear beyond them."""
-    pts = sorted((int(k), float(v)) for k, v in table.items())
-    xs, ys = [p[0] for p in pts], [p[1] for p in pts]
-    if n <= xs[0] or len(xs) == 1:
-        return ys[0]
-    if n >= xs[-1]:
-        slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
-        return ys[-1] + max(slope, 0.0) * (n - xs[-1])
-    return float(np.interp(n, xs, ys))
+    return RowCurve.of(table)(n)
+
+
+@dataclass
+class RowCurve:
+    """``rows_time`` over one table, its points sorted once and each row count's time kept: the K chooser reads
+    a few row counts of the same tables every round. ``table`` is the dict it was made from (``LiveCosts``
+    checks it is still the one it holds)."""
+    table: RowTimes
+    xs: list[int]
+    ys: list[float]
+    known: dict[float, float] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, table: RowTimes) -> "RowCurve":
+        pts = sorted((int(k), float(v)) for k, v in table.items())
+        return cls(table, [p[0] for p in pts], [p[1] for p in pts])
+
+    def __call__(self, n: float) -> float:
+        t = self.known.get(n)
+        if t is None:
+            t = self.known[n] = self._at(n)
+        return t
+
+    def _at(self, n: float) -> float:
+        xs, ys = self.xs, self.ys
+        if n <= xs[0] or len(xs) == 1:
+            return ys[0]
+        if n >= xs[-1]:
+            slope = (ys[-1] - ys[-2]) / (xs[-1] - xs[-2])
+            return ys[-1] + max(slope, 0.0) * (n - xs[-1])
+        return float(np.interp(n, xs, ys))
 
 
 def slowdowns(timing: Timing, draft_rows: float) -> tuple[float, float]:

@@ -32,9 +32,12 @@ def sample_next(logits: torch.Tensor, seqs: list["Sequence"]) -> list[int]:
     row whose probabilities are no distribution (NaN or infinite logits)."""
     processed = apply_logit_processors(logits, seqs)
     probs = processed_probs(processed, seqs)
-    greedy = torch.tensor([s.params.greedy for s in seqs])
-    tokens = sample(probs, [s.generator for s in seqs], greedy)
-    valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # on the device: read with the tokens
-    out = torch.where(valid, tokens, torch.full_like(tokens, INVALID_TOKEN)).tolist()
+    greedy = [s.params.greedy for s in seqs]
+    tokens = sample(probs, [s.generator for s in seqs], torch.tensor(greedy))
+    if all(greedy):  # a greedy row's probabilities are a one-hot: always a distribution
+        out = tokens.tolist()
+    else:
+        valid = torch.isfinite(probs).all(dim=-1) & (probs.sum(dim=-1) > 0)  # on the device: read with the tokens
+        out = torch.where(valid, tokens, torch.full_like(tokens, INVALID_TOKEN)).tolist()
     record_logprobs(processed, seqs, [1] * len(seqs), [[t] if t != INVALID_TOKEN else [] for t in out])
     return out

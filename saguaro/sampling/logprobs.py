@@ -40,12 +40,12 @@ def record_logprobs(logits: torch.Tensor, seqs: list["Sequence"], rows: list[int
             sequence's ``j``-th emitted token this round.
         emitted: the tokens each sequence gained this round (its first ``len(emitted[b])`` rows).
     """
-    starts = [0]
-    for n in rows:
-        starts.append(starts[-1] + n)
     wanted = [b for b, s in enumerate(seqs) if wants_logprobs(s) and emitted[b]]
     if not wanted:
         return
+    starts = [0]
+    for n in rows:
+        starts.append(starts[-1] + n)
     index = [starts[b] + j for b in wanted for j in range(len(emitted[b]))]
     tokens = [t for b in wanted for t in emitted[b]]
     width = max(seqs[b].params.logprobs for b in wanted)

@@ -81,6 +81,8 @@ def probs_from_logits(
     # which filters any row needs is decided on the settings' own device (the host, for the engine), so that
     # logits on a GPU are never waited for here
     greedy_rows = temperature <= 0
+    if temperature.numel() == n and bool(greedy_rows.all()):  # every row greedy: the one-hots the end gives them
+        return torch.zeros_like(logits).scatter_(1, logits.argmax(dim=-1, keepdim=True), 1.0)
     any_k = bool(((top_k > 0) & (top_k < vocab) & ~greedy_rows).any())
     any_p = bool(((top_p < 1) & ~greedy_rows).any())
     any_greedy = bool(greedy_rows.any())

@@ -36,38 +36,61 @@ def verify_round(target: ModelRunner, seqs: list[Sequence], proposal: Proposal) 
     still be on the draft's device (``proposal.device_tokens``): they feed the target pass and the verifier
     there, and the verifier's one read brings them to the host with the outcome."""
     counts = proposal.num_drafts()
-    k_max = max(counts, default=0)
-    if proposal.tokens is not None:
-        width = max(k_max, 1)
-        draft_tokens = torch.tensor([[*d, *[0] * (width - len(d))] for d in proposal.tokens], dtype=torch.long)
-        draft_tokens = draft_tokens.view(len(seqs), width)  # also for an empty batch
-        items = [ForwardItem([seq.last_token] + drafts, seq.num_cached, seq.block_table, "all")
-                 for seq, drafts in zip(seqs, proposal.tokens)]
-    else:
-        draft_tokens = proposal.device_tokens.to(target.device)  # device to device: no host read
-        last = to_device(torch.tensor([seq.last_token for seq in seqs], dtype=torch.long), target.device)
-        items = [ForwardItem(torch.cat([last[b:b + 1], draft_tokens[b, :n]]), seq.num_cached, seq.block_table, "all")
-                 for b, (seq, n) in enumerate(zip(seqs, counts))]
+    draft_tokens, items = _round_items(target, seqs, proposal, counts)
     logits, rows = target.forward_flat(items)  # [sum of k_b + 1, V] on the target's device
     logits = apply_logit_processors(logits, seqs, rows, draft_tokens)  # row j follows the drafts d_1..d_j
-    flat = processed_probs(logits, seqs, rows)
-    # [B, K+1, V]: row b's positions past its own k_b + 1 repeat its last row (the verifier never reads them)
-    starts = torch.tensor(rows).cumsum(0) - torch.tensor(rows)
-    index = starts[:, None] + torch.minimum(torch.arange(k_max + 1)[None, :], torch.tensor(rows)[:, None] - 1)
-    p = flat[to_device(index, flat.device)]
-    draft_probs = proposal.probs[:, :max(k_max, 1)] if proposal.probs is not None else None
-    if draft_probs is not None:
-        draft_probs = to_device(draft_probs, flat.device)
-    result = rejection_sample(
-        p, draft_tokens[:, :k_max], None if draft_probs is None else draft_probs[:, :k_max],
-        torch.tensor(counts), proposal.point_mass,
-        [s.generator for s in seqs], torch.tensor([s.params.greedy for s in seqs]))
+    if max(counts, default=0) == 0 and all(s.params.greedy for s in seqs):
+        # an AR step (every K chosen 0): each row's argmax, what rejection sampling gives a greedy row without
+        # drafts, read at once
+        bonus = logits.argmax(dim=-1).tolist()
+        result = VerifyResult([0] * len(seqs), bonus, [[t] for t in bonus])
+    else:
+        result = _judge(logits, seqs, rows, proposal, draft_tokens, counts)
     record_logprobs(logits, seqs, rows, result.output_tokens)  # the emitted tokens' own rows: no extra pass
     for seq, drafted, accepted in zip(seqs, counts, result.num_accepted):
         seq.num_cached += 1 + accepted  # x_n and the accepted drafts; rejected k/v is dropped
         target.blocks.truncate(seq.block_table, seq.num_cached)
         seq.spec.record(drafted, accepted)
     return result
+
+
+def _round_items(target: ModelRunner, seqs: list[Sequence], proposal: Proposal, counts: list[int]
+                 ) -> tuple[torch.Tensor, list[ForwardItem]]:
+    """The drafts as a [B, max(K, 1)] table (on the draft's device when they are still there) and the target
+    pass's items: each sequence's last token and its drafts."""
+    if proposal.tokens is not None:
+        width = max(max(counts, default=0), 1)
+        draft_tokens = torch.tensor([[*d, *[0] * (width - len(d))] for d in proposal.tokens], dtype=torch.long)
+        draft_tokens = draft_tokens.view(len(seqs), width)  # also for an empty batch
+        items = [ForwardItem([seq.last_token] + drafts, seq.num_cached, seq.block_table, "all")
+                 for seq, drafts in zip(seqs, proposal.tokens)]
+        return draft_tokens, items
+    draft_tokens = proposal.device_tokens.to(target.device)  # device to device: no host read
+    last = to_device(torch.tensor([seq.last_token for seq in seqs], dtype=torch.long), target.device)
+    items = [ForwardItem(torch.cat([last[b:b + 1], draft_tokens[b, :n]]), seq.num_cached, seq.block_table, "all")
+             for b, (seq, n) in enumerate(zip(seqs, counts))]
+    return draft_tokens, items
+
+
+def _judge(logits: torch.Tensor, seqs: list[Sequence], rows: list[int], proposal: Proposal,
+           draft_tokens: torch.Tensor, counts: list[int]) -> VerifyResult:
+    """Rejection sampling of every row's drafts against its processed target distributions."""
+    k_max = max(counts, default=0)
+    flat = processed_probs(logits, seqs, rows)
+    # [B, K+1, V]: row b's positions past its own k_b + 1 repeat its last row (the verifier never reads them);
+    # the index is a few ints a row, made on the host in one call
+    index, start = [], 0
+    for n in rows:
+        index.append([start + min(j, n - 1) for j in range(k_max + 1)])
+        start += n
+    p = flat[to_device(torch.tensor(index, dtype=torch.long).view(len(seqs), k_max + 1), flat.device)]
+    draft_probs = proposal.probs[:, :max(k_max, 1)] if proposal.probs is not None else None
+    if draft_probs is not None:
+        draft_probs = to_device(draft_probs, flat.device)
+    return rejection_sample(
+        p, draft_tokens[:, :k_max], None if draft_probs is None else draft_probs[:, :k_max],
+        torch.tensor(counts), proposal.point_mass,
+        [s.generator for s in seqs], torch.tensor([s.params.greedy for s in seqs]))
 
 
 class SDDecoder(Decoder):

@@ -106,6 +106,8 @@ def rejection_sample_tensors(
     point_mass = point_mass.to(torch.bool).reshape(batch)
     if draft_probs is None and not bool(point_mass.all()):
         raise ValueError("rows without point_mass need draft_probs")
+    if bool(greedy.all()):  # no row draws: the drafts against the argmax alone
+        return _greedy_outcome(target_probs, draft_tokens, num_draft)
     counts = torch.where(greedy, 0, num_draft + 1).tolist()
     num_draft, greedy, point_mass = (to_device(t, device) for t in (num_draft, greedy, point_mass))
 
@@ -143,6 +145,20 @@ def rejection_sample_tensors(
     bonus = inverse_cdf(dist, u.gather(1, num_draft.unsqueeze(1)).squeeze(1))
     bonus = torch.where(greedy, p_argmax[rows, num_accepted], bonus)
     return num_accepted, bonus
+
+
+def _greedy_outcome(target_probs: torch.Tensor, draft_tokens: torch.Tensor, num_draft: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rejection_sample_tensors`` when every row is greedy: ``d_i`` is accepted iff it is ``argmax p_i``, and
+    ``t*`` is the argmax after the accepted prefix (the greedy branch of the general pass, without the draws,
+    the normalization and the residuals it would compute and discard)."""
+    device, k_max = target_probs.device, target_probs.shape[1] - 1
+    p_argmax = target_probs.argmax(dim=-1)  # [B, K+1]
+    num_draft = to_device(num_draft, device)
+    valid = torch.arange(k_max, device=device).unsqueeze(0) < num_draft.unsqueeze(1)  # [B, K]
+    accept = (to_device(draft_tokens.to(torch.int64), device) == p_argmax[:, :k_max]) & valid
+    num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)
+    return num_accepted, p_argmax.gather(1, num_accepted.unsqueeze(1)).squeeze(1)
 
 
 def rejection_sample(
