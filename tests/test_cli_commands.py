@@ -199,6 +199,8 @@ def bench_cases(target: Path, draft: Path, head: str, out: Path) -> dict[str, tu
         "tp": ([*pair, "--modes", "ar", "--sizes", "1,2", "--max-tokens", "4", "--out", out], "bench_tp.json"),
         "adapt": ([*pair, *serve, "--modes", "sd", "--ks", "2", "--max-k", "2", "--temperatures", "0",
                    "--warmup-tokens", "0"], "bench_adapt.json"),
+        "serve_clients": (["--shape", "tiny", "--prompts", "1", "--max-tokens", "4", "--draft-weights", "bf16",
+                           "--out", out], "bench_serve_clients.json"),
         "prefill_attention": (["--new", "32", "--cached", "64", "--prompt-tokens", "0", "--out",
                                out / "prefill_attention"], "prefill_attention.json"),
     }
