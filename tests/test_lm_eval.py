@@ -4,8 +4,9 @@ The harness scores text the way evaluation clients do: ``echo`` with ``logprobs`
 batch of prompts per request, and it reads back every prompt token's logprob and whether it was the
 top token. A multiple-choice task (``acc``) and a rolling-loglikelihood task (perplexity), both written
 here with their data (no hub), run against an AR server and an SSD server over the same tiny byte-level
-model. Every loglikelihood the harness logs must equal the engine's own prompt logprobs of the same
-tokens, and the scores of AR and SSD must be equal.
+model, the first with the tokenizer's files, the second through the server's tokenizer routes. Every
+loglikelihood the harness logs must equal the engine's own prompt logprobs of the same tokens, and the
+scores of AR and SSD must be equal.
 """
 from __future__ import annotations
 
@@ -82,15 +83,14 @@ def tokenizer_dir(loaded, directory):
     return directory
 
 
-def evaluate(url: str, tokenizer_dir, root) -> dict:
+def evaluate(url: str, tokenizer: str, root) -> dict:
     """The harness's python API, offline, as a user runs it: local-completions at the server's completions URL,
-    the model's tokenizer from its directory, two (context, continuation) pairs per request."""
+    two (context, continuation) pairs per request; ``tokenizer`` is its model_args for the tokenizer."""
     import lm_eval
     from lm_eval.tasks import TaskManager
-    args = f"model=tiny,base_url={url}/v1/completions,tokenizer={tokenizer_dir},tokenizer_backend=huggingface,"
-    return lm_eval.simple_evaluate(model="local-completions", model_args=args + "batch_size=2,max_retries=1",
-                                   tasks=[CHOICE_TASK, ROLLING_TASK], task_manager=TaskManager(include_path=str(root)),
-                                   log_samples=True)
+    args = f"model=tiny,base_url={url}/v1/completions,{tokenizer}batch_size=2,max_retries=1"
+    return lm_eval.simple_evaluate(model="local-completions", model_args=args, tasks=[CHOICE_TASK, ROLLING_TASK],
+                                   task_manager=TaskManager(include_path=str(root)), log_samples=True)
 
 
 def loglikelihoods(results: dict) -> dict:
@@ -125,16 +125,20 @@ def engine_scores(target, pairs) -> list[float]:
 
 
 def test_lm_eval_scores_equal_under_ar_and_ssd(setup, monkeypatch):
+    """AR with the tokenizer's files given to the harness; SSD with none, so the harness finds the server's
+    tokenizer routes by itself (its default, ``tokenizer_backend=auto``; without them it would load a tokenizer
+    named "tiny" from the hub, which fails offline): both count the same tokens."""
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     target, tokenizer, root = setup
     draft = truncated(target, 1)
     runs = {}
-    for mode, llm in (("ar", LLM(target, block_size=4)),
-                      ("ssd", LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=3,
-                                  fan_out=[2, 2, 2, 4], block_size=4, worker_timeout_s=60))):
+    for mode, llm, tokenizer_args in (
+            ("ar", LLM(target, block_size=4), f"tokenizer={tokenizer},tokenizer_backend=huggingface,"),
+            ("ssd", LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=3, fan_out=[2, 2, 2, 4],
+                        block_size=4, worker_timeout_s=60), "")):
         with llm, running_server(llm) as served:
-            runs[mode] = evaluate(served.url, tokenizer, root)
+            runs[mode] = evaluate(served.url, tokenizer_args, root)
     ar, ssd = (loglikelihoods(runs[m]) for m in ("ar", "ssd"))
     assert len(ar) == sum(len(c) for _, c, _ in QUESTIONS) + len(TEXTS) and ar.keys() == ssd.keys()
     keys = sorted(ar)
