@@ -144,6 +144,7 @@ def run_mode(url: str, model: str, args: argparse.Namespace) -> dict[str, Worklo
     out = {"fim": Workload(), "json": Workload(), "logprobs": Workload()}
     for prefix, suffix in fim_pairs(n) if args.fim else []:
         out["fim"].add("fim", post(completions, {**common, "prompt": prefix, "suffix": suffix})[0])
+        log(f"  fim: {sample_line(out['fim'], 'fim')}")
     for code in codes:
         out["json"].add("free", post(chats, chat(code))[0])
         sample, _ = post(chats, chat(code, response_format=fmt_json))
@@ -152,8 +153,15 @@ def run_mode(url: str, model: str, args: argparse.Namespace) -> dict[str, Worklo
         sample, reply = post(completions, {**common, "prompt": code, "logprobs": LOGPROBS})
         assert len(reply["choices"][0]["logprobs"]["token_logprobs"]) == sample.tokens
         out["logprobs"].add("on", sample)
+        log(f"  prompt {len(out['json'].sides['json'])}/{n}: json {sample_line(out['json'], 'json')}, "
+            f"logprobs {sample_line(out['logprobs'], 'on')}")
     log(f"  json valid: {sum(valid_json(s.text) for s in out['json'].sides['json'])}/{n}")
     return out
+
+
+def sample_line(workload: Workload, side: str) -> str:
+    last = workload.sides[side][-1]
+    return f"{last.tokens} tokens at {last.tok_s:.2f} tok/s"
 
 
 def valid_json(text: str) -> bool:
