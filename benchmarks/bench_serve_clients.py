@@ -79,12 +79,14 @@ class Workload:
 # -- prompts ---------------------------------------------------------------------------
 def fim_pairs(n: int) -> list[tuple[str, str]]:
     """(prefix, suffix) of the first ``n`` HumanEval functions: the canonical solution's middle third cut out
-    (at least one line), what an editor asks a model to fill."""
+    (at least one line that is not blank), what an editor asks a model to fill."""
     pairs = []
     for item in datasets.humaneval_records(n):
         lines = item["canonical_solution"].splitlines(keepends=True)
         start = len(lines) // 3
         end = min(len(lines), start + max(1, len(lines) // 3))
+        while end < len(lines) and not "".join(lines[start:end]).strip():  # never a blank middle
+            end += 1
         pairs.append((item["prompt"] + "".join(lines[:start]), "".join(lines[end:])))
     return pairs
 
