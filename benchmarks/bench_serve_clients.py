@@ -28,6 +28,7 @@ import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Iterator
 
 from benchmarks.common import add_model_args, environment, fmt, log, median, ratio, table, write_results
@@ -180,6 +181,7 @@ def tiny_pair() -> tuple[Any, Any]:
     text and a chat template (the smoke test's pair: what the server needs, at no cost)."""
     import dataclasses
 
+    import torch
     from tokenizers import Tokenizer as HFTokenizer
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
@@ -196,7 +198,7 @@ def tiny_pair() -> tuple[Any, Any]:
     template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}<|im_end|>{% endfor %}"
                 "{% if add_generation_prompt %}assistant: {% endif %}")
     tok = Tokenizer(backend, [backend.token_to_id("<|endoftext|>")], chat_template=template)
-    target = random_model("tiny", dtype=__import__("torch").float32)
+    target = random_model("tiny", dtype=torch.float32)
     target = dataclasses.replace(target, tokenizer=tok)
     return target, dataclasses.replace(layer_skip_draft(target, 2), tokenizer=tok)
 
@@ -244,29 +246,10 @@ def tables(results: dict[str, dict[str, Workload]]) -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str] | None = None) -> int:
+def report(args: argparse.Namespace, results: dict[str, dict[str, Workload]], load_before: tuple) -> str:
+    """Write the Markdown and JSON files of the modes measured so far; the Markdown."""
     from saguaro.backends.cpu_kernels.build import chosen_tier
     from saguaro.info import cpu_name
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_model_args(p)
-    p.add_argument("--shape", choices=["real", "tiny"], default="real",
-                   help="tiny: random weights of a tiny shape with a FIM tokenizer, in place of the models (smoke)")
-    p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(MODES))
-    p.add_argument("--prompts", type=int, default=3, help="HumanEval prompts per workload (default 3)")
-    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
-    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
-    p.add_argument("--no-fim", dest="fim", action="store_false", help="skip the FIM rows")
-    p.add_argument("--out", type=__import__("pathlib").Path, default="results")
-    p.add_argument("--name", default="bench_serve_clients", help="the report's file name (without suffix)")
-    args = p.parse_args(argv)
-    if bad := [m for m in args.modes if m not in MODES]:
-        p.error(f"unknown modes {bad}; known: {', '.join(MODES)}")
-    load_before = os.getloadavg()
-    results = {}
-    for mode, llm in engines(args):
-        with llm, served(llm, "bench") as url:
-            results[mode] = run_mode(url, "bench", args)
-        log(f"{mode}: done")
     env = {**environment(), "cpu": cpu_name(), "tier": chosen_tier(), "loadavg_before": list(load_before)}
     pair = "random weights, tiny shape" if args.shape == "tiny" else (
         f"{args.target} (bf16) / {args.draft} ({args.draft_weights})")
@@ -278,11 +261,36 @@ def main(argv: list[str] | None = None) -> int:
               f"{env['tier']}; load average {load_before[0]:.2f} before, {env['loadavg'][0]:.2f} after (the "
               "machine is shared: other work ran beside this).\n")
     markdown = header + "\n" + tables(results)
-    print(markdown)
     payload = {"environment": env, "settings": {k: str(v) for k, v in vars(args).items()},
                "results": {m: {name: {side: [s.__dict__ for s in samples] for side, samples in w.sides.items()}
                                for name, w in ws.items()} for m, ws in results.items()}}
     write_results(args.out, args.name, payload, markdown)
+    return markdown
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_model_args(p)
+    p.add_argument("--shape", choices=["real", "tiny"], default="real",
+                   help="tiny: random weights of a tiny shape with a FIM tokenizer, in place of the models (smoke)")
+    p.add_argument("--modes", type=lambda s: [m for m in s.split(",") if m], default=list(MODES))
+    p.add_argument("--prompts", type=int, default=3, help="HumanEval prompts per workload (default 3)")
+    p.add_argument("--max-tokens", type=int, default=32, help="new tokens per request (default 32)")
+    p.add_argument("--draft-weights", choices=WEIGHT_FORMATS, default=DEMO_DRAFT_WEIGHTS)
+    p.add_argument("--no-fim", dest="fim", action="store_false", help="skip the FIM rows")
+    p.add_argument("--out", type=Path, default=Path("results"))
+    p.add_argument("--name", default="bench_serve_clients", help="the report's file name (without suffix)")
+    args = p.parse_args(argv)
+    if bad := [m for m in args.modes if m not in MODES]:
+        p.error(f"unknown modes {bad}; known: {', '.join(MODES)}")
+    load_before = os.getloadavg()
+    results, markdown = {}, ""
+    for mode, llm in engines(args):
+        with llm, served(llm, "bench") as url:
+            results[mode] = run_mode(url, "bench", args)
+        log(f"{mode}: done")
+        markdown = report(args, results, load_before)  # after each mode: a late failure keeps the rows so far
+    print(markdown)
     return 0
 
 
