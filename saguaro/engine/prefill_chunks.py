@@ -52,6 +52,8 @@ class PrefillCost:
 
     def most_tokens(self, budget_s: float, cached: int) -> int:
         """The most tokens whose share fits ``budget_s`` after ``cached`` (0 if not one)."""
+        if budget_s <= 0:  # a pass's fixed cost alone (fitted on a loaded machine) can exceed the budget
+            return 0
         a, b = self.per_pair / 2, self.per_token + self.per_pair * (cached - 0.5)
         if a <= 0:
             return max(0, int(budget_s // b)) if b > 0 else 1 << 30

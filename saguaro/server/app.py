@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions, /metrics, /health, and
-llama.cpp's /infill for editors.
+"""OpenAI-compatible HTTP server: /v1/models, /v1/completions, /v1/chat/completions, /metrics, /health,
+llama.cpp's /infill for editors, and vLLM's /tokenize, /detokenize and /tokenizer_info for evaluation clients.
 
 The OpenAI routes are ``saguaro.server.openai_routes``; the bodies they send, ``saguaro.server.responses``.
 
@@ -33,17 +33,21 @@ from saguaro.server.lifecycle import BodyDeadline, GracefulServer, ServerLimits
 from saguaro.server.openai_routes import Served, add_openai_routes
 from saguaro.server.responses import error
 from saguaro.server.request_limits import BodyLimit, default_max_request_bytes
+from saguaro.server.tokenize_routes import add_tokenize_routes
+
+
+PROTECTED = ("/v1", "/infill", "/tokenize", "/detokenize", "/tokenizer_info")  # what --api-key guards
 
 
 class _APIKey:
-    """ASGI middleware: /v1/* and /infill need ``Authorization: Bearer <key>`` (pure ASGI, so streaming is
-    untouched)."""
+    """ASGI middleware: /v1/*, /infill and the tokenizer routes need ``Authorization: Bearer <key>`` (pure ASGI,
+    so streaming is untouched)."""
 
     def __init__(self, app, key: str):
         self.app, self.expected = app, f"Bearer {key}".encode()
 
     async def __call__(self, scope, receive, send) -> None:
-        if scope["type"] == "http" and scope["path"].startswith(("/v1", "/infill")):
+        if scope["type"] == "http" and scope["path"].startswith(PROTECTED):
             given = dict(scope["headers"]).get(b"authorization", b"")
             if not hmac.compare_digest(given, self.expected):
                 response = error("missing or wrong API key: send 'Authorization: Bearer <key>' (the key the "
@@ -96,6 +100,7 @@ def create_app(engine: AsyncEngine, model_name: str, api_key: str | None = None,
     served = Served.of(engine, model_name, limits)
     add_openai_routes(app, served)
     add_infill_route(app, served)
+    add_tokenize_routes(app, served)
     _add_service_routes(app, engine, limits)
     return app
 
