@@ -106,3 +106,14 @@ def test_chat_template_matches_transformers_rendering(tmp_path):
     ]:
         expected = ref.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
         assert ours.apply_chat_template(messages, add_generation_prompt=True, **kwargs) == expected
+
+
+def test_a_tokenizer_that_rendered_a_chat_still_pickles():
+    """A draft shipped to the speculator's process carries its tokenizer; its compiled template stays behind."""
+    import pickle
+    from tests.tiny import tiny_tokenizer
+    tok = tiny_tokenizer(64)
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    text = tok.apply_chat_template([{"role": "user", "content": "hi"}])
+    back = pickle.loads(pickle.dumps(tok))
+    assert back.apply_chat_template([{"role": "user", "content": "hi"}]) == text

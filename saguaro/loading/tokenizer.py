@@ -77,6 +77,13 @@ class Tokenizer:
         self.bos_token_id = bos_token_id
         self.chat_template = chat_template
 
+    def __getstate__(self) -> dict:
+        # the compiled chat template holds jinja's environment, which does not pickle (a draft shipped to the
+        # speculator's process carries its tokenizer): it is compiled again on first use there
+        state = dict(self.__dict__)
+        state.pop("_template", None)
+        return state
+
     @classmethod
     def from_file(cls, path: Path | str, eos_token_ids: Sequence[int] = (), bos_token_id: int | None = None,
                   chat_template: str | None = None) -> "Tokenizer":
