@@ -20,6 +20,7 @@ the 1.5B target and to Saguaro's AR of this run, acceptance, the prompt token co
     saguaro bench peers                                         # 3 prompts, 48 tokens, 1 thread
     saguaro bench peers --prompts 1 --max-tokens 8 --only llama-q4-ar,saguaro-ar   # smoke test
     saguaro bench peers --only llama.cpp --memory      # + resident memory and load time (peer_memory.py)
+    saguaro bench peers --only llama-bf16-ar,saguaro-ar --memory   # the memory table, llama.cpp's rows beside
 """
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ from benchmarks import llama_cpp as lc
 from benchmarks.common import (DRAFT, TARGET, Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, prepare_prompts, ratio, run_engine, settings, summarize_records,
                                table, write_results)
-from benchmarks.peer_memory import measure as measure_memory, memory_table
+from benchmarks.peer_memory import LLAMA_MEMORY_ROWS, TOKENS as MEMORY_TOKENS, measure as measure_memory, \
+    measure_llama, memory_table
 from saguaro.loading.paths import cache_root
 
 LLAMA, SAGUARO = "llama.cpp", "saguaro"
@@ -91,7 +93,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--jobs", type=int, default=os.cpu_count() or 1, help="parallel compile jobs of the build")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds one llama.cpp program may run (default 900)")
     p.add_argument("--memory", action="store_true",
-                   help="also Saguaro's resident memory and load times (bf16/int8/int4 AR, SSD), fresh processes")
+                   help="also resident memory and load times: Saguaro bf16/int8/int4 AR and SSD in fresh "
+                        "processes, and llama.cpp BF16 and Q4_K_M where llama.cpp rows run")
     args = p.parse_args(argv)
     if any(t != 0 for t in args.temperatures):
         p.error("only greedy decoding (--temperatures 0) is compared with llama.cpp")
@@ -301,6 +304,17 @@ def prepare_llama(args: argparse.Namespace, rows: list[Row]) -> tuple[lc.Build, 
     return build, {k: p for k, p in model_files(build, keys).items() if k in keys}
 
 
+def llama_memory(build: lc.Build, prompt: Prompt, args: argparse.Namespace) -> dict[str, dict[str, Any]]:
+    """llama.cpp's memory rows (peer_memory.py): llama-completion on the 1.5B BF16 and Q4_K_M files, 8 tokens."""
+    files = model_files(build, {key for _, _, key in LLAMA_MEMORY_ROWS})
+    with tempfile.TemporaryDirectory(prefix="saguaro-peers-") as tmp:
+        prompt_file = Path(tmp) / "prompt.txt"
+        prompt_file.write_text(prompt.chat)
+        commands = {key: lc.completion_command(build, files[file], prompt_file, MEMORY_TOKENS, args.threads)
+                    for key, _, file in LLAMA_MEMORY_ROWS}
+        return measure_llama(commands, args.timeout, list(range(args.threads)), log)
+
+
 @dataclass
 class Results:
     """What the rows measured so far (written after every row, so a stopped run keeps the rows it finished)."""
@@ -390,6 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.memory:
         ssd = saguaro_options(next(r for r in ROWS if r.key == "saguaro-ssd"), args)
         res.memory = measure_memory(args.target, ssd, prompts[0].ids, args.timeout, log)
+        if build is not None:  # llama.cpp runs here: its rows beside Saguaro's
+            res.memory.update(llama_memory(build, prompts[0], args))
         markdown = write(args, labels, res, files, versions, [])
     print(markdown)
     log(f"wrote {args.out / 'bench_peers.json'} and {args.out / 'bench_peers.md'}")

@@ -4,14 +4,23 @@ Each configuration runs twice in a fresh process: the first may convert the weig
 (its load time is reported as the first load), the second loads from those caches, generates 8 greedy tokens
 and reports its load time and the resident memory (RSS) of the engine's processes summed (SSD: the target's and
 the speculator's). The KV cache holds 4,096 tokens, the context of llama.cpp's rows, so the figures compare with
-llama.cpp's resident memory on the same model and context (measured with ``/usr/bin/time -v``, for example).
+llama.cpp's resident memory on the same model and context.
+
+llama.cpp's rows (where ``bench peers`` runs llama.cpp): ``llama-completion`` on the 1.5B BF16 and Q4_K_M files,
+the same prompt, 8 tokens, ``-c 4096``; its resident memory read by the same tool (``/proc/<pid>/statm``,
+``host_memory.resident_bytes``) every 10 ms while it runs, the largest reading kept (the program exits once it has
+generated, and it frees nothing before: the last readings are its memory after load plus 8 tokens); its load time
+is its own "load time" line. Each Saguaro row's ratio is to the llama.cpp row of its weights (bf16: BF16, int4:
+Q4_K_M), the issue's goal being at most 1.2x.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +33,11 @@ MEMORY_ROWS = (("mem-bf16", "AR, bf16 target", {}),
                ("mem-int8", "AR, int8 target", {"target_weights": "int8"}),
                ("mem-int4", "AR, int4 target", {"target_weights": "int4"}),
                ("mem-ssd", "SSD, bf16 target + int4 draft (2 processes)", None))
+# llama.cpp's rows: (key, label, bench peers' model file key); and the llama.cpp row each Saguaro row compares with
+LLAMA_MEMORY_ROWS = (("mem-llama-bf16", "llama.cpp, 1.5B BF16", "target-bf16"),
+                     ("mem-llama-q4", "llama.cpp, 1.5B Q4_K_M", "target-q4"))
+PEER_OF = {"mem-bf16": "mem-llama-bf16", "mem-int4": "mem-llama-q4"}
+_LOAD_TIME = re.compile(r"\bload time =\s*([0-9]+(?:\.[0-9]+)?) ms")
 
 PROBE = """
 import json, sys, time
@@ -104,12 +118,63 @@ def measure(target: str, ssd_options: dict[str, Any], prompt: list[int], timeout
     return results
 
 
+def sampled_run(cmd: list[str], timeout: float, cores: list[int] | None = None,
+                interval_s: float = 0.01) -> tuple[str, int]:
+    """(stdout and stderr, the largest resident memory read) of a program run to its end, its ``/proc/<pid>/statm``
+    read every ``interval_s``. A failure or a hang raises RuntimeError."""
+    from saguaro.host_memory import resident_bytes
+    pin = (lambda: os.sched_setaffinity(0, cores)) if cores and hasattr(os, "sched_setaffinity") else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                            preexec_fn=pin)
+    largest, deadline = 0, time.monotonic() + timeout
+    try:
+        while proc.poll() is None:
+            largest = max(largest, resident_bytes(proc.pid))
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{Path(cmd[0]).name} ran past {timeout:.0f} s")
+            time.sleep(interval_s)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        output = proc.communicate()[0].decode(errors="replace")
+    if proc.returncode != 0:
+        raise RuntimeError(f"{Path(cmd[0]).name} failed (exit {proc.returncode}): {output[-2000:]}")
+    return output, largest
+
+
+def measure_llama(commands: dict[str, list[str]], timeout: float, cores: list[int] | None = None,
+                  log=print) -> dict[str, dict[str, Any]]:
+    """llama.cpp's memory rows: ``commands`` maps each LLAMA_MEMORY_ROWS key to its llama-completion command."""
+    results: dict[str, dict[str, Any]] = {}
+    for key, label, _ in LLAMA_MEMORY_ROWS:
+        if key not in commands:
+            continue
+        try:
+            output, rss = sampled_run(commands[key], timeout, cores)
+        except RuntimeError as e:
+            log(f"{key}: not measured: {e}")
+            results[key] = {"label": label, "error": str(e)}
+            continue
+        load = _LOAD_TIME.findall(output)
+        results[key] = {"label": label, "rss_gb": rss / 1e9, "processes": 1,
+                        "load_s": float(load[-1]) / 1e3 if load else None, "command": commands[key]}
+        log(f"  {key}: {rss / 1e9:.2f} GB resident")
+    return results
+
+
 def memory_table(results: dict[str, dict[str, Any]]) -> str:
-    lines = [[r["label"], fmt(r.get("rss_gb")), r.get("processes", "-"), fmt(r.get("first_load_s")),
-              fmt(r.get("load_s")), fmt(r.get("import_s"))] for r in results.values()]
+    def ratio(key: str) -> str:
+        peer = results.get(PEER_OF.get(key, ""), {}).get("rss_gb")
+        return fmt(results[key]["rss_gb"] / peer) if peer and results[key].get("rss_gb") else "-"
+
+    lines = [[r["label"], fmt(r.get("rss_gb")), ratio(key), r.get("processes", "-"), fmt(r.get("first_load_s")),
+              fmt(r.get("load_s")), fmt(r.get("import_s"))] for key, r in results.items()]
     return ("Resident memory after loading and generating 8 tokens (RSS of the engine's processes summed), "
             f"a {CONTEXT}-token KV cache as llama.cpp's rows; load: `LLM(...)` in a fresh process, the first run "
             "(converting and packing, where nothing was cached yet) and the next, mapping the converted weights "
             "and the packed arena; "
-            "import: `import saguaro` before it.\n\n"
-            + table(["config", "resident GB", "processes", "first run load s", "cached load s", "import s"], lines))
+            "import: `import saguaro` before it. llama.cpp: `llama-completion -c 4096 -n 8`, its resident memory "
+            "read every 10 ms while it ran (the largest reading), its own load time line; x llama.cpp: against the "
+            "llama.cpp row of the same weights (bf16: BF16, int4: Q4_K_M).\n\n"
+            + table(["config", "resident GB", "x llama.cpp", "processes", "first run load s", "cached load s",
+                     "import s"], lines))

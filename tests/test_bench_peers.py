@@ -250,3 +250,50 @@ def test_the_memory_rows_on_a_tiny_pair(tmp_path, monkeypatch):
     assert list((tmp_path / "cache").rglob("*.arena"))  # the second run of each row loads from the arena cache
     md = (out / "bench_peers.md").read_text()
     assert "resident GB" in md and "SSD, bf16 target + int4 draft (2 processes)" in md
+
+
+FAKE_COMPLETION = """#!{python}
+# stands in for llama-completion: holds about 64 MB resident, then prints llama.cpp's load time line
+import sys, time
+held = bytearray(64 << 20)
+time.sleep(0.3)
+sys.stderr.write("0.01.000.000 I common_perf_print:        load time =    1234.50 ms\\n")
+"""
+
+
+def test_llama_memory_rows_read_the_programs_resident_memory(tmp_path, monkeypatch):
+    """llama.cpp's memory rows without llama.cpp: a stand-in program holding 64 MB, its statm read while it runs,
+    its load time line parsed, and the table's ratio of each Saguaro row to llama.cpp's row of its weights."""
+    import sys
+
+    from benchmarks import peer_memory as pm
+    build = lc.Build(tmp_path)
+    tool = build.tool("llama-completion")
+    tool.parent.mkdir(parents=True)
+    tool.write_text(FAKE_COMPLETION.format(python=sys.executable))
+    tool.chmod(0o755)
+    monkeypatch.setattr(bp, "model_files", lambda b, keys: {k: tmp_path / f"{k}.gguf" for k in keys})
+    rows = bp.llama_memory(build, bp.Prompt("humaneval", 0, "x", [1], "x"), bp.parse_args(["--threads", "1"]))
+    assert list(rows) == [key for key, _, _ in pm.LLAMA_MEMORY_ROWS]
+    for key, row in rows.items():
+        assert 64e6 < row["rss_gb"] * 1e9 < 1e9 and row["load_s"] == pytest.approx(1.2345), row
+        assert row["command"][row["command"].index("-c") + 1] == "4096" and row["command"][row["command"].index("-n") + 1] == "8"
+    table = pm.memory_table({"mem-bf16": {"label": "AR, bf16 target", "rss_gb": 0.3},
+                             "mem-int8": {"label": "AR, int8 target", "rss_gb": 0.2}, **rows})
+    line = next(ln for ln in table.splitlines() if ln.startswith("| AR, bf16 target"))
+    assert f"| {0.3 / rows['mem-llama-bf16']['rss_gb']:.2f} " in line
+    assert next(ln for ln in table.splitlines() if ln.startswith("| AR, int8 target")).split("|")[3].strip() == "-"
+
+
+def test_a_failing_or_hanging_program_is_a_row_error(tmp_path):
+    from benchmarks import peer_memory as pm
+    failing = [sys_python(), "-c", "import sys; sys.exit(3)"]
+    hanging = [sys_python(), "-c", "import time; time.sleep(30)"]
+    failed = pm.measure_llama({"mem-llama-bf16": failing}, timeout=60.0, log=lambda m: None)
+    hung = pm.measure_llama({"mem-llama-q4": hanging}, timeout=1.0, log=lambda m: None)
+    assert "exit 3" in failed["mem-llama-bf16"]["error"] and "ran past 1 s" in hung["mem-llama-q4"]["error"]
+
+
+def sys_python() -> str:
+    import sys
+    return sys.executable

@@ -121,3 +121,48 @@ def test_lazy_zeros_are_zero_at_every_size():
     for shape in [(3,), (1000, 1000), (2, 1 << 20)]:
         t = lazy_zeros(shape, torch.bfloat16)
         assert t.shape == shape and t.dtype == torch.bfloat16 and t.abs().sum() == 0
+
+
+def _peak_growth(work) -> int:
+    """The largest resident memory while ``work()`` ran, over what was resident before (VmHWM, reset first)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets this process's peak resident memory to its current resident memory
+    before = resident_bytes()
+    work()
+    with open("/proc/self/status") as f:
+        peak = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    return peak - before
+
+
+@pytest.fixture(scope="module")
+def wide_head_dir(tmp_path_factory):
+    """A head of 65,536 rows (32 MB in bf16) beside 4 MB of other weights: the head decides a pack's peak."""
+    loaded = tiny_model(seed=7, vocab=65536, layers=2, hidden=256)
+    return save_hf(loaded, tmp_path_factory.mktemp("wide"), torch.bfloat16)
+
+
+@pytest.mark.parametrize("fmt", ["int8", "int4"])
+def test_quantized_pack_holds_a_chunk_of_the_head_not_the_head(wide_head_dir, monkeypatch, fmt):
+    """An RSS ceiling: packing grows resident memory by its arena plus about a chunk of rows, where packing the
+    head whole held its bf16 source and the packer's staging copy of it (the negative control)."""
+    import saguaro.backends.cpu_kernels.model as fast_model
+    kernels.load()
+    cfg = _load(wide_head_dir).config
+    arena, head = pass_bytes(cfg, fmt), cfg.vocab_size * cfg.hidden_size * 2
+    monkeypatch.setattr(fast_model, "PACK_ROWS", 1024)
+    chunked = _peak_growth(lambda: FastCausalLM(_load(wide_head_dir).model, fmt))
+    assert chunked < arena + head / 2, (chunked / MB, arena / MB, head / MB)
+    monkeypatch.setattr(fast_model, "PACK_ROWS", cfg.vocab_size)  # the whole head in one call
+    whole = _peak_growth(lambda: FastCausalLM(_load(wide_head_dir).model, fmt))
+    assert whole > arena + head, (whole / MB, arena / MB, head / MB)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "int8", "int4"])
+def test_packing_in_chunks_changes_no_byte(wide_head_dir, monkeypatch, fmt):
+    import saguaro.backends.cpu_kernels.model as fast_model
+    ids = torch.arange(3, 65536, 7)  # a reduced head: rows spread over the whole table
+    monkeypatch.setattr(fast_model, "PACK_ROWS", 64 * 5)  # chunks that end inside the last tile
+    chunked = [FastCausalLM(_load(wide_head_dir).model, fmt, head_ids=h).arena for h in (None, ids)]
+    monkeypatch.setattr(fast_model, "PACK_ROWS", 1 << 20)
+    whole = [FastCausalLM(_load(wide_head_dir).model, fmt, head_ids=h).arena for h in (None, ids)]
+    assert all(torch.equal(a, b) for a, b in zip(chunked, whole))

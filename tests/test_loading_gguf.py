@@ -246,3 +246,19 @@ def test_gguf_without_tensors_section(tmp_path):
     cut.write_bytes(data[: len(data) - 3000])
     with pytest.raises(GGUFFormatError, match="truncated"):
         load_model(cut, progress=False)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "F16", "Q8_0", "Q4_0"])
+def test_dequantizing_in_row_chunks_equals_whole(qtype, monkeypatch):
+    """Rows dequantized a chunk at a time (chunks ending mid-tensor) give the whole tensor's values exactly."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize, quantize
+    kind = GGMLQuantizationType[qtype]
+    weights = np.random.default_rng(0).standard_normal((37, 64)).astype(np.float32)
+    plain = np.float16 if qtype == "F16" else np.float32
+    raw = quantize(weights, kind) if qtype.startswith("Q") else weights.astype(plain)
+    raw.flags.writeable = False  # as the file map hands it over
+    monkeypatch.setattr(gguf_loader, "DEQUANT_ROWS", 5)
+    chunked = gguf_loader.dequantize_rows(raw, kind)
+    assert chunked.dtype == np.float32 and chunked.flags.writeable and chunked.shape == (37, 64)
+    assert np.array_equal(chunked, np.asarray(dequantize(raw, kind), dtype=np.float32))

@@ -10,7 +10,7 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 
 from saguaro.loading.gguf_loader import hf_name, unpermute_rope_rows
-from saguaro.loading.safetensors_stream import write_streaming
+from saguaro.loading.safetensors_stream import read_streaming, write_streaming
 from saguaro.loading.tokenizer import (ChatTemplateError, Tokenizer, VocabularyMismatchError,
                                        check_shared_vocabulary)
 
@@ -50,6 +50,67 @@ def test_streaming_safetensors_round_trip(tmp_path, dtype):
         assert back[k].dtype == dtype and torch.equal(back[k], v.to(dtype))
     with pytest.raises(ValueError, match="declared"):
         write_streaming(path, [("a", (2, 2))], dtype, lambda name: torch.zeros(3))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_streaming_read_equals_safetensors(tmp_path, dtype):
+    """``read_streaming`` reads what the safetensors library wrote (its own order, empty tensors included) and
+    refuses a truncated file."""
+    from safetensors.torch import save_file
+    tensors = {"z.last": torch.randn(4, 6).to(dtype), "a.first": torch.randn(9).to(dtype),
+               "empty": torch.zeros(0, 3, dtype=dtype)}
+    path = tmp_path / "x.safetensors"
+    save_file(tensors, str(path))
+    entries, read = read_streaming(path)
+    assert dict(entries) == {k: tuple(v.shape) for k, v in tensors.items()}
+    for name, _ in entries:
+        assert read(name).dtype == dtype and torch.equal(read(name), tensors[name])
+    path.write_bytes(path.read_bytes()[:-8])
+    last = max(entries, key=lambda e: tensors[e[0]].numel())[0]
+    with pytest.raises(ValueError, match="cut short"):
+        read_streaming(path)[1](last)
+
+
+def test_deriving_a_dtype_copy_never_maps_the_source(tmp_path):
+    """An RSS ceiling: writing the bf16 copy of a 96 MB fp32 file grows resident memory by about a tensor, where
+    reading it through a mapping kept every page read resident (the negative control)."""
+    import json
+
+    from safetensors import safe_open
+
+    from saguaro.host_memory import resident_bytes
+    from saguaro.loading import converted_cache
+    tensors = {f"layer{i}.weight": torch.randn(1024, 1024) for i in range(24)}  # 4 MB each
+    write_streaming(tmp_path / converted_cache.WEIGHTS_FILE, [(k, tuple(v.shape)) for k, v in tensors.items()],
+                    torch.float32, tensors.__getitem__)
+    (tmp_path / converted_cache.SOURCE_FILE).write_text(json.dumps({"dtype": "float32"}))
+    del tensors
+
+    def peak_growth(work) -> int:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets the peak resident memory (VmHWM) to the current one
+        before = resident_bytes()
+        work()
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:")) - before
+
+    size = (tmp_path / converted_cache.WEIGHTS_FILE).stat().st_size
+    name = converted_cache.weights_file(tmp_path, torch.bfloat16, progress=False)
+    grown = peak_growth(lambda: _derive_again(tmp_path, converted_cache))
+    assert name == "model.bfloat16.safetensors" and grown < size / 4, (grown >> 20, size >> 20)
+    back = load_file(str(tmp_path / name))
+    assert all(back[k].dtype == torch.bfloat16 for k in back) and len(back) == 24
+
+    def mapped_read():
+        with safe_open(str(tmp_path / converted_cache.WEIGHTS_FILE), framework="pt") as f:
+            for k in f.keys():
+                f.get_tensor(k).to(torch.bfloat16)
+    assert peak_growth(mapped_read) > size * 3 / 4
+
+
+def _derive_again(directory, converted_cache) -> None:
+    (directory / "model.bfloat16.safetensors").unlink()
+    converted_cache.weights_file(directory, torch.bfloat16, progress=False)
 
 
 def _word_tokenizer(words: list[str], template: str | None = None) -> Tokenizer:

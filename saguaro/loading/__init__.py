@@ -7,6 +7,7 @@ packages any more.
 """
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,7 +26,8 @@ from saguaro.models.model_config import ModelConfig
 from saguaro.models.transformer import CausalLM
 
 __all__ = [
-    "LoadedModel", "load_model", "locate_weights", "load_tokenizer", "resolve", "installed", "asset_path", "MODELS",
+    "LoadedModel", "load_model", "locate_weights", "load_tokenizer", "load_config", "check_draft_vocabulary",
+    "resolve", "installed", "asset_path", "MODELS",
     "ModelEntry",
     "Tokenizer", "check_shared_vocabulary", "cache_root", "is_converted",
     "ChecksumError", "MissingChunkError", "GGUFFormatError", "UnsupportedModelError", "ModelDirectoryError",
@@ -120,3 +122,21 @@ def load_tokenizer(name_or_path: str | Path, progress: bool = True) -> Tokenizer
     """Just the tokenizer (converting a GGUF into the cache if that has not happened yet)."""
     _, _, directory, _ = _locate(name_or_path, progress)
     return read_tokenizer(directory, read_config(directory))
+
+
+def load_config(name_or_path: str | Path, progress: bool = True) -> ModelConfig:
+    """Just the model's config (converting a GGUF into the cache if that has not happened yet)."""
+    _, _, directory, _ = _locate(name_or_path, progress)
+    return read_config(directory)
+
+
+def check_draft_vocabulary(draft: str | Path, target: Tokenizer, progress: bool = True) -> None:
+    """Raise VocabularyMismatchError unless the model ``draft`` (a name or path) shares ``target``'s vocabulary.
+
+    A draft whose tokenizer.json has the bytes ``target`` was read from shares it without being parsed (a
+    second parse of a 150k-token tokenizer costs a second or more of an SSD engine's start)."""
+    _, _, directory, _ = _locate(draft, progress)
+    path = directory / "tokenizer.json"
+    if path.is_file() and target.file_sha256 == hashlib.sha256(path.read_bytes()).hexdigest():
+        return
+    check_shared_vocabulary(read_tokenizer(directory, read_config(directory)), target)

@@ -36,12 +36,11 @@ import uuid
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
 from saguaro.loading.gguf_loader import convert_tokenizer, open_gguf
 from saguaro.loading.paths import cache_root, remove_dead_temporaries
-from saguaro.loading.safetensors_stream import write_streaming
+from saguaro.loading.safetensors_stream import read_streaming, write_streaming
 
 FORMAT_VERSION = 1
 WEIGHTS_FILE = "model.safetensors"
@@ -154,11 +153,9 @@ def weights_file(directory: Path, dtype: torch.dtype, progress: bool = True) -> 
     remove_dead_temporaries(directory, f".{name}.tmp-")
     tmp = directory / f".{name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     try:
-        with safe_open(str(directory / WEIGHTS_FILE), framework="pt") as f:
-            keys = list(f.keys())
-            shapes = [(k, tuple(f.get_slice(k).get_shape())) for k in keys]
-            with tqdm(total=len(keys), desc=f"writing {label} copy", unit="tensor", disable=not progress) as bar:
-                write_streaming(tmp, shapes, dtype, f.get_tensor, metadata={"format": "pt"}, progress=bar)
+        shapes, read = read_streaming(directory / WEIGHTS_FILE)  # read, not mapped: see safetensors_stream.py
+        with tqdm(total=len(shapes), desc=f"writing {label} copy", unit="tensor", disable=not progress) as bar:
+            write_streaming(tmp, shapes, dtype, read, metadata={"format": "pt"}, progress=bar)
         os.replace(tmp, target)
     except OSError:
         # read-only cache: fall back to casting at load time

@@ -12,6 +12,10 @@ transport alone.
 from __future__ import annotations
 
 import logging
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import TypeVar
 
 import torch
 
@@ -26,6 +30,7 @@ from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse, pack_req
     unpack_request, unpack_response
 
 log = logging.getLogger("saguaro.ssd")
+T = TypeVar("T")
 
 
 HINT = "fix the error above, or run mode='sd', which needs no second process"
@@ -61,10 +66,15 @@ class WorkerLink:
     memory). ``device`` is the target's: this end of an NCCL link receives the distributions there. Start-up
     raises ``WorkerStartError`` within ``opts.timeout_s`` of the worker dying or stalling (model loading gets at
     least 600 s).
+
+    ``wait=False`` returns once the process is started, its channel connecting on a thread: the engine loads its
+    target meanwhile (``saguaro.build.start_speculator_early``) and then calls ``wait_ready``.
     """
 
-    def __init__(self, draft: SpeculatorDraft | LoadedModel | str, opts: SpeculatorOptions, device: str = "cpu"):
+    def __init__(self, draft: SpeculatorDraft | LoadedModel | str, opts: SpeculatorOptions, device: str = "cpu",
+                 wait: bool = True):
         self.opts = opts
+        self.channel: Channel | None = None
         port = free_port()
         counters = MessageCounters()
         shipment = as_draft(draft).shipment()
@@ -75,13 +85,18 @@ class WorkerLink:
             shipment.close()  # the worker inherited its own descriptor (or never started)
         # a speculator on the CPU: Gloo, whatever the target's device (its features cross as host frames)
         backend, device = ("gloo", "cpu") if opts.device == "cpu" else ("nccl", device)
+        self._connected = _in_thread(lambda: Channel(0, port, counters, backend, device, opts.timeout_s))
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        """Wait until the worker has connected and loaded its draft; on a failure kill it and raise."""
         try:
-            self.channel = self.process.expect(
-                "connecting", lambda: Channel(0, port, counters, backend, device, opts.timeout_s), opts.timeout_s)
-            load_s = max(opts.timeout_s, 600)
+            self.channel = self.process.expect("connecting", self._connected.result, self.opts.timeout_s)
+            load_s = max(self.opts.timeout_s, 600)
             ready = self.process.expect("loading the draft", lambda: self._ready(load_s), load_s)
         except BaseException:
-            self.process.kill()
+            self.kill()
             raise
         self.vocab = int(ready[0])
 
@@ -105,7 +120,7 @@ class WorkerLink:
         return unpack_response(reply, self.opts.k, self.vocab)
 
     def stop(self) -> None:
-        if self.process.is_alive():
+        if self.process.is_alive() and self.channel is not None:
             try:
                 self.channel.send(pack_request(RoundRequest(command=CMD_STOP)))
                 self.process.join(timeout=5)
@@ -115,4 +130,19 @@ class WorkerLink:
 
     def kill(self) -> None:
         self.process.kill()
-        self.channel.close()
+        if self.channel is not None:
+            self.channel.close()
+
+
+def _in_thread(work: Callable[[], T]) -> Future[T]:
+    """``work()`` on a daemon thread (one a stalled worker leaves blocked must not hold up the exit)."""
+    future: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            future.set_result(work())
+        except BaseException as e:  # noqa: BLE001 -- the caller's ``result()`` raises it
+            future.set_exception(e)
+
+    threading.Thread(target=run, name="saguaro-ssd-connect", daemon=True).start()
+    return future

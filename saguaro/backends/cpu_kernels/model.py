@@ -27,7 +27,8 @@ What ``FastCausalLM`` does at construction:
     the eager model);
   * hands each source matrix's pages back right after packing it (``host_memory.MappedPages``), when it is
     mapped from the weights file: the arena is then the one resident copy (3.1 GB for the 1.5B, where
-    keeping both held 6.2 GB), a quantized pack never holds more than one bf16 matrix, and the eager model
+    keeping both held 6.2 GB), a quantized pack never holds more than one bf16 matrix (the head, o and down
+    only PACK_ROWS rows of one at a time), and the eager model
     still reads its weights, faulting them in again from the file. Weights built in memory stay resident.
 
 Rounding follows the eager model op by op (bf16 results, fp32 accumulation), so outputs
@@ -51,6 +52,9 @@ log = logging.getLogger("saguaro.fast")
 TILE = 64  # outputs per packed tile (csrc/cpu_bf16.cpp)
 SWIGLU = 1
 ROUND_BF16 = 2  # gemm epilogues (csrc/cpu_bf16.cpp)
+# Rows of one matrix packed at a time (a multiple of TILE): the 1.5B's head is 467 MB in bf16, its source pages
+# and the packer's staging copy of it were resident together (a quantized pack's peak: 0.6 GB over its arena).
+PACK_ROWS = 8192
 
 
 def unsupported_reason(model: CausalLM, weights: str = "bf16") -> str | None:
@@ -203,6 +207,17 @@ class FastCausalLM:
                 packer(dst, sources, epilogue)
                 pages.release(*sources)  # the arena holds them now
 
+        def pack_rows(dst: torch.Tensor, source: torch.Tensor, ids: torch.Tensor | None = None) -> None:
+            """One source's rows (or its rows ``ids``, ascending) packed PACK_ROWS at a time, each chunk's mapped
+            pages handed back once packed: a chunk, not the whole matrix, is resident in bf16 (twice: the source's
+            pages and the packer's staging copy)."""
+            n = source.shape[0] if ids is None else len(ids)
+            for start in range(0, n if pages is not None else 0, PACK_ROWS):
+                end = min(start + PACK_ROWS, n)
+                rows = source[start:end] if ids is None else source[ids[start:end]]
+                packer(dst[start // TILE:_tiles(end)], [rows], 0)
+                pages.release(source[start:end] if ids is None else source[ids[start]:ids[end - 1] + 1])
+
         packer = {"bf16": self.ops.pack, "int8": self.ops.pack_i8, "int4": self.ops.pack_i4}[weights]
         with torch.no_grad():
             for block in model.model.layers:
@@ -215,14 +230,14 @@ class FastCausalLM:
                 layer.qkv_bias = (torch.cat((attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias)).contiguous()
                                   if attn.q_proj.bias is not None else None)
                 layer.o = arena.take(h, self.q_cols)
-                pack(layer.o, [attn.o_proj.weight], 0)
+                pack_rows(layer.o, attn.o_proj.weight)
                 layer.gate_up = arena.take(2 * inter, h)
                 pack(layer.gate_up, [mlp.gate_proj.weight, mlp.up_proj.weight], SWIGLU)
                 layer.down = arena.take(h, inter)
-                pack(layer.down, [mlp.down_proj.weight], 0)
+                pack_rows(layer.down, mlp.down_proj.weight)
                 self.layers.append(layer)
             self.head = arena.take(head.shape[0] if self.head_ids is None else len(self.head_ids), h)
-            pack(self.head, [head if self.head_ids is None else head[self.head_ids]], 0)
+            pack_rows(self.head, head, self.head_ids)
         if pages is not None:
             pages.release(head)
             trim_heap()
