@@ -88,22 +88,27 @@ def reads_per_call(monkeypatch, cls, method: str):
         yield counts
 
 
+def _replaying(replay):
+    def replaying():
+        DeviceReads.replaying += 1
+        try:
+            replay()
+        finally:
+            DeviceReads.replaying -= 1
+    return replaying
+
+
 def mark_graph_builds(monkeypatch) -> None:
-    """Mark what a replay of the speculator's build graph writes (``GraphBuild.run``): device values on a GPU,
-    like a pass's logits; the model passes inside it do not go through ``forward_flat``."""
+    """Mark what a replay of the speculator's build graph (``GraphBuild.run``) or of the just-in-time drafter's
+    steps graph (``DraftStepsGraph.run``) writes: device values on a GPU, like a pass's logits; the model passes
+    inside them do not go through ``forward_flat``."""
+    from saguaro.sd.draft_graph import DraftStepsGraph
     from saguaro.ssd.graph_build import GraphBuild
     real, real_graph = GraphBuild.run, GraphBuild._graph
 
     def graph(self, shape):
         host, staged, replay, out = real_graph(self, shape)
-
-        def replaying():
-            DeviceReads.replaying += 1
-            try:
-                replay()
-            finally:
-                DeviceReads.replaying -= 1
-        return host, staged, replaying, out
+        return host, staged, _replaying(replay), out
 
     def run(self, shape, rows, *spoken):
         out = real(self, shape, rows, *spoken)
@@ -112,3 +117,15 @@ def mark_graph_builds(monkeypatch) -> None:
 
     monkeypatch.setattr(GraphBuild, "run", run)
     monkeypatch.setattr(GraphBuild, "_graph", graph)
+    real_steps, real_steps_graph = DraftStepsGraph.run, DraftStepsGraph._graph
+
+    def steps_run(self, shape, first, rows):
+        out = real_steps(self, shape, first, rows)
+        mark([out.tokens, out.rank_ids, out.rank_probs])
+        return out
+
+    def steps_graph(self, shape):
+        host, staged, feed, replay, out = real_steps_graph(self, shape)
+        return host, staged, feed, _replaying(replay), out
+    monkeypatch.setattr(DraftStepsGraph, "run", steps_run)
+    monkeypatch.setattr(DraftStepsGraph, "_graph", steps_graph)

@@ -14,6 +14,7 @@
 import pytest
 
 from saguaro import SamplingParams
+from saguaro.sd.draft_graph import DraftStepsGraph
 from saguaro.ssd.graph_build import GraphBuild
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
 from saguaro.ssd.speculator import Speculator
@@ -40,34 +41,46 @@ class RespondCalls(TorchCalls):
         return super().__torch_function__(func, types, args, kwargs)
 
 
-def _measure(draft, monkeypatch, k: int, batch: int, graph: bool, rounds: int = 3) -> dict:
+def _measure(draft, monkeypatch, k: int, batch: int, graph: bool, rounds: int = 3, greedy: bool = False,
+             jit_graph: bool = True) -> dict:
     """Torch calls and device reads of each build, reads of each round (respond + build) and torch calls of each
-    hit round's respond, after a warm-up round (the build graph is captured there, at start-up on a GPU)."""
+    round's respond, after a warm-up round (the build graph is captured there, at start-up on a GPU). ``greedy``:
+    every sequence greedy (else sampled, then mixed), so that a miss drafts in the just-in-time steps graph unless
+    ``jit_graph`` is off."""
     spec = paged_speculator(draft, [1] * k + [2], graph=graph)
-    calls = TorchCalls()
+    if not jit_graph:
+        spec.jit.steps_graph = None
+    calls, respond_calls = TorchCalls(), RespondCalls()
     if graph:
-        real = GraphBuild._graph
+        real, real_steps = GraphBuild._graph, DraftStepsGraph._graph
 
         def counted_graph(self, shape):
             host, staged, replay, out = real(self, shape)
             return host, staged, calls.replayed(replay), out
+
+        def counted_steps(self, shape):  # replayed in a respond
+            host, staged, feed, replay, out = real_steps(self, shape)
+            return host, staged, feed, respond_calls.replayed(replay), out
         monkeypatch.setattr(GraphBuild, "_graph", counted_graph)
+        monkeypatch.setattr(DraftStepsGraph, "_graph", counted_steps)
+        spec.capture_builds(batch)  # as at start-up: no round captures
     mark_graph_builds(monkeypatch)
-    params = [SamplingParams(temperature=0.8 * ((i + 1) % 2)) for i in range(batch)]  # sampled, then mixed
+    params = [SamplingParams(temperature=0.0 if greedy else 0.8 * ((i + 1) % 2)) for i in range(batch)]
     order = list(range(batch))
     spec.respond(RoundRequest([], [Admission(i, [3, 7, 1 + i], p, seed=i) for i, p in enumerate(params)], [], order))
     spec.build()
-    seen = {"calls": [], "respond_calls": [], "build_reads": [], "hit_round_reads": [], "miss_round_reads": []}
+    seen = {"calls": [], "respond_calls": [], "miss_respond_calls": [], "build_reads": [], "hit_round_reads": [],
+            "miss_round_reads": []}
     with counting_device_reads(monkeypatch) as reads:
         for round_ in range(2 * rounds):
             miss = round_ % 2 == 1
             outcomes = [Outcome(i, *_key(spec, i)) if not miss else Outcome(i, 0, _unprepared(spec, i))
                         for i in order]  # the test's own reads, before the round's
             before = reads.count
-            with RespondCalls() as respond_calls:
+            with respond_calls:
+                respond_calls.count = 0
                 spec.respond(RoundRequest(outcomes, [], [], order))
-            if not miss:
-                seen["respond_calls"].append(respond_calls.count)
+            seen["miss_respond_calls" if miss else "respond_calls"].append(respond_calls.count)
             at_build = reads.count
             with calls:
                 calls.count = 0
@@ -105,6 +118,23 @@ def test_a_graph_build_reads_nothing_and_a_round_reads_once(draft, monkeypatch):
     assert calls[(2, 1)][0] <= MAX_CALLS, calls
     assert respond_calls[(2, 1)][0] <= MAX_RESPOND_CALLS, respond_calls
     print(f"torch calls per graph build: {calls[(2, 1)][0]}, per respond of a hit round: {respond_calls[(2, 1)][0]}")
+
+
+def test_a_miss_round_drafts_in_one_graph_and_reads_once(draft, monkeypatch):
+    """Greedy misses draft just in time in one replay of K steps: a miss round reads once and its ``respond`` makes
+    the same few torch calls for any K and batch. Negative control: drafting step by step, the counter sees the
+    calls grow with K."""
+    calls = {}
+    for k, batch in [(2, 1), (5, 1), (2, 8), (5, 8)]:
+        seen = _measure(draft, monkeypatch, k, batch, graph=True, rounds=2, greedy=True)
+        assert seen["miss_round_reads"] == [1] * len(seen["miss_round_reads"]), (k, batch)
+        calls[(k, batch)] = seen["miss_respond_calls"]
+    assert len({c for counts in calls.values() for c in counts}) == 1, calls
+    assert calls[(2, 1)][0] <= MAX_RESPOND_CALLS, calls
+    stepped = {k: _measure(draft, monkeypatch, k, 1, graph=True, rounds=1, greedy=True, jit_graph=False)
+               for k in (2, 5)}
+    assert stepped[5]["miss_respond_calls"][0] > stepped[2]["miss_respond_calls"][0] > calls[(2, 1)][0], stepped
+    print(f"torch calls per respond of a miss round: {calls[(2, 1)][0]}")
 
 
 def test_the_counters_see_the_python_builds_reads_and_calls(draft, monkeypatch):

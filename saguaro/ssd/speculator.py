@@ -143,10 +143,13 @@ class Speculator:
         return GraphBuild(backend.net, self.runner.cache, graphs.capture, self.runner.device)
 
     def capture_builds(self, max_seqs: int) -> None:
-        """Capture the build graph of every shape a round of at most ``max_seqs`` sequences can take, now (start-up):
-        no round then captures beside the target. Nothing where builds run in Python."""
+        """Capture the build graph of every shape a round of at most ``max_seqs`` sequences can take, and the
+        just-in-time drafter's steps graph, now (start-up): no round then captures beside the target. Nothing where
+        builds run in Python."""
         if self.graph is not None:
             self.graph.capture_all(graph_staging.startup_shapes(self, max_seqs))
+        if self.on_device and self.jit.steps_graph is not None:  # and the just-in-time drafter's K steps
+            self.jit.steps_graph.capture_all(max_seqs, self.k, min(self.width, self.runner.config.vocab_size))
 
     def fan_out_for(self, state: SeqState) -> list[int]:
         """F_0..F_K for the cache of a sequence's speculation under verification."""
