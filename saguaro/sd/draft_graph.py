@@ -136,11 +136,10 @@ class DraftStepsGraph:
 
 
 def steps_graph(runner) -> DraftStepsGraph | None:
-    """The runner's draft-steps graph where it runs the paged backend with graphs (a GPU's, or the stand-in), and
-    its draft reads only tokens (not an EAGLE-3 head, which reads the target's features too)."""
+    """The runner's draft-steps graph where it runs the paged backend with graphs (a GPU's, or the stand-in)."""
     from saguaro.backends.paged.backend import PagedBackend
     backend = getattr(runner, "backend", None)
     graphs = getattr(backend, "graphs", None)
-    if not isinstance(backend, PagedBackend) or graphs is None or getattr(runner, "reads_features", False):
+    if not isinstance(backend, PagedBackend) or graphs is None:
         return None
     return DraftStepsGraph(backend.net, runner.cache, graphs.capture, runner.device, graphs.max_table_blocks)

@@ -12,6 +12,8 @@ records the transformed one: the SSD worker passes Saguaro sampling (Def. 14,
 ``saguaro.ssd.saguaro_sampling``) so just-in-time drafts follow the same law as cached ones.
 ``keep_ranked`` > 0 also records each step's most likely ids and their probabilities, left on the device
 (``Proposal.rank_table`` and ``rank_rows``).
+``graphs=False`` keeps every step a pass of the runner (a draft whose passes read more than tokens: the SSD
+speculator's EAGLE-3 head).
 ``state_of`` (optional) finds a sequence's draft cache where its owner keeps it: the SSD speculator keeps
 it with the rest of the sequence's state and frees it itself. By default the proposer keeps one per
 sequence id (``states``), rolled back by ``commit`` and freed by ``release``.
@@ -48,7 +50,7 @@ Reweight = Callable[[torch.Tensor, int, list[Sequence]], torch.Tensor]  # (probs
 
 class DraftModelProposer(Proposer):
     def __init__(self, runner: ModelRunner, reweight: Reweight | None = None, keep_ranked: int = 0,
-                 state_of: Callable[[Sequence], DraftState] | None = None):
+                 state_of: Callable[[Sequence], DraftState] | None = None, graphs: bool = True):
         self.runner = runner
         self.reweight = reweight
         self.keep_ranked = keep_ranked
@@ -56,7 +58,7 @@ class DraftModelProposer(Proposer):
         self._state_of = state_of
         # greedy rounds' steps 2..K as one graph replay on the paged backend (``draft_graph.py``); all K steps where
         # ranked ids are kept (SSD's just-in-time drafts) and every draft cache lacks only its sequence's last token
-        self.steps_graph = steps_graph(runner) if reweight is None else None
+        self.steps_graph = steps_graph(runner) if reweight is None and graphs else None
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int], read: bool = True) -> Proposal:
         """Draft ``num_tokens[b]`` tokens for each sequence, one draft pass per step. The drawn tokens stay on

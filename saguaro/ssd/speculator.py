@@ -124,7 +124,7 @@ class Speculator:
         # the just-in-time drafter works on each sequence's own draft cache (SeqState.draft)
         reweight = self.saguaro_sampling.apply if self.saguaro_sampling else None
         self.jit = DraftModelProposer(runner, reweight, keep_ranked=self.width,
-                                      state_of=lambda seq: self.states[seq.seq_id].draft)
+                                      state_of=lambda seq: self.states[seq.seq_id].draft, graphs=not self.conditioned)
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
         self._rng = random.Random(0)
