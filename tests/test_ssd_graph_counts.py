@@ -19,7 +19,7 @@ from saguaro.ssd.graph_build import GraphBuild
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
 from saguaro.ssd.speculator import Speculator
 from tests.host_reads import TorchCalls, counting_device_reads, mark_graph_builds
-from tests.test_ssd_graph_build import VOCAB, paged_speculator
+from tests.test_ssd_graph_build import VOCAB, paged_speculator, sent
 from tests.tiny import perturbed, tiny_model
 
 MAX_CALLS = 25
@@ -100,9 +100,7 @@ def _key(spec: Speculator, seq_id: int) -> tuple[int, int]:
 def _unprepared(spec: Speculator, seq_id: int) -> int:
     """A bonus token at depth 0 that the cache did not prepare for (nor the drafted token)."""
     taken = {t for i, kk, t in spec.cache.keys() if i == seq_id and kk == 0}
-    state = spec.states[seq_id]
-    drafted = state.sent[0] if state.spoken is None else int(spec.spoken.tokens[state.spoken.row, 0])
-    return next(t for t in range(VOCAB) if t not in taken and t != drafted)
+    return next(t for t in range(VOCAB) if t not in taken and t != sent(spec, seq_id)[0])
 
 
 def test_a_graph_build_reads_nothing_and_a_round_reads_once(draft, monkeypatch):

@@ -36,7 +36,7 @@ def test_the_engine_captures_no_build_graph_after_start_up(monkeypatch, captures
     use_paged_backend(monkeypatch)
     replayed = []
     real = GraphBuild.run
-    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, rows: replayed.append(shape) or real(self, shape, rows))
+    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, *a: replayed.append(shape) or real(self, shape, *a))
     from saguaro import LLM
     target = tiny_model(seed=3, layers=3, sharpness=3.0)
     with LLM(target=target, mode="ssd", block_size=4, max_num_seqs=5, draft=truncated(target, 1),
