@@ -32,6 +32,10 @@ def mark(tensors) -> None:
 
 
 class DeviceReads(TorchFunctionMode):
+    # > 0 while a graph replays: on a GPU no Python runs in it, so what the CPU stand-in's run of it reads is not a
+    # read of the host (a capture checks the graph reads nothing: ``CaptureChecker``)
+    replaying = 0
+
     def __init__(self) -> None:
         super().__init__()
         self.count = 0
@@ -40,7 +44,7 @@ class DeviceReads(TorchFunctionMode):
         kwargs = kwargs or {}
         inputs = _tensors(args, kwargs)
         marked = any(getattr(t, MARK, False) for t in inputs)
-        if marked and func in READS:
+        if marked and func in READS and not DeviceReads.replaying:
             self.count += 1
         out = func(*args, **kwargs)
         if marked:
@@ -84,15 +88,44 @@ def reads_per_call(monkeypatch, cls, method: str):
         yield counts
 
 
-def mark_graph_builds(monkeypatch) -> None:
-    """Mark what a replay of the speculator's build graph writes (``GraphBuild.run``): device values on a GPU,
-    like a pass's logits; the model passes inside it do not go through ``forward_flat``."""
-    from saguaro.ssd.graph_build import GraphBuild
-    real = GraphBuild.run
+def _replaying(replay):
+    def replaying():
+        DeviceReads.replaying += 1
+        try:
+            replay()
+        finally:
+            DeviceReads.replaying -= 1
+    return replaying
 
-    def run(self, shape, rows):
-        out = real(self, shape, rows)
+
+def mark_graph_builds(monkeypatch) -> None:
+    """Mark what a replay of the speculator's build graph (``GraphBuild.run``) or of the just-in-time drafter's
+    steps graph (``DraftStepsGraph.run``) writes: device values on a GPU, like a pass's logits; the model passes
+    inside them do not go through ``forward_flat``."""
+    from saguaro.sd.draft_graph import DraftStepsGraph
+    from saguaro.ssd.graph_build import GraphBuild
+    real, real_graph = GraphBuild.run, GraphBuild._graph
+
+    def graph(self, shape):
+        host, staged, replay, out = real_graph(self, shape)
+        return host, staged, _replaying(replay), out
+
+    def run(self, shape, rows, *spoken):
+        out = real(self, shape, rows, *spoken)
         mark([out.keys, out.tokens, out.rank_ids, out.rank_probs, out.probs])
         return out
 
     monkeypatch.setattr(GraphBuild, "run", run)
+    monkeypatch.setattr(GraphBuild, "_graph", graph)
+    real_steps, real_steps_graph = DraftStepsGraph.run, DraftStepsGraph._graph
+
+    def steps_run(self, shape, first, rows):
+        out = real_steps(self, shape, first, rows)
+        mark([out.tokens, out.rank_ids, out.rank_probs])
+        return out
+
+    def steps_graph(self, shape):
+        host, staged, feed, replay, out = real_steps_graph(self, shape)
+        return host, staged, feed, _replaying(replay), out
+    monkeypatch.setattr(DraftStepsGraph, "run", steps_run)
+    monkeypatch.setattr(DraftStepsGraph, "_graph", steps_graph)

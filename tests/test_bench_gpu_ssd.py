@@ -54,7 +54,7 @@ def test_the_graph_build_rows_on_the_paged_stand_in(tmp_path):
     python, graph = rows["SSD K=2 F=[1,1,1], python build"], rows["SSD K=2 F=[1,1,1], graph build"]
     assert python["build"] == "python" and graph["build"] == "graph" and graph["tok_s"] > 0
     assert graph["torch_calls_per_build"] <= 25 < python["torch_calls_per_build"]
-    assert 1 <= graph["device_reads_per_round"] <= 2
+    assert 0 < graph["device_reads_per_round"] <= 1  # at most one per round (none while there is nothing to read)
     assert graph["device_reads_per_round"] < python["device_reads_per_round"]
     text = (tmp_path / "paged.md").read_text()
     assert "calls/build" in text and "reads/round" in text and "--paged" in text

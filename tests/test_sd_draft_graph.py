@@ -27,9 +27,10 @@ def draft():
     return tiny_model(seed=5, layers=2, sharpness=3.0)
 
 
-def _proposer(draft, graph: bool) -> DraftModelProposer:
-    proposer = DraftModelProposer(ModelRunner(draft.model, 128, BLOCK, backend="paged", max_seq_len=64))
-    assert proposer.steps_graph is not None
+def _proposer(draft, graph: bool, keep_ranked: int = 0, row_graphs: bool = True) -> DraftModelProposer:
+    proposer = DraftModelProposer(ModelRunner(draft.model, 128, BLOCK, backend="paged", max_seq_len=64,
+                                              graphs=row_graphs), keep_ranked=keep_ranked)
+    assert (proposer.steps_graph is not None) == row_graphs
     if not graph:
         proposer.steps_graph = None
     return proposer
@@ -61,18 +62,47 @@ def test_greedy_sd_through_the_steps_graph_equals_ar(monkeypatch):
 def test_the_steps_graph_proposes_what_the_steps_propose(draft):
     proposers = [_proposer(draft, True), _proposer(draft, False)]
     seqs = [_seqs(ENGINE_PROMPTS[:3]) for _ in proposers]
+    _rounds(proposers, seqs, 5)
+    assert len(proposers[0].steps_graph.graphs) == 1
+
+
+def _rounds(proposers, seqs, accept_mod: int, check=lambda out, round_: None) -> None:
+    """Six rounds of K = 4 through both proposers, each checked to propose the same: sequence b accepts a prefix
+    (b + round) % ``accept_mod`` long, then the target's token."""
     for p, s in zip(proposers, seqs):
         p.prefill(s)
     for round_ in range(6):
         out = [p.propose(s, [4] * len(s)) for p, s in zip(proposers, seqs)]
         assert out[0].tokens == out[1].tokens, round_
         assert torch.equal(out[0].probs, out[1].probs), round_
+        check(out, round_)
         for p, s in zip(proposers, seqs):
-            for b, seq in enumerate(s):  # accept a prefix (b + round_) % 5 long, then the target's token
-                accepted = (b + round_) % 5
+            for b, seq in enumerate(s):
+                accepted = (b + round_) % accept_mod
                 seq.output_ids += out[0].tokens[b][:accepted] + [(round_ * 7 + b) % 50]
                 p.commit(seq, 4, accepted)
-    assert len(proposers[0].steps_graph.graphs) == 1
+
+
+def test_the_k_step_graph_drafts_and_ranks_what_the_steps_do(draft):
+    """SSD's just-in-time drafts (ranked ids kept): where every draft cache lacks only the last token, all K steps
+    run as one replay (``StepsShape.first``); tokens, probabilities and ranked ids equal the step-by-step ones
+    (those of a runner without row graphs: on the stand-in, one-row passes through them draft otherwise). Rounds
+    accept fewer than K drafts: one that accepts all K leaves two tokens to feed, and runs step by step."""
+    proposers = [_proposer(draft, True, keep_ranked=4), _proposer(draft, False, keep_ranked=4, row_graphs=False)]
+    replays = []
+    real = proposers[0].steps_graph.run
+    proposers[0].steps_graph.run = lambda *a: replays.append(1) or real(*a)
+    seqs = [_seqs(ENGINE_PROMPTS[:3]) for _ in proposers]
+
+    def same_ranks(out, round_):
+        ranks = [[p.rank_table.rows(rows) for rows in p.rank_rows] for p in out]
+        assert [[r.ids for r in rows] for rows in ranks[0]] == [[r.ids for r in rows] for rows in ranks[1]], round_
+        torch.testing.assert_close(*[torch.tensor([[r.probs for r in rows] for rows in side]) for side in ranks],
+                                   rtol=1e-4, atol=1e-5)  # passes of other row counts round their last bits apart
+    _rounds(proposers, seqs, 4, same_ranks)
+    assert len(replays) == 6
+    shapes = set(proposers[0].steps_graph.graphs)
+    assert shapes and all(shape.first and shape.steps == 4 and shape.ranked == 4 for shape in shapes)
 
 
 def test_the_steps_graph_captures_under_the_checker(draft, monkeypatch):

@@ -69,6 +69,14 @@ def test_the_build_graph_captures_under_the_checker(draft, monkeypatch):
         spec.build()
 
 
+def sent(spec: Speculator, seq_id: int) -> list[int]:
+    """The speculation under verification: on a graph build's path still on the device (read here)."""
+    state = spec.states[seq_id]
+    if state.spoken is None:
+        return state.sent
+    return spec.spoken.tokens[state.spoken.row, :state.spoken.tokens].tolist()
+
+
 def _round_request(rng: random.Random, specs, live: dict, next_id: list, round_: int) -> RoundRequest:
     """Outcomes for the live sequences (a cached one most of the time, else one the cache lacks), plus
     admissions, releases and, at round 30, a preemption (a release, then the same sequence admitted again)."""
@@ -79,9 +87,9 @@ def _round_request(rng: random.Random, specs, live: dict, next_id: list, round_:
         if mine and rng.random() < 0.7:
             k, t = rng.choice(mine)
         else:
-            k, t = 0, next(t for t in range(VOCAB) if (0, t) not in mine and t != specs[0].states[seq_id].sent[0])
+            k, t = 0, next(t for t in range(VOCAB) if (0, t) not in mine and t != sent(specs[0], seq_id)[0])
         outcomes.append(Outcome(seq_id, k, t))
-        live[seq_id] += specs[0].states[seq_id].sent[:k] + [t]
+        live[seq_id] += sent(specs[0], seq_id)[:k] + [t]
     longest = max(live, key=lambda i: len(live[i]))
     if (round_ % 9 == 4 or len(live[longest]) > MAX_LEN - 16) and len(live) > 1:
         gone = longest if len(live[longest]) > MAX_LEN - 16 else rng.choice(sorted(live))
@@ -131,7 +139,7 @@ def _run_pair(draft, fan_out, rounds, greedy_only, seeds=(0, 0), **plan) -> list
         for spec, offset in zip(specs, seeds):
             req = RoundRequest(request.outcomes, [Admission(a.seq_id, a.tokens, a.params, a.seed + offset)
                                                   for a in request.admissions], request.releases, request.order)
-            answers.append(spec.respond(req).rows)
+            answers.append(spec.respond(req).read_tokens().rows)
         seen.append(tuple([(r.hit, r.tokens, None if r.probs is None else r.probs.tolist()) for r in rows]
                           for rows in answers))
     graph_builds = specs[0].graph.graphs

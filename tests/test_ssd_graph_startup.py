@@ -40,7 +40,7 @@ def replayed(monkeypatch):
     """Every build graph replayed, by its shape, in order."""
     shapes = []
     real = GraphBuild.run
-    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, rows: shapes.append(shape) or real(self, shape, rows))
+    monkeypatch.setattr(GraphBuild, "run", lambda self, shape, *a: shapes.append(shape) or real(self, shape, *a))
     return shapes
 
 

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from saguaro.device import to_device
 from saguaro.host_memory import lazy_zeros
 
 if TYPE_CHECKING:  # a hint only: models use the cache, not the other way round
@@ -31,7 +32,7 @@ class KVCache:
 
     def copy_slots(self, src: list[int], dst: list[int]) -> None:
         """Copy every layer's k/v from slots ``src`` to slots ``dst`` (e.g. a speculation branch's scratch
-        into its sequence's own blocks)."""
-        dst_index = torch.tensor(dst, dtype=torch.long, device=self.data.device)
-        src_index = torch.tensor(src, dtype=torch.long, device=self.data.device)
-        self.data.index_copy_(2, dst_index, self.data.index_select(2, src_index))
+        into its sequence's own blocks). The slots cross to a GPU in one copy from pinned memory that the host
+        does not wait for (``to_device``): a hit's adoption queues behind the build without a sync."""
+        index = to_device(torch.tensor([src, dst], dtype=torch.long), self.data.device)
+        self.data.index_copy_(2, index[1], self.data.index_select(2, index[0]))

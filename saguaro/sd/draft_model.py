@@ -12,6 +12,8 @@ records the transformed one: the SSD worker passes Saguaro sampling (Def. 14,
 ``saguaro.ssd.saguaro_sampling``) so just-in-time drafts follow the same law as cached ones.
 ``keep_ranked`` > 0 also records each step's most likely ids and their probabilities, left on the device
 (``Proposal.rank_table`` and ``rank_rows``).
+``graphs=False`` keeps every step a pass of the runner (a draft whose passes read more than tokens: the SSD
+speculator's EAGLE-3 head).
 ``state_of`` (optional) finds a sequence's draft cache where its owner keeps it: the SSD speculator keeps
 it with the rest of the sequence's state and frees it itself. By default the proposer keeps one per
 sequence id (``states``), rolled back by ``commit`` and freed by ``release``.
@@ -48,14 +50,15 @@ Reweight = Callable[[torch.Tensor, int, list[Sequence]], torch.Tensor]  # (probs
 
 class DraftModelProposer(Proposer):
     def __init__(self, runner: ModelRunner, reweight: Reweight | None = None, keep_ranked: int = 0,
-                 state_of: Callable[[Sequence], DraftState] | None = None):
+                 state_of: Callable[[Sequence], DraftState] | None = None, graphs: bool = True):
         self.runner = runner
         self.reweight = reweight
         self.keep_ranked = keep_ranked
         self.states: dict[int, DraftState] = {}  # the draft caches this proposer keeps (no ``state_of``)
         self._state_of = state_of
-        # greedy rounds' steps 2..K as one graph replay on the paged backend (``draft_graph.py``)
-        self.steps_graph = steps_graph(runner) if reweight is None and not keep_ranked else None
+        # greedy rounds' steps 2..K as one graph replay on the paged backend (``draft_graph.py``); all K steps where
+        # ranked ids are kept (SSD's just-in-time drafts) and every draft cache lacks only its sequence's last token
+        self.steps_graph = steps_graph(runner) if reweight is None and graphs else None
 
     def propose(self, seqs: list[Sequence], num_tokens: list[int], read: bool = True) -> Proposal:
         """Draft ``num_tokens[b]`` tokens for each sequence, one draft pass per step. The drawn tokens stay on
@@ -115,34 +118,46 @@ class DraftModelProposer(Proposer):
 
     def _graphed(self, seqs: list[Sequence], num_tokens: list[int], k_max: int) -> StepsShape | None:
         """The steps graph's shape for this round, or None where it runs step by step: not every sequence greedy
-        at the same K of at least 2, or a block table past the graph's."""
+        at the same K (of at least 2 for SD's steps 2..K), a block table past the graph's, or, keeping ranked ids,
+        a draft cache that lacks more than its sequence's last token."""
         if (self.steps_graph is None or not seqs or any(k != k_max for k in num_tokens)
                 or not all(s.params.greedy for s in seqs)):
             return None
         if any(len(s.tokens) + k_max - 1 > self.steps_graph.table_width * self.runner.block_size for s in seqs):
             return None
-        return self.steps_graph.shape(len(seqs), k_max)
+        if self.keep_ranked and any(self._state(s).num_cached != len(s.tokens) - 1 for s in seqs):
+            return None
+        return self.steps_graph.shape(len(seqs), k_max, min(self.keep_ranked, self.runner.config.vocab_size))
 
     def _propose_graphed(self, seqs: list[Sequence], k: int, shape: StepsShape, read: bool) -> Proposal:
-        """``propose`` for a greedy round: the first step as a pass, steps 2..K as one replay."""
-        items = [self._feed(seq, seq.tokens[self._state(seq).num_cached:]) for seq in seqs]
-        logits = torch.cat(self.runner.forward(items))
-        first = logits.argmax(dim=-1)  # greedy rows: the argmax (``sample`` of their one-hot probabilities)
+        """``propose`` for a greedy round: the first step as a pass, steps 2..K as one replay; or all K steps as
+        one replay (``shape.first``), their ranked ids kept."""
+        first = None
+        if not shape.first:
+            items = [self._feed(seq, seq.tokens[self._state(seq).num_cached:]) for seq in seqs]
+            first = torch.cat(self.runner.forward(items)).argmax(dim=-1)  # greedy rows: ``sample``'s one-hot argmax
         rows = []
         for seq in seqs:
             state = self._state(seq)
-            self.runner.blocks.reserve(state.block_table, state.num_cached + k - 1)
-            rows.append([1, state.num_cached] + state.block_table
+            fed = k - (first is not None)  # positions the graph feeds, from its first step's
+            self.runner.blocks.reserve(state.block_table, state.num_cached + fed)
+            rows.append([1, state.num_cached, seq.tokens[-1]] + state.block_table
                         + [0] * (shape.table_width - len(state.block_table)))
-            state.num_cached += k - 1
-        rest = self.steps_graph.run(shape, first, rows)
-        on_device = torch.cat([first[:, None], rest[:len(seqs)]], dim=1)
+            state.num_cached += fed
+        out = self.steps_graph.run(shape, first, rows)
+        n = len(seqs)
+        on_device = out.tokens[:n].clone() if first is None else torch.cat([first[:, None], out.tokens[:n]], dim=1)
         vocab = self.runner.config.vocab_size
-        probs = torch.zeros(len(seqs), k, vocab, device=logits.device).scatter_(2, on_device[..., None], 1.0)
-        no_mass = torch.zeros(len(seqs), dtype=torch.bool)
+        probs = torch.zeros(n, k, vocab, device=on_device.device).scatter_(2, on_device[..., None], 1.0)
+        no_mass = torch.zeros(n, dtype=torch.bool)
+        table, rank_rows = None, None
+        if shape.ranked:  # row b * K + j ranks token j of sequence b
+            table = RankTable(out.rank_ids[:n].reshape(n * k, -1), out.rank_probs[:n].reshape(n * k, -1))
+            rank_rows = [list(range(b * k, (b + 1) * k)) for b in range(n)]
         if not read:
-            return Proposal(None, probs, no_mass, device_tokens=on_device, counts=[k] * len(seqs))
-        return Proposal(on_device.tolist(), probs, no_mass)
+            return Proposal(None, probs, no_mass, device_tokens=on_device, counts=[k] * n, rank_table=table,
+                            rank_rows=rank_rows)
+        return Proposal(on_device.tolist(), probs, no_mass, rank_table=table, rank_rows=rank_rows)
 
     def prefill(self, seqs: list[Sequence], ends: list[int] | None = None) -> None:
         """Feed every token but the last, or up to ``ends[i]`` of a chunked prefill (``propose`` starts from

@@ -7,10 +7,10 @@ distributions and ranked ids beside it. ``respond`` gathers the rows that hit on
 together with the misses' drafts, so a build ends without waiting for the device and a round's answer is
 one read.
 
-A graph build (``graph_build.py``) reads nothing: its keys stay on the device too (``fill_pending``).
-``resolve``, at the start of the next ``respond``, reads its keys, token table and ranked ids in one read;
-the hits' tokens are then on the host already, and the round reads the device again only for the misses'
-just-in-time drafts.
+A graph build (``graph_build.py``) reads nothing: its keys stay on the device too (``fill_pending``). The
+next ``respond`` looks its outcomes up there (``match``) and reads only which branch hit per sequence, with
+the last speculations' tokens: the round's one read. The hits' tokens and ranked ids stay on the device
+(``gather_spoken``), handed to the verifier and to the next build unread.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import torch
 
 from saguaro.device import read_together, to_device
 from saguaro.sampling.ranked import RankTable
+from saguaro.ssd.spoken import Spoken
 
 
 @dataclass
@@ -63,7 +64,7 @@ class SpeculationCache:
         self.ranks: RankTable | None = None  # every position of every branch, ranked
         self.probs: torch.Tensor | None = None  # [rows, V] every pass row's distribution; None if all greedy
         self._pending: tuple[list[int], list[BranchGroup], torch.Tensor] | None = None  # a graph build's keys
-        self._host: list[list] | None = None  # [tokens, rank ids, rank probs] as read by ``resolve``
+        self._given: dict[int, tuple[int, int]] = {}  # the outcomes ``match`` looked up
 
     def fill(self, groups: list[BranchGroup], drawn: list[torch.Tensor], ranks: RankTable | None,
              probs: torch.Tensor | None, k: int, device: torch.device) -> None:
@@ -85,49 +86,65 @@ class SpeculationCache:
     def fill_pending(self, seq_ids: list[int], groups: list[BranchGroup], keys: torch.Tensor, tokens: torch.Tensor,
                      ranks: RankTable, probs: torch.Tensor | None) -> None:
         """Start a graph build's cache: ``keys`` [B, branches, 2] (sequence n's branch q was prepared for outcome
-        ``keys[n, q]``; rows past ``seq_ids`` are ghosts) stay on the device until ``resolve``."""
+        ``keys[n, q]``; rows past ``seq_ids`` are ghosts) stay on the device, where ``match`` looks outcomes up."""
         self.clear()
         self.tokens, self.ranks, self.probs = tokens, ranks, probs
         self._pending = (seq_ids, groups, keys)
 
-    def resolve(self) -> None:
-        """Read a graph build's keys, token table and ranked ids in one read, and enter its sequences."""
+    def match(self, outcomes: list[tuple[int, int, int]]) -> torch.Tensor | None:
+        """Look a graph build's sequences' outcomes (sequence id, k, t*) up in its key table, on the device: the
+        outcomes staged in one copy, compared with every key there. Returns [n] long, the branch that hit for
+        each of its n sequences (-1: none), for the round's one read (``matched``); None without a graph build."""
         if self._pending is None:
-            return
-        seq_ids, groups, keys = self._pending
+            return None
+        seq_ids, _, keys = self._pending
+        given = self._given = {seq_id: (k, t) for seq_id, k, t in outcomes}
+        staged = to_device(torch.tensor([given.get(i, (-1, -1)) for i in seq_ids], dtype=torch.long), keys.device)
+        same = (keys[:len(seq_ids)] == staged[:, None, :]).all(dim=-1)  # [n, branches]; keys are distinct
+        return torch.where(same.any(dim=-1), same.to(torch.int8).argmax(dim=-1), -1)
+
+    def matched(self, branches: list[int]) -> None:
+        """Enter each graph-built sequence's branch that hit (``match``'s values, read), and only that one."""
+        seq_ids, groups, _ = self._pending
         self._pending = None
-        values = read_together([keys[:len(seq_ids)], self.tokens, self.ranks.ids, self.ranks.probs])
-        for seq_id, group, pairs in zip(seq_ids, groups, values[0]):
-            self.put(seq_id, [tuple(p) for p in pairs], group)
-        self._host = values[1:]
+        for seq_id, group, q in zip(seq_ids, groups, branches):
+            self._entries[seq_id] = (group, {} if q < 0 else {self._given[seq_id]: q})
+
+    def _read_pending(self) -> list[tuple[int, BranchGroup, dict[tuple[int, int], int]]]:
+        """A graph build's every key, read (a read of its own: to inspect the cache, never on a round's path)."""
+        seq_ids, groups, keys = self._pending
+        values = read_together([keys[:len(seq_ids)]])[0]
+        return [(i, g, {tuple(p): q for q, p in enumerate(pairs)}) for i, g, pairs in zip(seq_ids, groups, values)]
 
     def put(self, seq_id: int, keys: list[tuple[int, int]], group: BranchGroup) -> None:
         """Enter a sequence's branches: ``keys[q]`` = (k, t*), the outcome branch q was prepared for."""
         self._entries[seq_id] = (group, dict(zip(keys, range(len(keys)))))
 
     def get(self, seq_id: int, k: int, token: int) -> CachedBranch | None:
-        self.resolve()
+        if self._pending is not None:
+            raise RuntimeError("a graph build's outcomes are looked up on the device: match, then matched")
         group, index = self._entries.get(seq_id, (None, {}))
         q = index.get((k, token))
         return None if q is None else group.branch(q)
 
-    def gather(self, hits: list[CachedBranch]
-               ) -> tuple[list[list] | None, list[torch.Tensor], list[torch.Tensor | None]]:
-        """[tokens [H, K], rank ids [N, W], rank probs [N, W]] of ``hits`` (the rank rows are every hit's
-        ``rank_rows`` in order): as Python values where ``resolve`` read them already (else None), or on the
-        device, for one read with others (``read_together``); and each hit's [length, V] distributions (None for
-        a greedy one), gathered on the device in one index."""
+    def gather(self, hits: list[CachedBranch]) -> tuple[list[torch.Tensor], list[torch.Tensor | None]]:
+        """[tokens [H, K], rank ids [N, W], rank probs [N, W]] of ``hits`` on the device (the rank rows are every
+        hit's ``rank_rows`` in order), for one read with others (``read_together``); and each hit's [length, V]
+        distributions (None for a greedy one), gathered on the device in one index."""
         if not hits:
-            return ([[], [], []] if self._host is not None else None), [], []
-        values, pieces = None, []
-        if self._host is not None:
-            tokens, ids, probs = self._host
-            rank_rows = [r for h in hits for r in h.rank_rows]
-            values = [[tokens[h.row] for h in hits], [ids[r] for r in rank_rows], [probs[r] for r in rank_rows]]
-        else:
-            rows = to_device(torch.tensor([h.row for h in hits], dtype=torch.long), self.tokens.device)
-            pieces = [self.tokens[rows]] + self.ranks.take([r for h in hits for r in h.rank_rows])
-        return values, pieces, self._hit_probs(hits)
+            return [], []
+        rows = to_device(torch.tensor([h.row for h in hits], dtype=torch.long), self.tokens.device)
+        pieces = [self.tokens[rows]] + self.ranks.take([r for h in hits for r in h.rank_rows])
+        return pieces, self._hit_probs(hits)
+
+    def gather_spoken(self, hits: list[CachedBranch], k: int) -> tuple[Spoken, list[torch.Tensor | None]]:
+        """``gather`` left on the device as a ``Spoken`` of a row per hit (its ranked ids [K, W] per row, the
+        rows past its length repeating its last: never staged as known), in one index copy and three gathers."""
+        index = [[h.row] + [h.rank_rows[min(j, h.length - 1)] if h.length else 0 for j in range(k)] for h in hits]
+        index = to_device(torch.tensor(index, dtype=torch.long), self.tokens.device)
+        rank_rows = index[:, 1:]
+        spoken = Spoken(self.tokens[index[:, 0]].clamp(min=0), self.ranks.ids[rank_rows], self.ranks.probs[rank_rows])
+        return spoken, self._hit_probs(hits)
 
     def _hit_probs(self, hits: list[CachedBranch]) -> list[torch.Tensor | None]:
         probs: list[torch.Tensor | None] = [None] * len(hits)
@@ -146,17 +163,19 @@ class SpeculationCache:
     def clear(self) -> None:
         self._entries.clear()
         self.tokens = self.ranks = self.probs = None
-        self._pending = self._host = None
+        self._pending = None
+
+    def _all(self) -> list[tuple[int, BranchGroup, dict[tuple[int, int], int]]]:
+        if self._pending is not None:
+            return self._read_pending()
+        return [(seq_id, group, index) for seq_id, (group, index) in self._entries.items()]
 
     def keys(self) -> list[tuple[int, int, int]]:
-        self.resolve()
-        return [(seq_id, k, t) for seq_id, (_, index) in self._entries.items() for k, t in index]
+        return [(seq_id, k, t) for seq_id, _, index in self._all() for k, t in index]
 
     def items(self) -> list[tuple[tuple[int, int, int], CachedBranch]]:
-        self.resolve()
-        return [((seq_id, k, t), group.branch(q)) for seq_id, (group, index) in self._entries.items()
+        return [((seq_id, k, t), group.branch(q)) for seq_id, group, index in self._all()
                 for (k, t), q in index.items()]
 
     def __len__(self) -> int:
-        self.resolve()
-        return sum(len(index) for _, index in self._entries.values())
+        return sum(len(index) for _, _, index in self._all())

@@ -38,9 +38,11 @@ import torch
 
 from saguaro.backends.paged.graphs import CAPTURE_LOCK
 from saguaro.backends.paged.metadata import PagedMetadata
+from saguaro.device import to_device
 from saguaro.sampling.ranked import rank_table
 from saguaro.sampling.sampler import inverse_cdf
 from saguaro.ssd.counter_rng import branch_counter, counter_uniforms
+from saguaro.ssd.spoken import Spoken
 
 log = logging.getLogger("saguaro.ssd")
 HEAD = ("valid", "base", "known", "greedy", "temperature", "top_k", "top_p", "seed")
@@ -137,8 +139,11 @@ class GraphBuild:
         self.started = False  # capture_all ran: a capture now is one beside the target
 
     @torch.inference_mode()
-    def run(self, shape: BuildShape, rows: list[list[int]]) -> BuildOutputs:
-        """Stage ``rows`` (one per real sequence, ``graph_staging``) in one copy and replay ``shape``'s graph."""
+    def run(self, shape: BuildShape, rows: list[list[int]], spoken: Spoken | None = None,
+            from_spoken: list[tuple[int, int]] = ()) -> BuildOutputs:
+        """Stage ``rows`` (one per real sequence, ``graph_staging``) in one copy and replay ``shape``'s graph.
+        ``from_spoken``: (staging row, ``spoken`` row) of the sequences whose d_1..d_K and ranked ids are still on
+        the device, written into their staging rows there (a constant number of calls, no read)."""
         host, staged, replay, out = self._graph(shape)
         if self._copied is not None:
             self._copied.synchronize()  # the last build's copy out of its pinned buffer has run (long since)
@@ -148,6 +153,8 @@ class GraphBuild:
         if staged.is_cuda:
             self._copied = torch.cuda.Event()
             self._copied.record()
+        if from_spoken:
+            _stage_spoken(shape, staged, spoken, from_spoken)
         replay()
         return out
 
@@ -252,6 +259,18 @@ class GraphBuild:
         branch = torch.arange(w, device=self.device)[None, :]
         u = counter_uniforms(f.seed[:, None], branch_counter(f.base[:, None] + 1, forks, branch, j)).reshape(-1)
         return torch.where(per_row(f.greedy), probs.argmax(dim=-1), inverse_cdf(probs, u))
+
+
+def _stage_spoken(shape: BuildShape, staged: torch.Tensor, spoken: Spoken, pairs: list[tuple[int, int]]) -> None:
+    """Write d_1..d_K and the ranked ids of depths 0..K-1 (past what a sequence brought they are masked by its
+    ``known``) from ``spoken`` into the staging rows, on the device: one index copy, three gathers."""
+    index = to_device(torch.tensor(pairs, dtype=torch.long).T, staged.device)
+    dst, src = index[0], index[1]
+    cols, k, width = shape.columns, shape.k, shape.width
+    fed, ids, probs = cols["fed"][0], cols["rank_ids"][0], cols["rank_probs"][0]
+    staged[dst, fed + 1:fed + 1 + k] = spoken.tokens[src]
+    staged[dst, ids:ids + k * width] = spoken.rank_ids[src].reshape(len(pairs), -1)
+    staged[dst, probs:probs + k * width] = spoken.rank_probs[src].double().view(torch.int64).reshape(len(pairs), -1)
 
 
 class _Fields:

@@ -21,6 +21,9 @@ class StagedBuild:
     shape: BuildShape
     rows: list[list[int]]  # one staging row per sequence, in ``states`` order
     groups: list[BranchGroup]  # each sequence's branches in the build's tables
+    # (staging row, ``Spoken`` row) of each sequence whose speculation and ranked ids are still on the device:
+    # its row's d_1..d_K and ranked ids are written there from ``Spoken`` (``GraphBuild.run``)
+    spoken: list[tuple[int, int]]
 
 
 def outcome_counts(fan_out: list[int], k: int, ranked: int) -> tuple[int, ...]:
@@ -32,10 +35,10 @@ def outcome_counts(fan_out: list[int], k: int, ranked: int) -> tuple[int, ...]:
 def glue_start(state: SeqState) -> int:
     """The first position the glue feeds (``Speculator._glue``): the draft cache's end, or the last verified
     token when its logits are needed; positions whose k/v and ranked ids came with the speculation are kept."""
-    base = len(state.seq) - 1
+    base, ranked = len(state.seq) - 1, state.ranked_count
     start = min(state.draft.num_cached, base)
-    if state.ranked is not None and state.draft.num_cached >= base:
-        start = min(state.draft.num_cached, base + len(state.ranked), base + len(state.sent))
+    if ranked is not None and state.draft.num_cached >= base:
+        start = min(state.draft.num_cached, base + ranked, base + state.sent_count)
     return start
 
 
@@ -44,7 +47,7 @@ def choose_shape(spec, states: list[SeqState], temperature) -> BuildShape | None
     k, graphs = spec.k, spec.runner.backend.graphs
     width = min(spec.width, spec.runner.config.vocab_size)
     if (len(states) > SEQ_BUCKETS[-1] or spec.conditioned or spec.saguaro_sampling is not None
-            or any(len(s.sent) != k or glue_start(s) < len(s.seq) - 1 for s in states)):
+            or any(s.sent_count != k or glue_start(s) < len(s.seq) - 1 for s in states)):
         return None
     if any(len(r.ids) < width for s in states for r in (s.ranked or [])[:glue_start(s) - len(s.seq) + 1]):
         return None  # a staged ranking shorter than the graph's
@@ -106,7 +109,7 @@ def stage(spec, states: list[SeqState], temperature) -> StagedBuild | None:
         return None
     blocks, k, size = spec.runner.blocks, shape.k, shape.offsets[-1]
     done = shape.pass_rows
-    rows, groups = [], []
+    rows, groups, spoken = [], [], []
     for n, state in enumerate(states):
         seq, draft = state.seq, state.draft
         base, start = len(seq) - 1, glue_start(state)
@@ -116,15 +119,18 @@ def stage(spec, states: list[SeqState], temperature) -> StagedBuild | None:
         blocks.reserve(state.scratch, size)
         scratch = spec.runner.slots(state.scratch, 0, size)
         known = start - base
-        ids, probs = _known_ranks(state, known, k, shape.width)
+        if state.spoken is not None:
+            spoken.append((n, state.spoken.row))
+        ids, probs = _known_ranks(state, 0 if state.spoken is not None else known, k, shape.width)
+        sent = state.sent if state.spoken is None else [0] * k
         p = seq.params
         rows.append([1, base, known, int(p.greedy), float_bits(p.temperature), int(p.top_k), float_bits(p.top_p),
-                     state.seed] + (seq.tokens[base:] + state.sent) + draft.block_table
+                     state.seed] + (seq.tokens[base:] + sent) + draft.block_table
                     + [0] * (shape.table_width - len(draft.block_table)) + scratch + ids + probs)
         step_rows = [done[j] + n * w for j, w in enumerate(shape.widths)]
         groups.append(BranchGroup(n * shape.branches, shape.branches, step_rows, list(shape.widths), not p.greedy,
                                   scratch, shape.offsets[:k]))
-    return StagedBuild(shape, rows, groups)
+    return StagedBuild(shape, rows, groups, spoken)
 
 
 def _known_ranks(state: SeqState, known: int, k: int, width: int) -> tuple[list[int], list[int]]:

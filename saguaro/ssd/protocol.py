@@ -40,8 +40,9 @@ from enum import IntEnum
 from typing import Any
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
-from saguaro.device import stack_padded
+from saguaro.device import read_together, stack_padded
 from saguaro.sampling.params import SamplingParams
 
 CMD_ROUND, CMD_STOP = 1, 2
@@ -95,17 +96,30 @@ class RoundRequest:
 @dataclass
 class SpecRow:
     """One sequence's next speculation. Kinds: greedy (``probs`` None), sampled (``probs`` given),
-    point mass (an n-gram / random backup: ``point_mass`` and no ``probs``); any of them may be empty."""
+    point mass (an n-gram / random backup: ``point_mass`` and no ``probs``); any of them may be empty.
+
+    On the graph-build path the tokens may still be on the draft's device, unread: ``tokens`` is None,
+    ``device_tokens`` holds them (its first ``count``; the rest is padding) and the verifier reads them with its
+    outcome, or a transport that packs the response reads every row's at once (``RoundResponse.read_tokens``)."""
     hit: bool
-    tokens: list[int]
+    tokens: list[int] | None
     probs: torch.Tensor | None  # [len(tokens), V]: the distributions the tokens were drawn from
     point_mass: bool = False  # drafted deterministically (the n-gram / random backup): no distribution
+    device_tokens: torch.Tensor | None = None  # [>= count] long on the draft's device, while ``tokens`` is None
+    count: int = 0  # tokens in ``device_tokens``
 
     def __post_init__(self) -> None:
+        if (self.tokens is None) == (self.device_tokens is None):
+            raise ValueError("a row holds either its token list or device_tokens")
         if self.point_mass and self.probs is not None:
             raise ValueError("a point-mass row carries no distributions")
-        if self.probs is not None and self.probs.shape[0] != len(self.tokens):
-            raise ValueError(f"{len(self.tokens)} tokens but {self.probs.shape[0]} distributions")
+        if self.probs is not None and self.probs.shape[0] != self.size:
+            raise ValueError(f"{self.size} tokens but {self.probs.shape[0]} distributions")
+
+    @property
+    def size(self) -> int:
+        """How many tokens it holds, read or not."""
+        return len(self.tokens) if self.tokens is not None else self.count
 
 
 @dataclass
@@ -114,6 +128,15 @@ class RoundResponse:
     build_s: float = 0.0  # time the speculator spent building the previous cache
     respond_s: float = 0.0  # time from receiving the request to sending this response
     build_steps: int = 0  # branch steps the previous cache build completed
+
+    def read_tokens(self) -> RoundResponse:
+        """Every row's tokens as Python lists, the rows still on the device read together (one read)."""
+        unread = [r for r in self.rows if r.tokens is None]
+        if unread:
+            values = read_together([pad_sequence([r.device_tokens for r in unread], batch_first=True)])[0]
+            for row, tokens in zip(unread, values):
+                row.tokens, row.device_tokens = tokens[:row.count], None
+        return self
 
 
 class RowColumns(IntEnum):
@@ -214,6 +237,7 @@ _HEAD = 6
 
 
 def pack_response(resp: RoundResponse, k: int) -> list[torch.Tensor]:
+    resp = resp.read_tokens()  # rows left on the draft's device cross as values
     blocks = [row.probs for row in resp.rows if row.probs is not None]
     vocab = blocks[0].shape[-1] if blocks else 0
     meta = []

@@ -68,6 +68,7 @@ from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest, RoundResponse, SpecRow
 from saguaro.ssd.saguaro_sampling import SaguaroSampling
 from saguaro.ssd.seq_state import SeqState
+from saguaro.ssd.spoken import Spoken, SpokenRow
 from saguaro.ssd_settings import DraftedBy, MissStrategy
 from saguaro.ssd.tree import BranchLayout
 
@@ -124,12 +125,15 @@ class Speculator:
         # the just-in-time drafter works on each sequence's own draft cache (SeqState.draft)
         reweight = self.saguaro_sampling.apply if self.saguaro_sampling else None
         self.jit = DraftModelProposer(runner, reweight, keep_ranked=self.width,
-                                      state_of=lambda seq: self.states[seq.seq_id].draft)
+                                      state_of=lambda seq: self.states[seq.seq_id].draft, graphs=not self.conditioned)
         self.cache = SpeculationCache()
         self.last_build = BuildStats()
         self._rng = random.Random(0)
         self.graph = self._graph_build()
         self.counter_rng = self.graph is not None  # the Python build draws what the graph build would
+        # where the graph build can run, a round's answer stays on the device (``Spoken``) and the host reads once
+        self.on_device = self.graph is not None and not self.conditioned and self.saguaro_sampling is None
+        self.spoken: Spoken | None = None
 
     def _graph_build(self) -> GraphBuild | None:
         backend = getattr(self.runner, "backend", None)
@@ -140,10 +144,13 @@ class Speculator:
         return GraphBuild(backend.net, self.runner.cache, graphs.capture, self.runner.device)
 
     def capture_builds(self, max_seqs: int) -> None:
-        """Capture the build graph of every shape a round of at most ``max_seqs`` sequences can take, now (start-up):
-        no round then captures beside the target. Nothing where builds run in Python."""
+        """Capture the build graph of every shape a round of at most ``max_seqs`` sequences can take, and the
+        just-in-time drafter's steps graph, now (start-up): no round then captures beside the target. Nothing where
+        builds run in Python."""
         if self.graph is not None:
             self.graph.capture_all(graph_staging.startup_shapes(self, max_seqs))
+        if self.on_device and self.jit.steps_graph is not None:  # and the just-in-time drafter's K steps
+            self.jit.steps_graph.capture_all(max_seqs, self.k, min(self.width, self.runner.config.vocab_size))
 
     def fan_out_for(self, state: SeqState) -> list[int]:
         """F_0..F_K for the cache of a sequence's speculation under verification (in the round's tree)."""
@@ -191,7 +198,8 @@ class Speculator:
     # -- respond -----------------------------------------------------------------
     def respond(self, req: RoundRequest) -> RoundResponse:
         """Apply the outcomes, then answer every sequence in ``req.order``: the hits from the cache, gathered on
-        the draft's device, and the misses' drafts by the miss strategy; the host reads both together, once."""
+        the draft's device, and the misses' drafts by the miss strategy. The host reads the device once: on the
+        graph-build path for which branch hit (``_look_up``), else for the hits' and the misses' drafts."""
         start = time.perf_counter()
         for seq_id in req.releases:
             self._forget(seq_id)
@@ -199,6 +207,7 @@ class Speculator:
             self._admit(adm)
         self._set_batch(len(req.order))
         self.tree = req.tree
+        self._look_up(req.outcomes)
         hits: dict[int, CachedBranch] = {}
         adopted: tuple[list[int], list[int]] = ([], [])  # the hits' branch k/v: scratch slots -> cache slots
         for out in req.outcomes:
@@ -222,16 +231,51 @@ class Speculator:
             self.runner.cache.copy_slots(*adopted)  # every hit's at once
         order = [self.states[i] for i in req.order]
         hit_states = [s for s in order if s.seq.seq_id in hits]
-        hit_list = [hits[s.seq.seq_id] for s in hit_states]
-        hit_values, pieces, hit_probs = self.cache.gather(hit_list)  # read already (a graph build's), or on the device
-        self.cache.clear()
-        self._free_scratch()
         limit = dict(zip(req.order, req.ks or [self.k] * len(order)))  # K per sequence (0: answer with nothing)
         misses = [s for s in order if s.seq.seq_id not in hits]
+        answer = self._answer_on_device if self.on_device else self._answer
+        rows = answer(hit_states, [hits[s.seq.seq_id] for s in hit_states], misses, limit)
+        for state in order:
+            row = rows[state.seq.seq_id]
+            state.sent = row.tokens  # None while on the device (``state.spoken``)
+            state.drafted_by = DraftedBy.BACKUP if row.point_mass else DraftedBy.PRIMARY
+        return RoundResponse([rows[i] for i in req.order], self.last_build.seconds, time.perf_counter() - start,
+                             self.last_build.steps)
+
+    def _look_up(self, outcomes: list[Outcome]) -> None:
+        """The graph-build path's one read of a round: which branch of the build hit for each sequence (looked up
+        on the device, ``SpeculationCache.match``), and the tokens of the speculations just verified, still on
+        the device (``Spoken``). The outcomes are applied to each sequence with them. Nothing elsewhere."""
+        match = self.cache.match([(o.seq_id, o.num_accepted, o.bonus) for o in outcomes])
+        spoken = [s for s in self.states.values() if s.spoken is not None]
+        pieces = ([match] if match is not None else []) + ([self.spoken.tokens] if spoken else [])
+        values = read_together(pieces)
+        if match is not None:
+            self.cache.matched(values[0])
+        if spoken:
+            self._take_spoken(spoken, values[-1])
+
+    def _take_spoken(self, states: list[SeqState], tokens: list[list[int]],
+                     ranks: tuple[list, list] | None = None) -> None:
+        """Give ``states`` their speculations (and ranked ids, if read) from ``Spoken``'s values; then none is
+        left on the device. ``states``: every one whose speculation waits there."""
+        for s in states:
+            row = s.spoken
+            s.sent = tokens[row.row][:row.tokens]
+            s.ranked = None if ranks is None else ranked_rows(ranks[0][row.row][:row.ranked],
+                                                              ranks[1][row.row][:row.ranked])
+            s.spoken = None
+        self.spoken = None
+
+    def _answer(self, hit_states: list[SeqState], hit_list: list[CachedBranch], misses: list[SeqState],
+                limit: dict[int, int]) -> dict[int, SpecRow]:
+        """The rows, read: the hits gathered on the device and read together with the misses' drafts, once."""
+        pieces, hit_probs = self.cache.gather(hit_list)
+        self.cache.clear()
+        self._free_scratch()
         drafts = self._draft_misses(misses, [limit[s.seq.seq_id] for s in misses])
         values = read_together(pieces + drafts.pieces)  # the round's one read from the draft's device
-        if hit_values is None:
-            hit_values, values = values[:len(pieces)], values[len(pieces):]
+        hit_values, values = values[:len(pieces)], values[len(pieces):]
         rows = dict(drafts.answer(misses, values))
         if hit_list:
             tokens, ranked = hit_values[0], iter(ranked_rows(hit_values[1], hit_values[2]))
@@ -239,12 +283,37 @@ class Speculator:
                 state.ranked = [next(ranked) for _ in hit.rank_rows]
                 n = min(hit.length, limit[state.seq.seq_id])
                 rows[state.seq.seq_id] = SpecRow(True, row[:n], None if probs is None else probs[:n])
-        for state in order:
-            row = rows[state.seq.seq_id]
-            state.sent = row.tokens
-            state.drafted_by = DraftedBy.BACKUP if row.point_mass else DraftedBy.PRIMARY
-        return RoundResponse([rows[i] for i in req.order], self.last_build.seconds, time.perf_counter() - start,
-                             self.last_build.steps)
+        return rows
+
+    def _answer_on_device(self, hit_states: list[SeqState], hit_list: list[CachedBranch], misses: list[SeqState],
+                          limit: dict[int, int]) -> dict[int, SpecRow]:
+        """The rows, unread (the graph-build path): the hits' tokens and ranked ids gathered on the device and the
+        misses' just-in-time drafts left there, together one ``Spoken``; the verifier reads the tokens with its
+        outcome and the next build stages from it. A point-mass backup's rows are on the host already."""
+        parts, rows, hit_probs = [], {}, []
+        if hit_list:
+            spoken, hit_probs = self.cache.gather_spoken(hit_list, self.k)
+            parts.append(spoken)
+        self.cache.clear()
+        self._free_scratch()
+        drafts = self._draft_misses(misses, [limit[s.seq.seq_id] for s in misses])
+        if drafts.proposal is not None:
+            parts.append(drafts.spoken(self.k))
+        else:
+            rows.update(drafts.answer(misses, []))
+        if not parts:
+            return rows
+        self.spoken = Spoken.cat(parts)
+        views = self.spoken.tokens.unbind(0)
+        for r, (state, hit, probs) in enumerate(zip(hit_states, hit_list, hit_probs)):
+            n = min(hit.length, limit[state.seq.seq_id])
+            state.ranked, state.spoken = None, SpokenRow(r, n, hit.length)
+            if probs is not None and n < hit.length:
+                probs = probs[:n]
+            rows[state.seq.seq_id] = SpecRow(True, None, probs, device_tokens=views[r], count=n)
+        if drafts.proposal is not None:
+            rows.update(drafts.answer_on_device(misses, views[len(hit_list):], len(hit_list)))
+        return rows
 
     def _admit(self, adm: Admission) -> None:
         """Start tracking a sequence; keep the draft cache ``prefill`` filled for it if that holds a strict
@@ -321,13 +390,14 @@ class Speculator:
         start = time.perf_counter()
         stats = BuildStats()
         self._free_scratch()
-        states = [s for s in self.states.values() if s.sent and s.seq is not None]
+        states = [s for s in self.states.values() if s.sent_count and s.seq is not None]
         if states and not interrupted():
             try:  # the scratch is kept until the next respond: a hit adopts its branch's k/v from there
                 staged = graph_staging.stage(self, states, seq_temperature) if self.graph is not None else None
                 if staged is not None:
                     stats = self._replay_build(states, staged)
                 else:
+                    self._read_spoken()  # the Python build glues on the host
                     stats = self._decode_branches(states, self._glue(states), interrupted)
             except BaseException:
                 self._free_scratch()
@@ -338,10 +408,17 @@ class Speculator:
 
     def _replay_build(self, states: list[SeqState], staged: graph_staging.StagedBuild) -> BuildStats:
         """The build as one graph replay: one staging copy, no read; its keys stay on the device."""
-        out = self.graph.run(staged.shape, staged.rows)
+        out = self.graph.run(staged.shape, staged.rows, self.spoken, staged.spoken)
         self.cache.fill_pending([s.seq.seq_id for s in states], staged.groups, out.keys, out.tokens,
                                 RankTable(out.rank_ids, out.rank_probs), out.probs)
         return BuildStats(steps=self.k, branches=len(states) * staged.shape.branches)
+
+    def _read_spoken(self) -> None:
+        """Read every speculation still on the device, with its ranked ids (a build that cannot stage them there)."""
+        states = [s for s in self.states.values() if s.spoken is not None]
+        if states:
+            tokens, ids, probs = read_together([self.spoken.tokens, self.spoken.rank_ids, self.spoken.rank_probs])
+            self._take_spoken(states, tokens, (ids, probs))
 
     def _glue(self, states: list[SeqState]) -> list[BranchLayout]:
         """Extend each draft cache with the speculation under verification; pick the branches.

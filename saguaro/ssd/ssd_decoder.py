@@ -16,10 +16,11 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from saguaro.engine.k_schedule import FixedK, KSchedule
 from saguaro.engine.decoder import Decoder
-from saguaro.device import stack_padded
+from saguaro.device import stack_padded, to_device
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.engine.sequence import Sequence
 from saguaro.sd.ngram_proposer import NgramProposer
@@ -89,6 +90,7 @@ class SSDDecoder(Decoder):
         if ready:
             proposal = self._proposal(ready)
             result = verify_round(self.target, ready, proposal)
+            drafts = proposal.num_drafts()
             for b, (seq, k, bonus, tokens) in enumerate(zip(ready, result.num_accepted, result.bonus_tokens,
                                                              result.output_tokens)):
                 outcomes.append(Outcome(seq.seq_id, k, bonus, self.features.verified(b, k) if self.features else None))
@@ -96,10 +98,10 @@ class SSDDecoder(Decoder):
                 hit = self.pending.pop(seq.seq_id).hit
                 if seq.spec.k_per_round[-1]:  # a round asked at K = 0 (an AR step) neither hit nor missed
                     hits.append(self._record_hit(seq, hit))
-                self.schedule.observe(seq, len(proposal.tokens[b]), k, hit)
+                self.schedule.observe(seq, drafts[b], k, hit)
         t1 = time.perf_counter()
         if ready:
-            drafted = sum(len(t) for t in proposal.tokens)  # none: the speculator had nothing to build meanwhile
+            drafted = sum(drafts)  # none: the speculator had nothing to build meanwhile
             self.schedule.observe_verify(len(ready) + drafted, t1 - t0, beside_build=drafted > 0)
         verified = {s.seq_id for s in ready}
         admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s.seq_id not in verified]
@@ -153,10 +155,9 @@ class SSDDecoder(Decoder):
         for s, r in zip(seqs, rows):
             # a sampled row without its q could only be verified as a point mass: exact, but it would hide a
             # speculation whose distributions went astray, so it is an error here
-            if not s.params.greedy and r.tokens and r.probs is None and not r.point_mass:
+            if not s.params.greedy and r.size and r.probs is None and not r.point_mass:
                 raise RuntimeError(f"sequence {s.seq_id}: sampled speculation arrived without its distributions")
-        budgets = [draft_budget(s, len(r.tokens), self.max_model_len) for s, r in zip(seqs, rows)]
-        tokens = [r.tokens[:n] for r, n in zip(rows, budgets)]
+        budgets = [draft_budget(s, r.size, self.max_model_len) for s, r in zip(seqs, rows)]
         vocab = self.target.config.vocab_size
         probs = None
         if any(r.probs is not None for r in rows):
@@ -165,7 +166,10 @@ class SSDDecoder(Decoder):
             probs = stack_padded([None if r.probs is None else r.probs[:n] for r, n in zip(rows, budgets)],
                                  max(max(budgets), 1), vocab, self.target.device)
         point_mass = torch.tensor([r.point_mass or r.probs is None for r in rows])
-        return Proposal(tokens, probs, point_mass)
+        if all(r.tokens is not None for r in rows):
+            return Proposal([r.tokens[:n] for r, n in zip(rows, budgets)], probs, point_mass)
+        # a colocated speculator's tokens still on its device: verified there, read with the outcome
+        return Proposal(None, probs, point_mass, device_tokens=_device_tokens(rows), counts=budgets)
 
     def _record_hit(self, seq: Sequence, hit: bool) -> bool:
         stats = seq.spec
@@ -201,6 +205,15 @@ class SSDDecoder(Decoder):
         if self.link is not None:
             self.link.stop()
             self.link = None
+
+
+def _device_tokens(rows: list[SpecRow]) -> torch.Tensor:
+    """[B, width] long on the speculator's device: each row's tokens (the ones it holds there, or its host ones
+    copied in), zero padded."""
+    device = next(r.device_tokens.device for r in rows if r.tokens is None)
+    tokens = [r.device_tokens if r.tokens is None else to_device(torch.tensor(r.tokens, dtype=torch.long), device)
+              for r in rows]
+    return pad_sequence(tokens, batch_first=True)
 
 
 def _seed(seq: Sequence) -> int:

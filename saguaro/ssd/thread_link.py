@@ -287,5 +287,6 @@ def _receive_on_stream(reply: _Reply, device: torch.device) -> None:
     consumer = torch.cuda.current_stream(device)
     reply.event.wait(consumer)
     for row in reply.response.rows:
-        if row.probs is not None and row.probs.is_cuda:
-            row.probs.record_stream(consumer)
+        for t in (row.probs, row.device_tokens):
+            if t is not None and t.is_cuda:
+                t.record_stream(consumer)
