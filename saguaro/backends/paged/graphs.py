@@ -44,7 +44,7 @@ import torch
 
 from saguaro.backends.paged.capture_check import CaptureChecker
 from saguaro.backends.paged.metadata import PagedMetadata
-from saguaro.backends.paged.staging import StagingLayout
+from saguaro.backends.paged.staging import GHOST, ROW_FIELDS, StagingLayout
 from saguaro.kv.kv_cache import KVCache
 
 log = logging.getLogger("saguaro.graphs")
@@ -174,7 +174,9 @@ class GraphRunner:
         positions = torch.zeros(rows, dtype=long, device=dev)
         layout = StagingLayout(rows, extras, self.max_table_blocks)
         host = torch.zeros(layout.size, dtype=long, pin_memory=dev.type == "cuda")
-        staged = host.to(dev, copy=True)  # starts all ghosts: the capture writes no cache slot
+        for name in ROW_FIELDS:  # all ghosts (slot -1, not 0): the capture's run writes no sequence's cache slot
+            layout.row_field(host, name)[:] = GHOST[name]
+        staged = host.to(dev, copy=True)
         taps = getattr(self.net, "taps", ())
         features = torch.zeros(rows, len(taps) * self.net.config.hidden_size, dtype=self.net.embed.dtype,
                                device=dev) if taps else None  # an EAGLE-3 draft's target features, captured too
