@@ -160,11 +160,12 @@ class TimedChunks(FixedChunks):
 
     @contextmanager
     def timing(self, rows: list[Row], device: torch.device) -> Iterator[None]:
-        """Time the step around the block (the device's queue drained, so that its work counts) and learn."""
+        """Time the step around the block (the current stream drained, so that its work counts) and learn. Only
+        the caller's stream: the SSD speculator times its prefill pieces on its own stream, beside the target's."""
         start = self.clock()
         yield
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
         self.costs.observe(rows, self.clock() - start)
 
 
