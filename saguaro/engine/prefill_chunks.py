@@ -51,7 +51,10 @@ class PrefillCost:
         return n * self.per_token + self.per_pair * _pairs(n, cached)
 
     def most_tokens(self, budget_s: float, cached: int) -> int:
-        """The most tokens whose share fits ``budget_s`` after ``cached`` (0 if not one)."""
+        """The most tokens whose share fits ``budget_s`` after ``cached`` (0 if not one: also when the pass's fixed
+        cost alone has spent the budget, ``budget_s`` <= 0, as on a loaded machine)."""
+        if budget_s <= 0:
+            return 0
         a, b = self.per_pair / 2, self.per_token + self.per_pair * (cached - 0.5)
         if a <= 0:
             return max(0, int(budget_s // b)) if b > 0 else 1 << 30
