@@ -94,6 +94,18 @@ def test_step_tokens_when_the_pass_alone_is_over_budget():
     assert over.step_tokens == 1 and PrefillCost(0.5, 0.01, 0.01).most_tokens(-0.25, 0) == 0
 
 
+def test_a_pass_over_budget_with_attention_still_sizes_a_chunk():
+    """A loaded machine: the pass's fixed cost alone exceeds the budget while attention has a cost too (the
+    budget left is negative, which the quadratic's root must not take)."""
+    cost = PrefillCost(0.5, 1e-4, 1e-7)
+    chunks = _timed(cost, 0.25, [[(n, c)] for n in (32, 64, 128) for c in (0, 1000)])
+    assert math.isclose(chunks.costs.cost.fixed, 0.5, rel_tol=1e-6)
+    assert chunks.step_tokens >= 1
+    first = chunks.split([(10**6, 500), (10**6, 0)])
+    assert first[0] == math.ceil(cost.fixed / cost.seconds(1, 500)) or first[0] == 2 * 128  # the floor, or the cap
+    assert first[1] == 0
+
+
 def test_a_number_fixes_the_chunk():
     chunks = prefill_chunks(5, None, torch.device("cpu"))
     assert isinstance(chunks, FixedChunks) and not isinstance(chunks, TimedChunks)

@@ -112,19 +112,25 @@ def _prefill_request(seq_id: int, tokens: list[int]):
     return RoundRequest(admissions=[Admission(seq_id, tokens, SamplingParams(), 0)], command=CMD_PREFILL)
 
 
-def test_prefill_ahead_of_admission_is_kept_and_exact(draft):
+@pytest.mark.parametrize("idle", [True, False], ids=["fed-while-idle", "fed-at-admission"])
+def test_prefill_ahead_of_admission_is_kept_and_exact(draft, idle):
     """The draft cache filled during the target's prefill serves the first speculation: only the last
-    prompt token and the first generated one are fed, and the cache equals a fresh prefill."""
+    prompt token and the first generated one are fed, and the cache equals a fresh prefill. A prefill is only
+    taken on arrival; the idle time feeds it in pieces, or the admission feeds what is left, in one pass."""
     runner = ModelRunner(draft.model, 128, BLOCK)
     spec = Speculator(runner, SpecPlan.fixed([1, 1, 1, 2]))
     prompt = [3, 7, 1, 9, 4, 11, 2]
     spec.prefill(_prefill_request(0, prompt))
-    assert spec.states[0].draft.num_cached == len(prompt) - 1
+    assert spec.states[0].draft.num_cached == 0  # nothing fed between a request and what follows it
+    while idle and spec.prefill_piece():
+        pass
+    assert spec.states[0].draft.num_cached == (len(prompt) - 1 if idle else 0)
     fed: list[int] = []
     forward = runner.forward
     runner.forward = lambda items: fed.extend(len(i.token_ids) for i in items) or forward(items)
     rows = spec.respond(RoundRequest([], [Admission(0, prompt + [5], SamplingParams(), 0)], [], [0])).rows
-    assert fed[0] == 2 and len(rows[0].tokens) == 3
+    expected = [2] if idle else [len(prompt) - 1, 2]  # (the rest of the prefill,) the last prompt token + the first
+    assert fed[:len(expected)] == expected and len(rows[0].tokens) == 3
     state = spec.states[0].draft
     tokens = prompt + [5] + rows[0].tokens
     ref = _reference_kv(draft, tokens[:state.num_cached])

@@ -51,8 +51,9 @@ class PrefillCost:
         return n * self.per_token + self.per_pair * _pairs(n, cached)
 
     def most_tokens(self, budget_s: float, cached: int) -> int:
-        """The most tokens whose share fits ``budget_s`` after ``cached`` (0 if not one)."""
-        if budget_s <= 0:  # a pass's fixed cost alone (fitted on a loaded machine) can exceed the budget
+        """The most tokens whose share fits ``budget_s`` after ``cached`` (0 if not one: also when the pass's fixed
+        cost alone has spent the budget, ``budget_s`` <= 0, as on a loaded machine)."""
+        if budget_s <= 0:
             return 0
         a, b = self.per_pair / 2, self.per_token + self.per_pair * (cached - 0.5)
         if a <= 0:
@@ -162,11 +163,12 @@ class TimedChunks(FixedChunks):
 
     @contextmanager
     def timing(self, rows: list[Row], device: torch.device) -> Iterator[None]:
-        """Time the step around the block (the device's queue drained, so that its work counts) and learn."""
+        """Time the step around the block (the current stream drained, so that its work counts) and learn. Only
+        the caller's stream: the SSD speculator times its prefill pieces on its own stream, beside the target's."""
         start = self.clock()
         yield
         if device.type == "cuda":
-            torch.cuda.synchronize(device)
+            torch.cuda.current_stream(device).synchronize()
         self.costs.observe(rows, self.clock() - start)
 
 

@@ -5,13 +5,16 @@ Every transport -- the process (``worker.py``), the thread (``thread_link.py``) 
 in-process link (``in_process.py``) -- starts the speculator and serves it through these, and differs
 only in how requests reach it and responses leave it.
 
-Serving, per request: a stop ends it; a prefill fills the draft cache and gets no response (a build it
-cut short stays as it is); a round is answered (``respond``) and then the next cache is built until the
-transport says the next request is waiting (``interrupted``).
+Serving, per request: a stop ends it; a prefill is taken (its tokens are fed later) and gets no response; a
+round is answered (``respond``) and then the next cache is built until a request other than a prefill is
+waiting (``Inbox.interrupted``: a prefill arriving meanwhile waits, and the build goes on). In the idle time
+after that -- the build done, no request waiting -- the pending prefill is fed a piece at a time
+(``prefill_work.py``), so a long prompt's prefill never delays a round's response nor cuts a build short.
 """
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -93,18 +96,47 @@ def handle(speculator: Speculator, request: RoundRequest, reply: Callable[[Round
     if request.command == CMD_STOP:
         return False
     if request.command == CMD_PREFILL:
-        speculator.prefill(request)
+        speculator.prefill(request)  # taken only: fed while idle (``prefill_work.py``)
         return True
     reply(speculator.respond(request))
     speculator.build(interrupted=interrupted)
     return True
 
 
+class Inbox:
+    """The transport's requests in the order the speculator serves them. A prefill that arrives during a build
+    waits here without cutting the build short; any other request does cut it short (``interrupted``)."""
+
+    def __init__(self, receive: Callable[[], RoundRequest | None], waiting: Callable[[], bool]):
+        self._receive, self._waiting = receive, waiting
+        self.held: deque[RoundRequest | None] = deque()  # taken from the transport, not yet served
+
+    def take(self) -> RoundRequest | None:
+        """The next request to serve, waiting for one if need be; None once the other side is gone."""
+        return self.held.popleft() if self.held else self._receive()
+
+    def interrupted(self) -> bool:
+        """Is a request other than a prefill waiting (or the other side gone)? Prefills are taken in meanwhile."""
+        while not self._stops() and self._waiting():
+            self.held.append(self._receive())
+        return self._stops()
+
+    def _stops(self) -> bool:
+        return any(r is None or r.command != CMD_PREFILL for r in self.held)
+
+    def waiting(self) -> bool:
+        """Is any request waiting?"""
+        return bool(self.held) or self._waiting()
+
+
 def serve(speculator: Speculator, receive: Callable[[], RoundRequest | None],
           reply: Callable[[RoundResponse], None], interrupted: Callable[[], bool]) -> None:
-    """Serve requests until the stop, or until ``receive`` finds the other side gone (None); then close."""
+    """Serve requests until the stop, or until ``receive`` finds the other side gone (None); then close. In the
+    idle time between them (the build done, nothing waiting) feed the pending prefill, one piece at a time."""
+    inbox = Inbox(receive, interrupted)
     try:
-        while (request := receive()) is not None and handle(speculator, request, reply, interrupted):
-            pass
+        while (request := inbox.take()) is not None and handle(speculator, request, reply, inbox.interrupted):
+            while not inbox.waiting() and speculator.prefill_piece():
+                pass
     finally:
         speculator.close()

@@ -65,6 +65,7 @@ from saguaro.ssd.graph_build import GraphBuild
 from saguaro.ssd.miss_drafts import MissDrafts
 from saguaro.ssd.outcomes import predict_outcomes
 from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
+from saguaro.ssd.prefill_work import PrefillWork
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest, RoundResponse, SpecRow
 from saguaro.ssd.saguaro_sampling import SaguaroSampling
 from saguaro.ssd.seq_state import SeqState
@@ -127,6 +128,7 @@ class Speculator:
         self.jit = DraftModelProposer(runner, reweight, keep_ranked=self.width,
                                       state_of=lambda seq: self.states[seq.seq_id].draft, graphs=not self.conditioned)
         self.cache = SpeculationCache()
+        self.prefills = PrefillWork(runner)  # prefill tokens taken, fed in pieces while idle
         self.last_build = BuildStats()
         self._rng = random.Random(0)
         self.graph = self._graph_build()
@@ -171,29 +173,25 @@ class Speculator:
 
     # -- prefill -----------------------------------------------------------------
     def prefill(self, req: RoundRequest) -> None:
-        """Fill the draft cache with these sequences' tokens while the target prefills its own; their
-        admission in the next round keeps it (so the first speculation drafts without a draft prefill).
-        The last token is left out: drafting starts by feeding it (a resumed sequence gains no token in
-        its prefill, so its admission brings nothing newer). A chunked prefill sends growing prefixes: each
-        feeds only what the last one did not."""
-        items = []
+        """Take these sequences' tokens for the draft cache while the target prefills its own; their admission
+        in the next round keeps it (so the first speculation drafts without a draft prefill). Only recorded
+        here: ``prefill_piece`` feeds them in the speculator's idle time, and the admission whatever is left
+        (``prefill_work.py``). The last token is left out: drafting starts by feeding it (a resumed sequence
+        gains no token in its prefill, so its admission brings nothing newer). A chunked prefill sends growing
+        prefixes: each adds only what the last one did not."""
         for adm in req.admissions:
             cached = list(adm.tokens[:-1])
             state = self.states.get(adm.seq_id)
             done = state.prefilled if state is not None else None
             if done is None or cached[:len(done)] != done:
                 state = self._fresh(adm.seq_id, SeqState(prefilled=[]))
-                done = []
             state.take_features(adm.features_start, adm.features, self.runner.device)
             state.prefilled = cached
-            draft = state.draft
-            self.runner.blocks.reserve(draft.block_table, len(cached))
-            if len(cached) > len(done):
-                items.append(ForwardItem(cached[len(done):], len(done), draft.block_table, "none",
-                                         features=draft.features))
-            draft.num_cached = len(cached)
-        if items:
-            self.runner.forward(items)
+            self.prefills.add(adm.seq_id, state)
+
+    def prefill_piece(self) -> bool:
+        """Feed one piece of the pending prefill, sized by time (``prefill_work.py``); False if none was pending."""
+        return self.prefills.piece(self.states)
 
     # -- respond -----------------------------------------------------------------
     def respond(self, req: RoundRequest) -> RoundResponse:
@@ -322,6 +320,8 @@ class Speculator:
         done = state.prefilled if state is not None else None
         if done is None or len(done) >= len(adm.tokens) or adm.tokens[:len(done)] != done:
             state = self._fresh(adm.seq_id, SeqState())  # frees a prefill that does not match
+        else:
+            self.prefills.finish(state)  # what the idle time did not feed
         state.prefilled = None
         seq = state.seq = Sequence(adm.tokens, adm.params)
         seq.seq_id = adm.seq_id
