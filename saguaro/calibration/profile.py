@@ -23,12 +23,13 @@ verification over n rows 1 + 0.02 (n - 1) target rows; n-gram time 0.
 from __future__ import annotations
 
 import time
-from dataclasses import MISSING, asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
 
 from saguaro.config import DTYPES
+from saguaro.profile_files import ProfileError, checked_fields
 
 PROFILE_VERSION = 1
 F_MAX = 64  # hit curves are stored for fan-outs 0..F_MAX
@@ -38,10 +39,6 @@ DEFAULTS = {"a_p": 0.75, "r_p": 0.6, "a_b": 0.3, "r_b": 0.4, "draft_ratio": 0.38
 ROW_GRID = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)
 
 RowTimes = dict[str, float]  # "n" -> seconds for one forward over n new rows (see the glossary)
-
-
-class ProfileError(ValueError):
-    """A stored profile this engine cannot read: another version, or keys that do not match the schema."""
 
 
 @dataclass
@@ -86,8 +83,8 @@ class ContentionProbe:
 
     @classmethod
     def from_dict(cls, data: dict) -> ContentionProbe:
-        d = _fields(cls, data, "timing.contention")
-        d["busy"] = [BusyDraft(**_fields(BusyDraft, b, "timing.contention.busy")) for b in d["busy"]]
+        d = checked_fields(cls, data, "timing.contention")
+        d["busy"] = [BusyDraft(**checked_fields(BusyDraft, b, "timing.contention.busy")) for b in d["busy"]]
         return cls(**d)
 
 
@@ -109,9 +106,10 @@ class Timing:
 
     @classmethod
     def from_dict(cls, data: dict) -> Timing:
-        d = _fields(cls, data, "timing")
+        d = checked_fields(cls, data, "timing")
         if d.get("step_overhead") is not None:
-            d["step_overhead"] = StepOverhead(**_fields(StepOverhead, d["step_overhead"], "timing.step_overhead"))
+            d["step_overhead"] = StepOverhead(**checked_fields(StepOverhead, d["step_overhead"],
+                                                                "timing.step_overhead"))
         if d.get("contention") is not None:
             d["contention"] = ContentionProbe.from_dict(d["contention"])
         return cls(**d)
@@ -156,10 +154,10 @@ class TemperatureEntry:
 
     @classmethod
     def from_dict(cls, data: dict, where: str) -> TemperatureEntry:
-        d = _fields(cls, data, where)
+        d = checked_fields(cls, data, where)
         for name in ("primary", "backup"):
-            d[name] = Source(**_fields(Source, d[name], f"{where}.{name}"))
-        d["c_sweep"] = [Source(**_fields(Source, s, f"{where}.c_sweep")) for s in d.get("c_sweep", [])]
+            d[name] = Source(**checked_fields(Source, d[name], f"{where}.{name}"))
+        d["c_sweep"] = [Source(**checked_fields(Source, s, f"{where}.c_sweep")) for s in d.get("c_sweep", [])]
         return cls(**d)
 
 
@@ -192,24 +190,11 @@ class Profile:
             raise ProfileError("it has no version (written before profiles had one)")
         if version != PROFILE_VERSION:
             raise ProfileError(f"it is version {version}, this engine reads version {PROFILE_VERSION}")
-        d = _fields(cls, data, "profile")
+        d = checked_fields(cls, data, "profile")
         d["timing"] = Timing.from_dict(d["timing"])
         d["temperatures"] = {t: TemperatureEntry.from_dict(e, f"temperatures[{t}]")
                              for t, e in d["temperatures"].items()}
         return cls(**d)
-
-
-def _fields(cls: type, data: Any, where: str) -> dict:
-    """``data`` as keyword arguments of ``cls``; ``ProfileError`` naming the keys that do not match."""
-    if not isinstance(data, dict):
-        raise ProfileError(f"{where} is {type(data).__name__}, not an object")
-    known = {f.name for f in fields(cls)}
-    required = {f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING}
-    unknown, missing = sorted(set(data) - known), sorted(required - set(data))
-    if unknown or missing:
-        raise ProfileError(f"{where} " + "; ".join(([f"lacks {missing}"] if missing else [])
-                                                  + ([f"has unknown keys {unknown}"] if unknown else [])))
-    return dict(data)
 
 
 def dtype_name(dtype) -> str:

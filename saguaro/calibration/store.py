@@ -13,18 +13,14 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 from pathlib import Path
 
 from saguaro.calibration.profile import Profile, ProfileError, default_profile, dtype_name
 from saguaro.config import check_workload
 from saguaro.loading.paths import cache_root
+from saguaro.profile_files import slug
 
 log = logging.getLogger("saguaro.calibration")
-
-
-def _slug(name: str) -> str:
-    return re.sub(r"[^A-Za-z0-9._-]+", "_", os.path.basename(str(name).rstrip("/")) or str(name))
 
 
 def profile_path(target: str, draft: str, dtype, enforce_eager: bool = True, draft_format: str = "",
@@ -33,8 +29,8 @@ def profile_path(target: str, draft: str, dtype, enforce_eager: bool = True, dra
     False) adds a suffix, and so does a workload other than "mixed" (``WORKLOADS``)."""
     check_workload(workload)
     suffix = ("" if enforce_eager else "__fast") + ("" if workload == "mixed" else f"~{workload}")
-    fmt = f"@{_slug(draft_format)}" if draft_format else ""
-    return cache_root() / "profiles" / f"{_slug(target)}__{_slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
+    fmt = f"@{slug(draft_format)}" if draft_format else ""
+    return cache_root() / "profiles" / f"{slug(target)}__{slug(draft)}{fmt}__{dtype_name(dtype)}{suffix}.json"
 
 
 def save_profile(profile: Profile) -> Path:

@@ -23,8 +23,7 @@ from typing import Any
 
 import torch
 
-from saguaro.calibration.profile import ProfileError, _fields
-from saguaro.calibration.store import _slug
+from saguaro.profile_files import ProfileError, checked_fields, slug
 from saguaro.loading.paths import cache_root
 from saguaro.ssd.stream_priority import OFF
 
@@ -80,15 +79,15 @@ class LaneProfile:
         version = data.get("version") if isinstance(data, dict) else None
         if version != LANE_PROFILE_VERSION:
             raise ProfileError(f"it is version {version}, this engine reads version {LANE_PROFILE_VERSION}")
-        d = _fields(cls, data, "lane profile")
+        d = checked_fields(cls, data, "lane profile")
         d["best"] = _candidate(d["best"], "best")
         d["candidates"] = [_candidate(c, "candidates") for c in d["candidates"]]
         return cls(**d)
 
 
 def _candidate(data: Any, where: str) -> Candidate:
-    d = _fields(Candidate, data, where)
-    d["arrangement"] = Arrangement(**_fields(Arrangement, d["arrangement"], f"{where}.arrangement"))
+    d = checked_fields(Candidate, data, where)
+    d["arrangement"] = Arrangement(**checked_fields(Arrangement, d["arrangement"], f"{where}.arrangement"))
     return Candidate(**d)
 
 
@@ -107,7 +106,7 @@ def verdict(candidates: list[Candidate]) -> Candidate | None:
 
 
 def lane_profile_path(card: str) -> Path:
-    return cache_root() / "profiles" / f"lanes__{_slug(card)}.json"
+    return cache_root() / "profiles" / f"lanes__{slug(card)}.json"
 
 
 def save_lane_profile(profile: LaneProfile, path: Path | None = None) -> Path:
