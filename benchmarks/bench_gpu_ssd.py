@@ -180,13 +180,14 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
                 max_model_len=longest, kv_cache_tokens=2 * longest + 1024)
     configs: list[tuple[str, str, int | None, SSDShape | None, dict[str, Any], str | None, str | None]] = [
         ("AR", "ar", None, None, {}, None, None)]
-    configs += [(f"SD K={k}", "sd", k, None, dict(draft=draft, num_speculative_tokens=k), None, None)
+    # every speculative row is the configuration it names: K fixed (adaptive K would choose per round)
+    configs += [(f"SD K={k}", "sd", k, None, dict(draft=draft, num_speculative_tokens=k, adaptive=False), None, None)
                 for k in args.sd_k]
     paged = args.paged or (torch.device(args.device).type == "cuda" and not args.enforce_eager)
     both = len(args.priorities) > 1
     configs += [(f"{s.name}, {b} build" + (f", priorities {p}" if both else ""), "ssd", s.k, s,
                  dict(draft=draft, num_speculative_tokens=s.k, fan_out=s.fan_out, branch_steps=s.branch_steps,
-                      deep_branches=s.deep, miss_strategy="jit", speculator_transport="thread"), b, p)
+                      deep_branches=s.deep, miss_strategy="jit", speculator_transport="thread", adaptive=False), b, p)
                 for s in args.ssd for b in args.builds if b == "python" or paged for p in args.priorities]
     rows = []
     for name, mode, k, shape, extra, build, priority in configs:
