@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import threading
-import time
 import urllib.request
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -96,28 +94,9 @@ def fim_pairs(n: int) -> list[tuple[str, str]]:
 @contextmanager
 def served(llm: LLM, name: str) -> Iterator[str]:
     """``saguaro serve``'s app over ``llm`` on a free loopback port, in a thread; yields its URL."""
-    import uvicorn
-
-    from saguaro.server.app import create_app
-    from saguaro.server.async_engine import AsyncEngine
-    from saguaro.server.lifecycle import GracefulServer, ServerLimits
-    from saguaro.workers.process import free_port
-    engine, port, limits = AsyncEngine(llm), free_port(), ServerLimits()
-    server = GracefulServer(uvicorn.Config(create_app(engine, name, None, limits), host="127.0.0.1", port=port,
-                                           log_level="warning"), limits.shutdown_timeout_s, engine.abort_all)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 60
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    try:
-        if not server.started:
-            raise RuntimeError("the server did not start")
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout=limits.shutdown_timeout_s + 5)
-        engine.close()
+    from saguaro.server.in_thread import serve_in_thread
+    with serve_in_thread(llm, name) as s:
+        yield s.url
 
 
 def post(url: str, body: dict) -> tuple[Sample, dict]:

@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -13,10 +12,9 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")  # the server's packages: absent on the GPU machine
 
-from saguaro.server.app import create_app  # noqa: E402
 from saguaro.server.async_engine import AsyncEngine  # noqa: E402
+from saguaro.server.in_thread import serve_in_thread  # noqa: E402
 from saguaro.server.lifecycle import GracefulServer, ServerLimits  # noqa: E402
-from saguaro.workers.process import free_port  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -57,24 +55,8 @@ class Served:
 
 @contextmanager
 def running_server(llm, name: str = "tiny", api_key: str | None = None, limits: ServerLimits = ServerLimits()):
-    engine = AsyncEngine(llm)
-    port = free_port()
-    server = GracefulServer(uvicorn.Config(create_app(engine, name, api_key, limits), host="127.0.0.1", port=port,
-                                           log_level="warning"), limits.shutdown_timeout_s, engine.abort_all)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started and thread.is_alive() and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if not server.started:
-        engine.close()
-        raise RuntimeError("the test server did not start")
-    try:
-        yield Served(f"http://127.0.0.1:{port}", engine, server)
-    finally:
-        server.should_exit = True
-        thread.join(timeout=limits.shutdown_timeout_s + 2 * GracefulServer.GRACE_S)
-        engine.close()
+    with serve_in_thread(llm, name, api_key, limits, start_timeout_s=30) as s:
+        yield Served(s.url, s.engine, s.server)
 
 
 def http(url: str, body: bytes | dict | None = None, headers: dict | None = None) -> tuple[int, str]:

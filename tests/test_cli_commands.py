@@ -112,7 +112,7 @@ def healthy(port: int) -> bool:
 
 def test_serve_answers_a_completion_and_a_chat(dirs, pair):
     openai = pytest.importorskip("openai")  # the server's packages: absent on the GPU machine
-    from tests.serving import free_port
+    from saguaro.workers.process import free_port
     target, _ = dirs
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "saguaro.cli", "serve", "--model", str(target), "--port",
