@@ -12,9 +12,8 @@ import pytest
 
 uvicorn = pytest.importorskip("uvicorn")  # the server's packages: absent on the GPU machine
 
-from saguaro.server.async_engine import AsyncEngine  # noqa: E402
-from saguaro.server.in_thread import serve_in_thread  # noqa: E402
-from saguaro.server.lifecycle import GracefulServer, ServerLimits  # noqa: E402
+from saguaro.server.in_thread import InThread, serve_in_thread  # noqa: E402
+from saguaro.server.lifecycle import ServerLimits  # noqa: E402
 from tests.tiny import tiny_model  # noqa: E402
 
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
@@ -29,10 +28,8 @@ def chat_model(seed: int = 1, **kwargs):
 
 
 @dataclass
-class Served:
-    url: str  # http://127.0.0.1:PORT
-    engine: AsyncEngine
-    server: GracefulServer  # ``server.should_exit = True`` is what SIGTERM does
+class Served(InThread):
+    """The server in a thread, with what the tests ask of it."""
 
     @property
     def base_url(self) -> str:
