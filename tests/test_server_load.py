@@ -46,6 +46,26 @@ def samples(url: str) -> dict[tuple[str, tuple], float]:
             for family in text_string_to_metric_families(text) for s in family.samples}
 
 
+def hold_until_all_submitted(engine) -> None:
+    """The engine's first step waits (up to 30 s) until every client's request is in: the 32 then run together and
+    the tight cache must preempt, however fast the first requests would have finished alone."""
+    submitted, all_in = [0], threading.Event()
+    submit, step = engine.submit, engine.llm.engine.step
+
+    def counting_submit(*args, **kwargs):
+        request_id = submit(*args, **kwargs)
+        submitted[0] += 1
+        if submitted[0] >= CLIENTS:
+            all_in.set()
+        return request_id
+
+    def held_step():
+        all_in.wait(30)
+        return step()
+
+    engine.submit, engine.llm.engine.step = counting_submit, held_step
+
+
 @pytest.mark.parametrize("mode", ["ar", "sd", pytest.param("ssd", marks=pytest.mark.worker_failure)])
 def test_32_streaming_clients(pair, alone, mode):
     options = {} if mode == "ar" else dict(draft=pair[1], mode=mode, num_speculative_tokens=K,
@@ -79,6 +99,7 @@ def test_32_streaming_clients(pair, alone, mode):
                 progress["finished"] += 1
             results[i] = {"text": text, "finish": finish, "tokens": usage.completion_tokens}
 
+        hold_until_all_submitted(served.engine)
         threads = [threading.Thread(target=client_run, args=(i, r)) for i, r in enumerate(requests())]
         for t in threads:
             t.start()
