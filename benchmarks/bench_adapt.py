@@ -4,8 +4,9 @@ Rows, on the same chat-templated prompts: AR; SD and SSD at each fixed K of ``--
 and SSD adaptive (the default: each request's K chosen every round, 0 to ``--max-k``, and SSD's cache tree --
 fan-outs and taper -- every round); and SSD adaptive with its plan's tree only (``PLAN_TREE``: K adapts, the
 fan-outs do not), so the tree's share of the gain shows. Per dataset and
-temperature and batch size: tok/s of every row (all requests' new tokens over the wall time of their batch,
-median over batches), the best fixed configuration chosen after the fact (AR included), and the adaptive rows'
+temperature and batch size: tok/s of every row (``--rate``: decode, the tokens after each request's first over
+the time after its batch's last first token, as bench peers; or total, all new tokens over the batch's wall
+time), median over batches, the best fixed configuration chosen after the fact (AR included), and the adaptive rows'
 ratio to it and to AR. Batches hold ``--batch`` requests of one dataset, and with ``--mixed`` also one batch
 of every dataset's prompts together (code and chat in one batch). The K chosen per round by the adaptive rows
 is kept for every request (and SSD's branches per build), and one request per dataset is drawn
@@ -29,6 +30,9 @@ from benchmarks.common import (Prompt, add_common_args, draft_options, engine_op
 
 DATASETS = "humaneval,mtbench,mtbench-math,mtbench-writing"
 MIXED = "mixed"  # the batch of every dataset's prompts together
+RATES = {"decode": "the tokens after each request's first over the time after its batch's last first token "
+                   "(prefill out, as bench peers)",
+         "total": "every request's new tokens over its batch's wall time (prefill included)"}
 PLAN_TREE = dict(fan_out_scales=[], fan_out_shapes=[], taper=False)  # adaptive K over the plan's own tree only
 
 
@@ -42,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int_list, default=[1], help="batch sizes, comma separated (default 1)")
     p.add_argument("--mixed", action="store_true", help="also one batch of every dataset's prompts together")
     p.add_argument("--threads", type=int, default=1, help="threads of the target (default 1)")
+    p.add_argument("--rate", choices=list(RATES), default="decode",
+                   help="what the table compares: decode tok/s, prefill out (default), or total, prefill included")
     args = p.parse_args(argv)
     if any(m not in ("sd", "ssd") for m in args.modes) or min(args.ks, default=1) < 1 or args.max_k < 1:
         p.error("--modes takes sd and ssd; --ks and --max-k must be >= 1")
@@ -92,10 +98,16 @@ def run_config(name: str, options: dict[str, Any], prompts: list[Prompt], args: 
                     outs = llm.generate([p.ids for p in batch], params)
                     wall = time.perf_counter() - start
                     tokens = sum(len(o.token_ids) for o in outs)
+                    # decode: the tokens after each request's first over the time after the batch's last first
+                    # token (bench peers' rate; prefill out), total: every new token over the batch's wall time
+                    decode_s = wall - max(o.timings.ttft_s for o in outs)
+                    decode = (tokens - len(outs)) / decode_s if decode_s > 0 else 0.0
                     runs.append({"config": name, "dataset": group, "temperature": temperature,
-                                 "batch": len(batch) if group == MIXED else size, "tok_s": tokens / wall,
+                                 "batch": len(batch) if group == MIXED else size,
+                                 "tok_s": decode if args.rate == "decode" else tokens / wall,
+                                 "decode_tok_s": decode, "total_tok_s": tokens / wall,
                                  "tokens": tokens, "wall_s": wall, "token_ids": [o.token_ids for o in outs],
-                                 "datasets": [p.dataset for p in batch],
+                                 "datasets": [p.dataset for p in batch], "prompts": [p.index for p in batch],
                                  "k_per_round": [o.spec.k_per_round if o.spec else [] for o in outs],
                                  "fan_out_per_round": [o.spec.fan_out_per_round if o.spec else [] for o in outs],
                                  "acceptance": [o.spec.acceptance_rate if o.spec else None for o in outs]})
@@ -130,11 +142,11 @@ def mean_fan_out(runs: list[dict[str, Any]]) -> float | None:
 
 
 def greedy_equal(runs: list[dict[str, Any]]) -> tuple[int, int]:
-    """(greedy speculative outputs equal to AR's, compared): the rows stay exact."""
-    ar = {(r["dataset"], r["batch"], i): ids for r in runs if r["config"] == "AR" and r["temperature"] == 0
-          for i, ids in enumerate(r["token_ids"])}
-    pairs = [(ids, ar.get((r["dataset"], r["batch"], i))) for r in runs if r["config"] != "AR"
-             and r["temperature"] == 0 for i, ids in enumerate(r["token_ids"])]
+    """(greedy speculative outputs equal to AR's for the same prompt, compared): the rows stay exact."""
+    ar = {(d, p): ids for r in runs if r["config"] == "AR" and r["temperature"] == 0
+          for d, p, ids in zip(r["datasets"], r["prompts"], r["token_ids"])}
+    pairs = [(ids, ar.get((d, p))) for r in runs if r["config"] != "AR" and r["temperature"] == 0
+             for d, p, ids in zip(r["datasets"], r["prompts"], r["token_ids"])]
     return sum(a == b for a, b in pairs if b is not None), sum(b is not None for _, b in pairs)
 
 
@@ -153,8 +165,7 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
              f"({args.draft_weights})", "",
              f"CPU: {cpu['summary']}.",
              f"{args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
-             f"the speculator on the next core. tok/s: every request's new tokens over its batch's wall time "
-             f"(prefill included), median over batches. Load average at the end: "
+             f"the speculator on the next core. tok/s: {RATES[args.rate]}, median over batches. Load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in env['loadavg'] or [])} on {env['cpus']} cores.", "",
              table(headers, rows), "",
              f"Greedy speculative outputs equal to AR's: {equal}/{compared}."]
