@@ -24,7 +24,7 @@ import time
 from typing import Any
 
 from benchmarks.bench_peers import cpu_description
-from benchmarks.common import (Prompt, add_common_args, draft_options, engine_options, environment,
+from benchmarks.common import (WEIGHT_FORMATS, Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, median, prepare_prompts, ratio, sampling_params, settings, str_list,
                                table, temp_key, write_results)
 
@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch", type=int_list, default=[1], help="batch sizes, comma separated (default 1)")
     p.add_argument("--mixed", action="store_true", help="also one batch of every dataset's prompts together")
     p.add_argument("--threads", type=int, default=1, help="threads of the target (default 1)")
+    p.add_argument("--target-weights", choices=WEIGHT_FORMATS, default="bf16",
+                   help="the target's weight format in every row, AR's included (default bf16)")
     p.add_argument("--rate", choices=list(RATES), default="decode",
                    help="what the table compares: decode tok/s, prefill out (default), or total, prefill included")
     args = p.parse_args(argv)
@@ -58,7 +60,8 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
     """(row name, LLM options): AR, each mode at each fixed K, each mode adaptive."""
     cores = list(range(args.threads))
     base = dict(engine_options(args.enforce_eager, threads=args.threads, target_cores=cores,
-                               draft_cores=[args.threads]), max_num_seqs=max(args.batch + [1]) * 4)
+                               draft_cores=[args.threads]), max_num_seqs=max(args.batch + [1]) * 4,
+                target_weights=args.target_weights)
     out = [("AR", dict(base, mode="ar"))]
     for mode in args.modes:
         spec = dict(base, mode=mode, draft=args.draft, **draft_options(args))
@@ -162,10 +165,11 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
     env = environment()
     cpu = cpu_description()
     lines = [f"# Adaptive K against the best fixed configuration and AR: {args.target} target, {args.draft} draft "
-             f"({args.draft_weights})", "",
+             f"({args.draft_weights}), target weights {args.target_weights}", "",
              f"CPU: {cpu['summary']}.",
              f"{args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
-             f"the speculator on the next core. tok/s: {RATES[args.rate]}, median over batches. Load average at the end: "
+             f"the speculator on the next core. tok/s: {RATES[args.rate]}, median over batches. "
+             f"Load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in env['loadavg'] or [])} on {env['cpus']} cores.", "",
              table(headers, rows), "",
              f"Greedy speculative outputs equal to AR's: {equal}/{compared}."]

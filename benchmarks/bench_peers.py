@@ -137,8 +137,19 @@ def cpu_description(cpuinfo: str | None = None) -> dict[str, Any]:
         # a VM may hide the marketing name ("AMD EPYC"): family/model still tell the core generation
         zen = ZEN.get((int(family), int(model) // 16)) if family.isdigit() else None
         name += f" (family {family} model {model}{': ' + zen if zen else ''})"
-    return {"model": name, "cores": os.cpu_count(), "simd": have,
-            "summary": f"{name}, {os.cpu_count()} cores, {' '.join(have) or 'no AVX'}"}
+    tier = kernel_tier()
+    return {"model": name, "cores": os.cpu_count(), "simd": have, "kernel_tier": tier,
+            "summary": f"{name}, {os.cpu_count()} cores, {' '.join(have) or 'no AVX'}; Saguaro's kernels: {tier}"}
+
+
+def kernel_tier() -> str:
+    """The CPU kernel tier Saguaro runs here, and why (forced, or the best this CPU executes)."""
+    from saguaro.backends.cpu_kernels.build import KernelsUnavailable, chosen_tier, why
+    try:
+        tier = chosen_tier()
+    except KernelsUnavailable as e:
+        return f"none ({e})"
+    return f"{tier} ({why(tier)})"
 
 
 # -- the files ----------------------------------------------------------------------------------
