@@ -109,9 +109,9 @@ class AdaptiveK(KSchedule):
                         self.gains(group, BatchCosts.at(self.profile, 1, self.max_k), True) if group else []))
         ks = [self._one(seq, rows.get(seq.seq_id, row)) for seq, row in zip(seqs, live)]
         if self.ssd is not None and self.ssd.trees is not None:
-            for seq, k in zip(seqs, ks):  # the branches asked of the build for it (none at K = 0)
-                seq.spec.fan_out_per_round.append(int(sum(self.ssd.trees.fan_outs([seq], self.tree, len(seqs))[0]))
-                                                  if k else 0)
+            branches = self.ssd.trees.fan_outs(seqs, self.tree, len(seqs)).sum(axis=1)  # one call for the batch
+            for seq, k, n in zip(seqs, ks, branches):  # the branches asked of the build for it (none at K = 0)
+                seq.spec.fan_out_per_round.append(int(n) if k else 0)
         return ks
 
     def _live_gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
