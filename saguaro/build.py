@@ -12,6 +12,7 @@ draft mapped with its packed arena) overlaps the target's load instead of follow
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from saguaro.config import Config
@@ -23,7 +24,18 @@ from saguaro.loading.tokenizer import check_shared_vocabulary
 from saguaro.target import Target
 
 if TYPE_CHECKING:  # hints only
+    from saguaro.engine.k_schedule import KSchedule
+    from saguaro.ssd.plan import SpecPlan
     from saguaro.ssd.worker import WorkerLink
+
+
+@dataclass
+class EarlySpeculator:
+    """SSD's speculator started before the target loads, with the plan it was given and the rounds' schedule
+    (resolved once, here: the decoder built later uses the same)."""
+    link: WorkerLink
+    plan: SpecPlan
+    schedule: KSchedule
 
 
 def resolve_draft(draft: str | LoadedModel | None, cfg: Config, target: Target) -> Draft:
@@ -58,7 +70,7 @@ def _eagle_head_dir(cfg: Config, draft: str | LoadedModel | None) -> str | None:
 
 
 def start_speculator_early(cfg: Config, target: str | LoadedModel, draft: str | LoadedModel | None,
-                           ) -> WorkerLink | None:
+                           ) -> EarlySpeculator | None:
     """SSD's speculator process, started before the target loads, or None where it must wait: on a GPU it
     starts once the target's graphs are captured (one capture at a time), an EAGLE-3 head reads the target's
     embeddings, a draft in memory is shipped as a model kind, and tensor-parallel ranks start with the target.
@@ -73,12 +85,13 @@ def start_speculator_early(cfg: Config, target: str | LoadedModel, draft: str | 
     from saguaro.ssd.worker import WorkerLink
     load_config(draft)
     vocab = (load_config(target) if isinstance(target, str) else target.config).vocab_size
-    plan, _ = _ssd_plan(cfg, vocab)
-    return WorkerLink(ModelDraft(name=draft), SpeculatorOptions.from_config(cfg, plan), cfg.device, wait=False)
+    plan, schedule = _ssd_plan(cfg, vocab)
+    link = WorkerLink(ModelDraft(name=draft), SpeculatorOptions.from_config(cfg, plan), cfg.device, wait=False)
+    return EarlySpeculator(link, plan, schedule)
 
 
-def build_decoder(cfg: Config, target: Target, draft: Draft, link: WorkerLink | None = None) -> Decoder:
-    """AR, SD or SSD (``cfg.mode``) over ``target`` and ``draft`` (and SSD's ``link``, if started early). The
+def build_decoder(cfg: Config, target: Target, draft: Draft, early: EarlySpeculator | None = None) -> Decoder:
+    """AR, SD or SSD (``cfg.mode``) over ``target`` and ``draft`` (and SSD's speculator, if started early). The
     target's graphs are captured first, with the taps the draft reads, before any speculator starts (one capture
     at a time)."""
     runner = target.runner
@@ -96,10 +109,11 @@ def build_decoder(cfg: Config, target: Target, draft: Draft, link: WorkerLink | 
     from saguaro.ssd.target_features import TargetFeatures
     # a draft that reads the target's features (an EAGLE-3 head) taps them before the speculator's first message
     features = TargetFeatures(runner, draft.taps) if draft.taps else None
-    plan, schedule = _ssd_plan(cfg, runner.config.vocab_size)
-    if link is not None:  # started early, with the same plan: its draft loaded beside the target
+    if early is not None:  # started early, its plan and schedule resolved then: its draft loaded beside the target
+        plan, schedule, link = early.plan, early.schedule, early.link
         link.wait_ready()
     else:
+        plan, schedule = _ssd_plan(cfg, runner.config.vocab_size)
         opts = SpeculatorOptions.from_config(cfg, plan)
         if cfg.speculator_transport == "thread":
             from saguaro.ssd.thread_link import ThreadLink

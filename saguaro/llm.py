@@ -33,21 +33,21 @@ class LLM:
         self.config = cfg = _config(target, draft, options)
         if cfg.device == "cpu":
             pin_process(cfg.target_cores, cfg.threads)
-        link = start_speculator_early(cfg, target, draft)  # SSD on the CPU: its draft loads beside the target
+        early = start_speculator_early(cfg, target, draft)  # SSD on the CPU: its draft loads beside the target
         try:
             self._target = build_target(target, cfg)  # ranks other than 0 under torchrun serve in here, then exit
         except BaseException:
-            if link is not None:
-                link.kill()
+            if early is not None:
+                early.link.kill()
             raise
         self.target, self.tokenizer = self._target.loaded, self._target.loaded.tokenizer
         self.max_model_len = self._target.max_model_len
         try:
             self.draft = resolve_draft(draft, cfg, self._target)  # one kind: none, n-gram, a model, an EAGLE-3 head
-            decoder = build_decoder(cfg, self._target, self.draft, link)
+            decoder = build_decoder(cfg, self._target, self.draft, early)
         except BaseException:
-            if link is not None:
-                link.kill()
+            if early is not None:
+                early.link.kill()
             self._target.close()  # no tensor-parallel rank is left waiting
             raise
         self.engine = LLMEngine(self._target.runner, self.tokenizer, decoder, self.max_model_len, cfg.max_num_seqs,
