@@ -219,10 +219,10 @@ def saguaro_options(row: Row, args: argparse.Namespace) -> dict[str, Any]:
 def saguaro_label(row: Row, args: argparse.Namespace) -> str:
     target = "int4 target" if row.key.startswith("saguaro-q4-") else "bf16 target"
     if row.key.endswith("-sd"):  # K adapts per request and round, up to --k (the engine's default)
-        return f"Saguaro SD K={args.k} (adaptive), {target}, int4 draft"
+        return f"Saguaro SD K={args.k} (adaptive), {target}, {args.draft_weights} draft"
     if row.key.endswith("-ssd"):
         return (f"Saguaro SSD K={len(args.fan_out) - 1} (adaptive) F=[{','.join(map(str, args.fan_out))}] tapered "
-                f"{args.branch_steps}, {target}, int4 draft (speculator on its own cores)")
+                f"{args.branch_steps}, {target}, {args.draft_weights} draft (speculator on its own cores)")
     return row.label
 
 

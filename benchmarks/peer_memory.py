@@ -28,11 +28,15 @@ from benchmarks.common import fmt, table
 
 CONTEXT = 4096  # llama.cpp's rows: -c 4096
 TOKENS = 8
-# (key, label, the LLM options beyond the shared ones; "ssd": bench peers' SSD row with its int4 draft)
+# (key, label, the LLM options beyond the shared ones; None: bench peers' SSD row; DRAFT: the draft alone, AR in
+# the draft's weight format (its full head: the speculator may keep a reduced one)). {draft}: --draft-weights
+DRAFT = "draft"
 MEMORY_ROWS = (("mem-bf16", "AR, bf16 target", {}),
                ("mem-int8", "AR, int8 target", {"target_weights": "int8"}),
                ("mem-int4", "AR, int4 target", {"target_weights": "int4"}),
-               ("mem-ssd", "SSD, bf16 target + int4 draft (2 processes)", None))
+               ("mem-draft", "AR, the draft alone ({draft}, full head)", DRAFT),
+               ("mem-ssd", "SSD, bf16 target + {draft} draft (2 processes)", None))
+PAIR_OF = ("mem-ssd", "mem-bf16", "mem-draft")  # the SSD pair against its target's row plus its draft's
 # llama.cpp's rows: (key, label, bench peers' model file key); and the llama.cpp row each Saguaro row compares with
 LLAMA_MEMORY_ROWS = (("mem-llama-bf16", "llama.cpp, 1.5B BF16", "target-bf16"),
                      ("mem-llama-q4", "llama.cpp, 1.5B Q4_K_M", "target-q4"))
@@ -78,12 +82,17 @@ def tree_resident_bytes(pid: int | None = None) -> tuple[int, int]:
     return sum(resident_bytes(p) for p in seen), len(seen)
 
 
-def options_for(extra: dict[str, Any] | None, ssd: dict[str, Any]) -> dict[str, Any]:
+def options_for(extra: dict[str, Any] | str | None, ssd: dict[str, Any]) -> dict[str, Any]:
     """A row's LLM options: bench peers' AR or SSD options with a KV cache of llama.cpp's context."""
     base = {k: v for k, v in ssd.items() if k not in ("mode", "draft", "num_speculative_tokens", "fan_out",
                                                       "branch_steps", "draft_weights", "draft_vocab",
                                                       "calibration_workload")}
-    chosen = dict(ssd) if extra is None else dict(base, mode="ar", **extra)
+    if extra is None:
+        chosen = dict(ssd)
+    elif extra == DRAFT:
+        chosen = dict(base, mode="ar", target_weights=ssd.get("draft_weights", "bf16"))
+    else:
+        chosen = dict(base, mode="ar", **extra)
     return dict(chosen, max_model_len=CONTEXT, kv_cache_tokens=CONTEXT)
 
 
@@ -103,17 +112,18 @@ def measure(target: str, ssd_options: dict[str, Any], prompt: list[int], timeout
     """Every memory row: the first load's time, then the cached load's time and resident memory."""
     results: dict[str, dict[str, Any]] = {}
     for key, label, extra in MEMORY_ROWS:
-        options = options_for(extra, ssd_options)
+        options, label = options_for(extra, ssd_options), label.format(draft=ssd_options.get("draft_weights", "bf16"))
+        model = ssd_options["draft"] if extra == DRAFT else target
         try:
-            first = run_probe(target, options, prompt, timeout)
-            cached = run_probe(target, options, prompt, timeout)
+            first = run_probe(model, options, prompt, timeout)
+            cached = run_probe(model, options, prompt, timeout)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             log(f"{key}: not measured: {e}")
             results[key] = {"label": label, "error": str(e)}
             continue
         results[key] = {"label": label, "first_load_s": first["load_s"], "load_s": cached["load_s"],
                         "import_s": cached["import_s"], "rss_gb": cached["rss_bytes"] / 1e9,
-                        "processes": cached["processes"], "options": options}
+                        "processes": cached["processes"], "options": options, "model": model}
         log(f"  {key}: cached load {cached['load_s']:.2f} s, {cached['rss_bytes'] / 1e9:.2f} GB resident")
     return results
 
@@ -169,6 +179,10 @@ def memory_table(results: dict[str, dict[str, Any]]) -> str:
 
     lines = [[r["label"], fmt(r.get("rss_gb")), ratio(key), r.get("processes", "-"), fmt(r.get("first_load_s")),
               fmt(r.get("load_s")), fmt(r.get("import_s"))] for key, r in results.items()]
+    pair, target, draft = (results.get(k, {}).get("rss_gb") for k in PAIR_OF)
+    pair_line = (f"\n\nThe SSD pair against its target's row plus its draft's: {pair:.2f} GB / "
+                 f"({target:.2f} + {draft:.2f}) GB = {pair / (target + draft):.2f}x." if pair and target and draft
+                 else "")
     return ("Resident memory after loading and generating 8 tokens (RSS of the engine's processes summed), "
             f"a {CONTEXT}-token KV cache as llama.cpp's rows; load: `LLM(...)` in a fresh process, the first run "
             "(converting and packing, where nothing was cached yet) and the next, mapping the converted weights "
@@ -177,4 +191,4 @@ def memory_table(results: dict[str, dict[str, Any]]) -> str:
             "read every 10 ms while it ran (the largest reading), its own load time line; x llama.cpp: against the "
             "llama.cpp row of the same weights (bf16: BF16, int4: Q4_K_M).\n\n"
             + table(["config", "resident GB", "x llama.cpp", "processes", "first run load s", "cached load s",
-                     "import s"], lines))
+                     "import s"], lines) + pair_line)

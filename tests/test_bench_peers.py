@@ -235,7 +235,8 @@ def test_the_memory_rows_on_a_tiny_pair(tmp_path, monkeypatch):
     draft_dir = save_hf(perturbed(target, 0.2), tmp_path / "draft", torch.bfloat16)
     monkeypatch.setattr(bp, "prepare_prompts", lambda tok, names, n: [bp.Prompt("humaneval", 0, "x", [5, 9, 2], "x")])
     out = tmp_path / "results"
-    assert bp.main(["--target", str(target_dir), "--draft", str(draft_dir), "--draft-vocab", "256", "--only",
+    assert bp.main(["--target", str(target_dir), "--draft", str(draft_dir), "--draft-weights", "int4",
+                    "--draft-vocab", "256", "--only",
                     "saguaro-ar", "--memory", "--prompts", "1", "--max-tokens", "4", "--threads", "1",
                     "--out", str(out)]) == 0
     memory = json.loads((out / "bench_peers.json").read_text())["memory"]
@@ -247,9 +248,13 @@ def test_the_memory_rows_on_a_tiny_pair(tmp_path, monkeypatch):
         assert row["processes"] == (2 if key == "mem-ssd" else 1)  # SSD's speculator is a process of its own
     assert memory["mem-int4"]["options"]["target_weights"] == "int4"
     assert memory["mem-ssd"]["options"]["mode"] == "ssd" and memory["mem-bf16"]["options"]["mode"] == "ar"
+    # the draft alone: AR of the draft model in the SSD row's draft format
+    assert memory["mem-draft"]["model"] == str(draft_dir) and memory["mem-draft"]["options"]["mode"] == "ar"
+    assert memory["mem-draft"]["options"]["target_weights"] == memory["mem-ssd"]["options"]["draft_weights"] == "int4"
     assert list((tmp_path / "cache").rglob("*.arena"))  # the second run of each row loads from the arena cache
     md = (out / "bench_peers.md").read_text()
     assert "resident GB" in md and "SSD, bf16 target + int4 draft (2 processes)" in md
+    assert "The SSD pair against its target's row plus its draft's" in md
 
 
 FAKE_COMPLETION = """#!{python}
