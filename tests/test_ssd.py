@@ -14,7 +14,8 @@ import pytest
 from saguaro import LLM, SamplingParams
 from saguaro.ssd.speculator import Speculator
 from saguaro.ssd import thread_link
-from tests.tiny import PROMPTS, greedy_tokens, tiny_model, truncated
+from tests.dist_harness import in_process
+from tests.tiny import PROMPTS, greedy_tokens, perturbed, tiny_model, truncated
 
 TRANSPORTS = ["process", "thread"]
 
@@ -61,6 +62,23 @@ def test_greedy_ssd_equals_ar(pair, ar_outputs, fan_out, fallback, taper, transp
     if transport == "thread":
         assert not link.thread.is_alive()  # close() stopped and joined it
     assert sys.getswitchinterval() == switch  # restored once the last thread link closed
+
+
+def test_rounds_after_an_ngram_backup_speculation_hit():
+    """A miss's n-gram backup speculation is verified like any other, and the build beside it prepares its
+    outcomes: the next round can hit. On an 8-token vocabulary with F = [1, 8] (every all-accepted outcome cached,
+    one guess at a rejection's bonus), about 4 rounds in 10 after a miss hit; greedy outputs stay AR's."""
+    target = tiny_model(seed=5, vocab=8, layers=2, sharpness=2.0)
+    draft = perturbed(target, noise=0.03)
+    prompts = [[1, 2, 3], [4, 5], [6, 7, 0, 1], [3, 3]]
+    llm = in_process(LLM(target=target, draft=draft, mode="ssd", num_speculative_tokens=1, fan_out=[1, 8],
+                         miss_strategy="ngram", adaptive=False, block_size=4))  # every build completes
+    with llm:
+        outs = llm.generate(prompts, SamplingParams(max_tokens=40))
+        metrics = llm.spec_metrics(outs)
+    assert [o.token_ids for o in outs] == greedy_tokens(target, prompts, 40)
+    assert metrics.cache_hit_rate < 1  # some rounds missed, and took the backup
+    assert metrics.hit_rate_after_miss > 0.1, metrics
 
 
 @pytest.mark.parametrize("transport", TRANSPORTS)
