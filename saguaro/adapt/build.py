@@ -17,8 +17,7 @@ from saguaro.adapt.trees import tree_options
 from saguaro.engine.k_schedule import FixedK, KSchedule
 from saguaro.calibration.policy import entry_at, predict_fixed
 from saguaro.calibration.profile import Profile
-from saguaro.calibration.resolve import _timed_eager
-from saguaro.calibration.store import resolve_profile
+from saguaro.calibration.resolve import pair_profile
 from saguaro.calibration.timeline import build_time, slowdowns
 from saguaro.config import Config
 from saguaro.ssd.plan import SpecPlan
@@ -44,9 +43,7 @@ def ssd_schedule(cfg: Config, plan: SpecPlan) -> tuple[SpecPlan, KSchedule]:
 
 
 def _profile(cfg: Config) -> Profile:
-    return resolve_profile(cfg.target, cfg.draft or "ngram", cfg.dtype, int(cfg.num_speculative_tokens),
-                           enforce_eager=_timed_eager(cfg), draft_format=cfg.draft_format.tag,
-                           workload=cfg.calibration_workload)
+    return pair_profile(cfg, int(cfg.num_speculative_tokens), "ngram")
 
 
 def _adaptive(cfg: Config, profile: Profile, plan: SpecPlan | None) -> AdaptiveK:

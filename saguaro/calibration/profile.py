@@ -212,20 +212,23 @@ def power_law_source(a: float, r: float, k: int) -> Source:
                   miss_uniform=(1.0 - hit).tolist(), r=r, r2=1.0, power_law=True)
 
 
-def model_timing(k: int, verify_s: float = 1.0) -> Timing:
-    """The default timing table (relative units, a verification = ``verify_s``)."""
+def model_timing(k: int, verify_s: float = 1.0, draft_ratio: float | None = None) -> Timing:
+    """The default timing table (relative units, a verification = ``verify_s``; a draft step ``draft_ratio`` of
+    it, DEFAULTS' where None)."""
     d = DEFAULTS
-    step = verify_s * d["draft_ratio"]
+    step = verify_s * (d["draft_ratio"] if draft_ratio is None else draft_ratio)
     target = {str(n): verify_s * (1 + d["target_slope"] * (n - 1)) / (1 + d["target_slope"] * k) for n in ROW_GRID}
     draft = {str(n): step * (1 + d["draft_slope"] * (n - 1)) for n in ROW_GRID}
     return Timing(target_rows=target, draft_rows=draft, ngram_s=0.0, verify_s=verify_s, draft_step_s=step,
                   T_p=k * step / verify_s, T_b=0.0)
 
 
-def default_profile(target: str, draft: str, dtype, k: int = 4) -> Profile:
-    """The documented defaults (``default=True``), for greedy and temperature 1."""
+def default_profile(target: str, draft: str, dtype, k: int = 4, draft_ratio: float | None = None) -> Profile:
+    """The documented defaults (``default=True``), for greedy and temperature 1; ``draft_ratio``: a draft step's
+    cost over a verification's where the pair's is known (``calibration.pair_cost``), else DEFAULTS'."""
     d = DEFAULTS
     primary, backup = power_law_source(d["a_p"], d["r_p"], k), power_law_source(d["a_b"], d["r_b"], k)
-    return Profile(target=str(target), draft=str(draft), dtype=dtype_name(dtype), k=k, timing=model_timing(k),
+    return Profile(target=str(target), draft=str(draft), dtype=dtype_name(dtype), k=k,
+                   timing=model_timing(k, draft_ratio=draft_ratio),
                    temperatures={t: TemperatureEntry(primary, backup, temperature=float(t)) for t in ("0.0", "1.0")},
                    default=True, created=time.strftime("%Y-%m-%dT%H:%M:%S"))

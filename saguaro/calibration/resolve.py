@@ -13,7 +13,9 @@ import logging
 
 import torch
 
+from saguaro.calibration import pair_cost
 from saguaro.calibration.policy import make_plan, recommended_k
+from saguaro.calibration.profile import Profile
 from saguaro.calibration.store import resolve_profile
 from saguaro.config import Config
 from saguaro.ssd.plan import SpecPlan
@@ -28,14 +30,21 @@ def _timed_eager(cfg: Config) -> bool:
     return cfg.enforce_eager or cfg.torch_dtype != torch.bfloat16
 
 
+def pair_profile(cfg: Config, k: int, no_draft: str | None = None) -> Profile:
+    """``cfg``'s pair's calibration profile, or the documented defaults with the pair's draft cost
+    (``pair_cost``); ``no_draft`` names the draft where ``cfg.draft`` is None (the n-gram matcher)."""
+    return resolve_profile(cfg.target, cfg.draft or no_draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
+                           draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload,
+                           draft_ratio=lambda: pair_cost.draft_ratio(cfg))
+
+
 def resolve_k(cfg: Config) -> Config:
     """``cfg`` with K = "auto" replaced by the K with the best predicted speedup for this pair (validated
     again, now against K); ``cfg`` itself when K is given."""
     if cfg.num_speculative_tokens != "auto":
         return cfg
     ssd = cfg.ssd
-    profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, 4, enforce_eager=_timed_eager(cfg),
-                              draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
+    profile = pair_profile(cfg, 4)
     k = recommended_k(profile, ssd.miss_strategy, mode=cfg.mode, taper=ssd.branch_steps == "auto",
                       deep=ssd.deep_branches)
     return dataclasses.replace(cfg, num_speculative_tokens=k)
@@ -53,9 +62,7 @@ def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
     settings, k = cfg.ssd, cfg.num_speculative_tokens
     settings.check_vocab(vocab)
     if settings.any_auto:
-        eager = _timed_eager(cfg)
-        profile = resolve_profile(cfg.target, cfg.draft, cfg.dtype, k, enforce_eager=eager,
-                                  draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload)
+        profile = pair_profile(cfg, k)
         chosen = make_plan(profile, k, settings, cfg.max_num_seqs, vocab)
         log.info("SSD plan (%s): %s", "defaults" if profile.default else "calibrated", chosen.summary)
         return chosen.plan
