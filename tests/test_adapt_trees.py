@@ -105,8 +105,12 @@ def test_a_request_that_accepts_little_wants_shallow_guesses_one_that_accepts_mu
     ks = c.choose([high])
     assert c.tree == 2 and ks == [K]
     assert high.spec.fan_out_per_round == [4]  # the branches asked of the build for it
+    c.observe_verify(K + 1, 1.0)  # sets the target's scale, and the draft's while the draft is untimed
+    step = c.costs.draft_step(1)
     c.observe_build(0.5)  # this build ran in the tree sent the round before (the same here)
     assert c.build_scale == pytest.approx(0.5 / c.sent[0][1])
+    # a build is draft passes: its measured scale is the draft's (a just-in-time miss is priced by it)
+    assert c.costs.draft_step(1) == pytest.approx(step * c.build_scale / c.costs.target_scale)
 
 
 def test_a_tree_s_hit_rate_moves_the_measured_one_by_the_model_s_difference():

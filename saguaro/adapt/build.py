@@ -61,7 +61,8 @@ def _adaptive(cfg: Config, profile: Profile, plan: SpecPlan | None) -> AdaptiveK
         sources = [entry_at(profile, t).primary for t in priors.temperatures]
         trees = TreeModel(plan, profile.timing, sources) if all(s.hit_curves for s in sources) else None
         ssd = SSDModel(lambda b: plan.miss_strategy_for(b) == MissStrategy.JIT, build.t_hit * build.t_v,
-                       slowdowns(profile.timing, branches)[0], trees)
+                       slowdowns(profile.timing, branches)[0], trees,
+                       builds_time_drafts=(cfg.draft_device or cfg.device) == "cpu")
     return AdaptiveK(k, cfg.adapt, costs, priors, ssd)
 
 

@@ -7,7 +7,9 @@ the tables follow a machine that gets busier or quieter within a few rounds, and
 documented defaults are relative to a verification) or from another machine is brought to this one's seconds.
 One scale per table, not an entry per row count, so that a single pass timed during a burst of load does not
 bend the table's shape. The first timing sets the scale outright (the target's sets the draft's too, until the
-draft is timed itself). ``build_s``: an SSD round's cache build, measured by the speculator.
+draft is timed itself: SD times its draft steps; SSD's drafts run in the speculator, whose builds, against their
+prediction from the same table, give the draft's scale). ``build_s``: an SSD round's cache build, measured by the
+speculator.
 """
 from __future__ import annotations
 
@@ -63,6 +65,12 @@ class LiveCosts:
         predicted = self._rows_time("draft", rows) if rows > 0 and steps > 0 else 0.0
         if seconds > 0 and predicted > 0:
             self._scale("draft", seconds / steps / predicted)
+
+    def observe_draft_scale(self, ratio: float) -> None:
+        """A draft pass measured otherwise (SSD: a whole build over its prediction from this table), as the ratio
+        of seconds taken to the table's prediction."""
+        if ratio > 0:
+            self._scale("draft", ratio)
 
     def observe_build(self, seconds: float) -> None:
         if seconds > 0:

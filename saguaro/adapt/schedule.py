@@ -54,6 +54,7 @@ class SSDModel:
     build_prior_s: float  # the build's time before one is measured
     slowdown: float = 1.0  # the verification's beside a build (the profile's contention probe; 1 without one)
     trees: TreeModel | None = None  # the plan's cache trees, one chosen per round (None: the plan's own only)
+    builds_time_drafts: bool = True  # a build's seconds are its draft passes' (on a GPU: the host's queueing)
 
 
 class AdaptiveK(KSchedule):
@@ -209,6 +210,11 @@ class AdaptiveK(KSchedule):
             ratio = seconds / predicted
             w = self.costs.weight
             self.build_scale = ratio if self.build_scale is None else (1 - w) * self.build_scale + w * ratio
+            # a build is the draft's passes, predicted from the draft's table: so is a just-in-time miss, priced
+            # by the same table (without this its scale would stay the target's, and a profile's guess of the
+            # draft's relative cost would never be corrected)
+            if self.ssd.builds_time_drafts:
+                self.costs.observe_draft_scale(ratio)
 
     def release(self, seq_id: int) -> None:
         self.states.pop(seq_id, None)
