@@ -19,6 +19,9 @@ class AdaptSettings:
     (``saguaro.adapt.trees``): the plan's fan-outs scaled by each of ``fan_out_scales``, Thm 12's geometric shape
     at the plan's budget for each acceptance in ``fan_out_shapes``, and with ``taper`` the plan's fan-outs under
     the other taper (tapered if the plan's tree is full, full if it is tapered). All empty / False: the plan's.
+    The trees are scored with the profile's hit curves, so they are offered only with a calibrated profile
+    (``saguaro calibrate``), or with ``trees_without_profile``: the documented defaults' curves are a guess, and
+    trees chosen by it built slower than the plan's own (bench adapt, no profile: 7 cells of 8).
     """
     max_k: int | None = None
     prior: float | None = None
@@ -31,6 +34,7 @@ class AdaptSettings:
     fan_out_scales: tuple[float, ...] = (0.5, 2.0)
     fan_out_shapes: tuple[float, ...] = (0.3, 0.9)
     taper: bool = True
+    trees_without_profile: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "fan_out_scales", tuple(self.fan_out_scales))  # a list from JSON or a CLI

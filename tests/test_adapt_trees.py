@@ -55,6 +55,22 @@ def test_tree_settings_out_of_range_are_refused(bad, message):
     assert AdaptSettings(fan_out_scales=[0.5]).fan_out_scales == (0.5,)  # a JSON list is taken
 
 
+def test_trees_are_offered_with_a_calibrated_profile_or_when_asked(monkeypatch):
+    """The trees are scored by the profile's hit curves: without a stored profile (the documented defaults, a
+    guess) the plan keeps its own tree only, unless ``trees_without_profile``; with one, it gains the options."""
+    from dataclasses import replace
+
+    import saguaro.adapt.build as build
+    cfg = Config(target="t", draft="d", mode="ssd", dtype="bfloat16", num_speculative_tokens=K)
+    plan = SpecPlan.fixed([1, 1, 1, 2])
+    assert build.ssd_schedule(cfg, plan)[0].trees == 1
+    asked = replace(cfg, adapt=AdaptSettings(trees_without_profile=True))
+    assert build.ssd_schedule(asked, plan)[0].trees > 1
+    monkeypatch.setattr(build, "_profile", lambda c: replace(default_profile("t", "d", "bfloat16", K),
+                                                             default=False))  # as if calibrated
+    assert build.ssd_schedule(cfg, plan)[0].trees > 1
+
+
 def test_the_plan_looks_up_every_tree():
     plan = SpecPlan.fixed([1, 1, 1, 1])
     plan.options = [TreeOption([[[4, 0, 0, 0]]], [[[0, 0, 0, 5]]], [1])]

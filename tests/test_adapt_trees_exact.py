@@ -32,7 +32,8 @@ class CyclingTrees(Scripted):
 @pytest.mark.parametrize("transport", ["thread", "process"])
 def test_every_tree_in_turn_equals_ar(pair, ar_outputs, transport):
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4,
-             fan_out=[2, 2, 2, 4], speculator_transport=transport) as llm:
+             fan_out=[2, 2, 2, 4], speculator_transport=transport,
+             adapt=AdaptSettings(trees_without_profile=True)) as llm:  # no profile: trees asked for
         decoder = llm.engine.decoder
         assert decoder.plan.trees > 3  # the adaptive default's options beside the plan's own tree
         decoder.schedule = schedule = CyclingTrees(3, [3, 3, 1, 0, 2], decoder.plan.trees)
@@ -44,7 +45,7 @@ def test_every_tree_in_turn_equals_ar(pair, ar_outputs, transport):
 
 
 def test_the_adaptive_trees_equal_ar_and_are_reported(pair, ar_outputs):
-    adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2)
+    adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True)
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4, adapt=adapt,
              speculator_transport="thread") as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))

@@ -8,7 +8,7 @@ from saguaro.adapt_settings import AdaptSettings  # noqa: E402
 from saguaro.server.metrics import RequestCounts, ServerMetrics  # noqa: E402
 from tests.tiny import PROMPTS, weak_pair  # noqa: E402
 
-MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2)
+MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True)
 
 
 def _value(text: str, name: str) -> float:

@@ -23,7 +23,9 @@ from tests.tiny import perturbed, tiny_model
 
 POSITIONS = [3, 4]
 PARAMS = SamplingParams(temperature=1.0)
-MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2)  # drops to 0, probes every other round
+# drops to 0, probes every other round; SSD's trees offered though the tiny pair has no calibration profile
+MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True)
+TREES = AdaptSettings(trees_without_profile=True)
 
 
 class FromHistory(KSchedule):
@@ -52,6 +54,7 @@ def pair():
 
 
 def engine(pair, mode, **options):
+    options.setdefault("adapt", TREES)
     return LLM(target=pair[0], draft=pair[1], mode=mode, num_speculative_tokens=3, block_size=4, max_num_seqs=1024,
                kv_cache_tokens=1024 * 16, speculator_transport="thread", **options)
 

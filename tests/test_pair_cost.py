@@ -35,9 +35,11 @@ def test_the_pair_s_bytes_set_the_draft_cost(no_profiles):
 
 
 def test_the_default_stands_where_the_estimate_is_higher_or_unknown(no_profiles):
-    assert pair_cost.draft_ratio(Config(mode="sd", target=QWEN["draft"], draft=QWEN["draft"], dtype="bfloat16")) is None  # ~1
-    assert pair_cost.draft_ratio(Config(mode="sd", target="no-such-model", draft=QWEN["draft"], dtype="bfloat16")) is None
-    assert pair_cost.draft_ratio(Config(mode="sd", proposer="ngram", target=QWEN["target"], dtype="bfloat16")) is None
+    def ratio(**names):
+        return pair_cost.draft_ratio(Config(mode="sd", dtype="bfloat16", **names))
+    assert ratio(target=QWEN["draft"], draft=QWEN["draft"]) is None  # about 1
+    assert ratio(target="no-such-model", draft=QWEN["draft"]) is None
+    assert ratio(proposer="ngram", target=QWEN["target"]) is None
     timing = default_profile("t", "d", "bfloat16", 4).timing
     assert timing.draft_rows["1"] / timing.verify_s == pytest.approx(DEFAULTS["draft_ratio"])
 

@@ -34,11 +34,13 @@ def k_schedule(cfg: Config, plan: SpecPlan | None = None) -> KSchedule:
 
 def ssd_schedule(cfg: Config, plan: SpecPlan) -> tuple[SpecPlan, KSchedule]:
     """SSD's plan and schedule: with adaptation, the plan gains the trees of ``trees.tree_options`` (fixed here,
-    at start-up) and the schedule picks one of them per round; without, both are as given."""
+    at start-up; with a calibrated profile, or ``trees_without_profile``) and the schedule picks one of them per
+    round; without, both are as given."""
     if not cfg.adaptive:
         return plan, FixedK(int(cfg.num_speculative_tokens))
     profile = _profile(cfg)
-    plan = replace(plan, options=plan.options + tree_options(plan, profile, cfg.adapt))
+    if not profile.default or cfg.adapt.trees_without_profile:  # the trees are scored by the profile's hit curves
+        plan = replace(plan, options=plan.options + tree_options(plan, profile, cfg.adapt))
     return plan, _adaptive(cfg, profile, plan)
 
 
