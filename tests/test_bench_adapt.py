@@ -44,10 +44,13 @@ def test_ssd_gets_a_row_with_the_plan_s_tree_only_and_the_branches_per_build():
 def test_greedy_outputs_are_compared_prompt_by_prompt():
     """Two batches of one dataset: each speculative output is compared with AR's for the same prompt."""
     def run(config, prompt, ids):
-        return {"config": config, "temperature": 0, "datasets": ["mtbench"], "prompts": [prompt], "token_ids": [ids]}
+        return {"config": config, "temperature": 0, "datasets": ["mtbench"], "prompts": [prompt], "token_ids": [ids],
+                "batch": None}
     runs = [run("AR", 0, [1, 2]), run("AR", 1, [3, 4]), run("SD K=2", 0, [1, 2]), run("SD K=2", 1, [3, 4]),
             run("SSD K=2", 0, [1, 2]), run("SSD K=2", 1, [3, 5])]
     assert ba.greedy_equal(runs) == (3, 4)
+    assert ba.greedy_unequal(runs) == [{"config": "SSD K=2", "dataset": "mtbench", "prompt": 1, "batch": None,
+                                        "first_difference": 1}]
 
 
 @pytest.mark.slow
