@@ -191,12 +191,31 @@ def test_live_costs_follow_the_rounds():
     assert c.draft_step(1) == pytest.approx(0.002) and c.verify(1) == pytest.approx(0.01)
     for _ in range(40):  # the machine got three times slower: the level follows, the shape stays
         c.observe_verify(5, 0.0324)
+        c.observe_verify(1, 0.03)
     assert c.verify(5) == pytest.approx(0.0324, rel=1e-3) and c.verify(1) == pytest.approx(0.03, rel=1e-3)
-    c.observe_verify(2, 10.0)  # one pass in a burst of load moves the level a step, not the shape
-    assert c.verify(3) / c.verify(1) == pytest.approx(1.04)
+    shape = c.verify(5) / c.verify(1)
+    c.observe_verify(2, 10.0)  # one pass in a burst of load moves the level a step, and bends the shape little
+    assert c.verify(5) / c.verify(1) == pytest.approx(shape)  # no row count but the burst's own moved
+    assert 1.0 < c.shape[2] <= 1 - c.weight + c.weight * 3.0  # the burst's: one clipped step from the table's
     c.observe_build(0.5)
     c.observe_build(1.0)
     assert 0.5 < c.build_s < 1.0
+
+
+def test_the_verification_s_shape_follows_what_each_row_count_costs():
+    """The default table says an extra row costs 2%; here 6 rows cost twice 1 row (an int4 target's kernels). The
+    rounds' timings bend the shape to it, and a request accepting half its drafts stops speculating far."""
+    c = costs()
+    for _ in range(30):
+        c.observe_verify(1, 0.010)
+        c.observe_verify(6, 0.020)
+    assert c.verify(6) / c.verify(1) == pytest.approx(2.0, rel=0.05)
+    assert c.verify(1) < c.verify(3) < c.verify(6)  # between measured row counts: interpolated
+    assert c.verify(12) == pytest.approx(c.verify(6) * c._rows_time("target", 12) / c._rows_time("target", 6))
+    tokens = np.array([[expected_tokens(0.5, k) for k in range(6)]])
+    flat = sd_gains(tokens, BatchCosts.at(costs(), 1, 5))
+    measured = sd_gains(tokens, BatchCosts.at(c, 1, 5))
+    assert int(np.argmax(measured)) < int(np.argmax(flat))
 
 
 def test_fixed_k_records_its_rounds():
