@@ -90,6 +90,11 @@ def chosen_rows(only: Iterable[str], target: str, llama: bool) -> list[PrefillRo
             and (r.model == "target" or target == TARGET)]
 
 
+def row_label(row: PrefillRow, target: str) -> str:
+    """The row's label, naming the target where it is not the default 1.5B."""
+    return row.label.replace("1.5B", Path(target).name) if row.model == "target" and target != TARGET else row.label
+
+
 # -- the prompts ----------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class PrefillPrompt:
@@ -190,9 +195,8 @@ def measure(args: argparse.Namespace, build: lc.Build | None, files_for: Callabl
                            "models": models, "rows": {}}
     for r in rows:
         log(f"prefill: {r.key}")
-        entry: dict[str, Any] = {"label": r.label.replace("1.5B", Path(args.target).name)
-                                 if r.model == "target" and args.target != TARGET else r.label,
-                                 "engine": r.engine, "model": models[r.model], "peer": r.peer}
+        entry: dict[str, Any] = {"label": row_label(r, args.target), "engine": r.engine, "model": models[r.model],
+                                 "peer": r.peer}
         try:
             if r.engine == LLAMA:
                 assert build is not None
