@@ -429,7 +429,10 @@ def main(argv: list[str] | None = None) -> int:
         markdown = write(args, labels, res, files, versions, [])
     if args.prefill:
         parents = {r.key: saguaro_options(r, args) for r in rows if r.engine == SAGUARO}
-        res.prefill = peer_prefill.measure(args, build, lambda keys: model_files(build, keys), parents, log)
+        def finished(result: dict[str, Any]) -> None:
+            res.prefill = result
+            write(args, labels, res, files, versions, [])
+        peer_prefill.measure(args, build, lambda keys: model_files(build, keys), parents, log, finished)
         markdown = write(args, labels, res, files, versions, [])
     print(markdown)
     log(f"wrote {args.out / 'bench_peers.json'} and {args.out / 'bench_peers.md'}")

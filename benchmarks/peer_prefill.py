@@ -51,9 +51,9 @@ class PrefillRow:
 
 PREFILL_ROWS = (
     PrefillRow("prefill-llama-bf16", LLAMA, "llama.cpp, 1.5B BF16", "target", "target-bf16", "llama-bf16-ar"),
-    PrefillRow("prefill-llama-q4", LLAMA, "llama.cpp, 1.5B Q4_K_M", "target", "target-q4", "llama-q4-ar"),
     PrefillRow("prefill-saguaro-bf16", SAGUARO, "Saguaro AR, 1.5B bf16", "target", "bf16", "saguaro-ar",
                "prefill-llama-bf16"),
+    PrefillRow("prefill-llama-q4", LLAMA, "llama.cpp, 1.5B Q4_K_M", "target", "target-q4", "llama-q4-ar"),
     PrefillRow("prefill-saguaro-int4", SAGUARO, "Saguaro AR, 1.5B int4", "target", "int4", "saguaro-q4-ar",
                "prefill-llama-q4"),
     PrefillRow("prefill-llama-smol", LLAMA, "llama.cpp, SmolLM2-135M Q4_1", SMOL, "registry", "llama-q4-ar"),
@@ -180,9 +180,11 @@ def saguaro_options(parent: dict[str, Any], row: PrefillRow, longest: int, chunk
 
 
 def measure(args: argparse.Namespace, build: lc.Build | None, files_for: Callable[[set[str]], dict[str, Path]],
-            parents: dict[str, dict[str, Any]], log: Callable[[str], None] = print) -> dict[str, Any]:
-    """Every chosen row at every length of ``args.prefill``. ``files_for``: bench peers' GGUF files by key;
-    ``parents``: bench peers' Saguaro options by row key."""
+            parents: dict[str, dict[str, Any]], log: Callable[[str], None] = print,
+            finished: Callable[[dict[str, Any]], None] = lambda result: None) -> dict[str, Any]:
+    """Every chosen row at every length of ``args.prefill``, each llama.cpp row next to its Saguaro peer.
+    ``files_for``: bench peers' GGUF files by key; ``parents``: bench peers' Saguaro options by row key;
+    ``finished``: called with the rows so far after each row (a run stopped early keeps them)."""
     from saguaro.loading import load_tokenizer
     from saguaro.loading.registry import asset_path, resolve
     rows = chosen_rows(args.only, args.target, llama=build is not None)
@@ -210,6 +212,7 @@ def measure(args: argparse.Namespace, build: lc.Build | None, files_for: Callabl
             entry["error"] = str(e)
         entry["loadavg_1m_after"] = os.getloadavg()[0]
         out["rows"][r.key] = entry
+        finished(out)
     return out
 
 
