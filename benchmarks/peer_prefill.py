@@ -152,7 +152,7 @@ def run_llama(build: lc.Build, model: Path, prompts: dict[int, PrefillPrompt], t
             stdout, stderr = lc.run_tool(cmd, timeout, cores=list(range(threads)))
             pe = lc.parse_prompt_eval(stdout + "\n" + stderr)
             runs[n] = {"prompt_tokens": pe.tokens, "seconds": pe.seconds, "tok_s": pe.tok_s,
-                       "command": shlex.join(cmd)}
+                       "same_count": pe.tokens == n, "command": shlex.join(cmd)}
     return runs
 
 
@@ -238,6 +238,8 @@ def prefill_table(result: dict[str, Any], cpu: dict[str, Any]) -> str:
             lines.append([n, row["label"], fmt(run["tok_s"], ".1f"), fmt(run["seconds"], ".3f"),
                           fmt(x.get(key, {}).get(n)), run["prompt_tokens"]])
     loads = [r["loadavg_1m_after"] for r in rows.values() if r.get("loadavg_1m_after") is not None]
+    other = [f"{row['label']} at {n}: {run['prompt_tokens']}" for row in rows.values()
+             for n, run in row.get("runs", {}).items() if run.get("same_count") is False]
     threads = result["threads"]
     return ("Prompt processing: prompt tokens per second at each length (benchmarks/peer_prefill.py). The same "
             "text for both engines: HumanEval and MT-Bench prompts joined and repeated, a window of exactly N "
@@ -247,5 +249,7 @@ def prefill_table(result: dict[str, Any], cpu: dict[str, Any]) -> str:
             "same weights (bf16: BF16, int4: Q4_K_M; SmolLM2 int4: its Q4_1 file). tokens: as the engine counted "
             f"them. CPU: {cpu['summary']}; {threads} thread{'s' if threads > 1 else ''} per engine, pinned"
             + (f"; 1-minute load average after each row {min(loads):.1f}-{max(loads):.1f} on {cpu['cores']} cores"
-               if loads else "") + ".\n\n"
+               if loads else "") + "."
+            + (f" llama.cpp counted another number of prompt tokens: {'; '.join(other)}." if other else "")
+            + "\n\n"
             + table(["prompt tokens", "config", "tok/s", "s", "x llama.cpp", "tokens"], lines))

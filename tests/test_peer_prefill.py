@@ -36,6 +36,14 @@ def test_the_prompt_has_exactly_n_tokens_and_survives_the_trip_through_text(text
     assert pp.build_prompt(tok, text, n) == p  # deterministic
 
 
+@pytest.mark.parametrize("model", ["qwen2.5-coder-1.5b", "smollm2-135m"])
+def test_real_tokenizers_give_the_longest_prompt(text, model):
+    from saguaro.loading import load_tokenizer
+    tok = load_tokenizer(model, progress=False)
+    p = pp.build_prompt(tok, text, 8192)
+    assert len(p.ids) == 8192 and tok.encode(p.text, add_special_tokens=False) == p.ids
+
+
 def test_the_round_trip_check_is_needed(text):
     """Negative control: a plain cut at N tokens often decodes to text that encodes to other tokens."""
     tok = byte_level_bpe()
@@ -81,6 +89,7 @@ def test_ratios_and_table_on_synthetic_rows():
             "prefill-saguaro-smol-int4": {"label": "Saguaro AR, SmolLM2-135M int4", "peer": "prefill-llama-smol",
                                           "runs": runs({512: 900.0})},
             "prefill-llama-q4": {"label": "llama.cpp, 1.5B Q4_K_M", "peer": None, "error": "exit 1"}}
+    rows["prefill-llama-bf16"]["runs"][2048].update(prompt_tokens=2049, same_count=False)
     x = pp.ratios(rows)
     assert x["prefill-saguaro-bf16"] == {512: pytest.approx(1.2), 2048: pytest.approx(0.75)}
     assert x["prefill-saguaro-smol-int4"] == {512: None}  # its peer was skipped: no ratio
@@ -91,6 +100,7 @@ def test_ratios_and_table_on_synthetic_rows():
     assert any("| 512" in ln and "Saguaro AR, 1.5B bf16" in ln and "| 120.0" in ln and "| 1.20" in ln for ln in lines)
     assert any("| 2048" in ln and "Saguaro AR, 1.5B bf16" in ln and "| 0.75" in ln for ln in lines)
     assert "beyond the model's context (400)" in md and "exit 1" in md
+    assert "llama.cpp counted another number of prompt tokens: llama.cpp, 1.5B BF16 at 2048: 2049." in md
     assert "avx512" in md and "1 thread per engine" in md and "load average after each row 1.5-2.5" in md
 
 
@@ -154,7 +164,7 @@ def test_llama_rows_through_a_stand_in_program(tmp_path, monkeypatch):
     rows = json.loads((out / "bench_peers.json").read_text())["prefill"]["rows"]
     assert list(rows) == ["prefill-llama-q4", "prefill-llama-smol"]
     q4 = rows["prefill-llama-q4"]["runs"]
-    assert q4["64"]["prompt_tokens"] == 64 and q4["300"]["tok_s"] == pytest.approx(100.0)
+    assert q4["64"]["prompt_tokens"] == 64 and q4["64"]["same_count"] and q4["300"]["tok_s"] == pytest.approx(100.0)
     assert rows["prefill-llama-smol"]["runs"]["300"] == {"skipped": "beyond the model's context (100)"}
     calls = [json.loads(line) for line in record.read_text().splitlines()]
     text = pp.source_text()
