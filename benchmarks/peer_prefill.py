@@ -211,6 +211,8 @@ def measure(args: argparse.Namespace, build: lc.Build | None, files_for: Callabl
             log(f"prefill: {r.key}: not run: {e}")
             entry["error"] = str(e)
         entry["loadavg_1m_after"] = os.getloadavg()[0]
+        log(f"prefill: {r.key}: " + ", ".join(f"{n} tokens {fmt(run.get('tok_s'), '.1f')} tok/s"
+                                              for n, run in entry.get("runs", {}).items()))
         out["rows"][r.key] = entry
         finished(out)
     return out
