@@ -21,6 +21,8 @@ the 1.5B target and to Saguaro's AR of this run, acceptance, the prompt token co
     saguaro bench peers --prompts 1 --max-tokens 8 --only llama-q4-ar,saguaro-ar   # smoke test
     saguaro bench peers --only llama.cpp --memory      # + resident memory and load time (peer_memory.py)
     saguaro bench peers --only llama-bf16-ar,saguaro-ar --memory   # the memory table, llama.cpp's rows beside
+    saguaro bench peers --only llama-bf16-ar,llama-q4-ar,saguaro-ar,saguaro-q4-ar --prefill 512,2048,8192
+                                                       # + prompt tokens/s at each length (peer_prefill.py)
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ from benchmarks import llama_cpp as lc
 from benchmarks.common import (DRAFT, TARGET, Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, prepare_prompts, ratio, run_engine, settings, summarize_records,
                                table, write_results)
+from benchmarks import peer_prefill
 from benchmarks.peer_memory import LLAMA_MEMORY_ROWS, TOKENS as MEMORY_TOKENS, measure as measure_memory, \
     measure_llama, memory_table
 from saguaro.loading.paths import cache_root
@@ -95,7 +98,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--memory", action="store_true",
                    help="also resident memory and load times: Saguaro bf16/int8/int4 AR and SSD in fresh "
                         "processes, and llama.cpp BF16 and Q4_K_M where llama.cpp rows run")
+    peer_prefill.add_args(p)
     args = p.parse_args(argv)
+    peer_prefill.check_args(p, args)
     if any(t != 0 for t in args.temperatures):
         p.error("only greedy decoding (--temperatures 0) is compared with llama.cpp")
     if args.threads < 1 or args.k < 1:
@@ -335,6 +340,7 @@ class Results:
     commands: dict[str, Any] = field(default_factory=dict)
     not_run: dict[str, str] = field(default_factory=dict)  # Saguaro rows this machine cannot run, and why
     memory: dict[str, dict[str, Any]] = field(default_factory=dict)  # --memory: peer_memory.py's rows
+    prefill: dict[str, Any] = field(default_factory=dict)  # --prefill: peer_prefill.py's rows
 
 
 def run_row(r: Row, build: lc.Build | None, files: dict[str, Path], prompts: list[Prompt], labels: dict[str, str],
@@ -376,6 +382,9 @@ def write(args, labels, res: Results, files, versions, left: list[str]) -> str:
     if res.memory:
         payload["memory"] = res.memory
         markdown += "\n\n" + memory_table(res.memory)
+    if res.prefill:
+        payload["prefill"] = res.prefill
+        markdown += "\n\n" + peer_prefill.prefill_table(res.prefill, payload["cpu"])
     payload["saguaro_requests"] = [rec.to_json() for recs in res.records.values() for rec in recs]
     write_results(args.out, "bench_peers", payload, markdown)
     return markdown
@@ -417,6 +426,13 @@ def main(argv: list[str] | None = None) -> int:
         res.memory = measure_memory(args.target, ssd, prompts[0].ids, args.timeout, log)
         if build is not None:  # llama.cpp runs here: its rows beside Saguaro's
             res.memory.update(llama_memory(build, prompts[0], args))
+        markdown = write(args, labels, res, files, versions, [])
+    if args.prefill:
+        parents = {r.key: saguaro_options(r, args) for r in rows if r.engine == SAGUARO}
+        def finished(result: dict[str, Any]) -> None:
+            res.prefill = result
+            write(args, labels, res, files, versions, [])
+        peer_prefill.measure(args, build, lambda keys: model_files(build, keys), parents, log, finished)
         markdown = write(args, labels, res, files, versions, [])
     print(markdown)
     log(f"wrote {args.out / 'bench_peers.json'} and {args.out / 'bench_peers.md'}")

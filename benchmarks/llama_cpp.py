@@ -10,6 +10,7 @@ Glossary:
   - decode tok/s: for ``llama-completion``, the "eval" line of its perf report: tokens after the first over the
     time after the prompt pass (as Saguaro's decode rate); for ``llama-speculative-simple``, its "decoded" line:
     every token over the time after the prompt pass (its first round also makes the first token).
+  - prompt tok/s: the "prompt eval" line: the prompt's tokens over the time of the prompt pass (peer_prefill.py).
 """
 from __future__ import annotations
 
@@ -111,10 +112,12 @@ def quantize_command(build: Build, src: Path, dst: Path, ftype: str = "BF16") ->
     return [str(build.tool("llama-quantize")), "--allow-requantize", str(src), str(dst), ftype]
 
 
-def completion_command(build: Build, model: Path, prompt_file: Path, max_tokens: int, threads: int) -> list[str]:
-    """Plain greedy decoding of one prompt file (already chat-templated; special tokens parsed)."""
+def completion_command(build: Build, model: Path, prompt_file: Path, max_tokens: int, threads: int,
+                       context: int = 4096) -> list[str]:
+    """Plain greedy decoding of one prompt file (already chat-templated; special tokens parsed), in a context of
+    ``context`` tokens (llama-completion refuses a prompt longer than the context minus 4)."""
     return [str(build.tool("llama-completion")), "-m", str(model), "-f", str(prompt_file), "-n", str(max_tokens),
-            "-t", str(threads), "-tb", str(threads), "-c", "4096", "--temp", "0", "--seed", "0", "-no-cnv",
+            "-t", str(threads), "-tb", str(threads), "-c", str(context), "--temp", "0", "--seed", "0", "-no-cnv",
             "--no-display-prompt"]
 
 
@@ -213,6 +216,25 @@ def parse_completion(log: str) -> PeerTiming:
     prompt = _PROMPT.findall(log)
     return PeerTiming(tok_s=runs / (ms / 1e3) if ms > 0 else 0.0, decode_tokens=runs, decode_s=ms / 1e3,
                       prompt_tokens=int(prompt[-1][1]) if prompt else None)
+
+
+@dataclass(frozen=True)
+class PromptEval:
+    """llama.cpp's prompt pass, as its "prompt eval time = T ms / N tokens" line reports it."""
+    tokens: int
+    seconds: float
+
+    @property
+    def tok_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def parse_prompt_eval(log: str) -> PromptEval:
+    """The last "prompt eval time" line of a perf report (``llama-completion`` prints the target's)."""
+    found = _PROMPT.findall(log)
+    if not found:
+        raise PeerRunError("no 'prompt eval time' line in llama.cpp's output")
+    return PromptEval(tokens=int(found[-1][1]), seconds=float(found[-1][0]) / 1e3)
 
 
 def parse_speculative(log: str) -> PeerTiming:

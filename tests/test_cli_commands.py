@@ -185,7 +185,7 @@ def bench_cases(target: Path, draft: Path, head: str, out: Path) -> dict[str, tu
                  "--transport", "thread", "--warmup-tokens", "0"], "bench_ssd.json"),
         "eagle": ([*pair, *serve, "--k", "2", "--head", head, "--temperatures", "0", "--warmup-tokens", "0"],
                   "bench_eagle.json"),
-        "peers": ([*pair, *serve, "--only", "saguaro-ar,saguaro-sd"], "bench_peers.json"),
+        "peers": ([*pair, *serve, "--only", "saguaro-ar,saguaro-sd", "--prefill", "16"], "bench_peers.json"),
         "cpu_tiers": ([*pair, "--tiers", "portable", "--n", "64", "--k", "64", "--reps", "1", "--steps", "2",
                        "--out", out], "cpu_tiers.json"),
         "gpu": (["--device", "cpu", "--shapes", "tiny", "--context", "16", "--max-tokens", "4", "--batches", "1",
