@@ -157,11 +157,12 @@ def greedy_unequal(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def greedy_pairs(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[int], list[int]]]:
-    ar = {(d, p): ids for r in runs if r["config"] == "AR" and r["temperature"] == 0
+    # against AR's output for the same prompt in a batch of the same size (bf16 rounding depends on the batch)
+    ar = {(d, p, r["batch"]): ids for r in runs if r["config"] == "AR" and r["temperature"] == 0
           for d, p, ids in zip(r["datasets"], r["prompts"], r["token_ids"])}
-    return [({"config": r["config"], "dataset": d, "prompt": p, "batch": r["batch"]}, ids, ar[(d, p)])
+    return [({"config": r["config"], "dataset": d, "prompt": p, "batch": r["batch"]}, ids, ar[(d, p, r["batch"])])
             for r in runs if r["config"] != "AR" and r["temperature"] == 0
-            for d, p, ids in zip(r["datasets"], r["prompts"], r["token_ids"]) if (d, p) in ar]
+            for d, p, ids in zip(r["datasets"], r["prompts"], r["token_ids"]) if (d, p, r["batch"]) in ar]
 
 
 def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
