@@ -78,7 +78,7 @@ class ModelDraft:
     def proposer(self, cfg: Config, target: ModelRunner, num_blocks: int) -> Proposer:
         from saguaro.sd.draft_model import DraftModelProposer
         runner = draft_runner(cfg.draft_format, self.model, num_blocks, cfg.block_size, cfg.draft_device or cfg.device,
-                              cfg.enforce_eager)
+                              cfg.enforce_eager, cfg.max_model_len)
         runner.capture_graphs(cfg.graph_rows)
         proposer = DraftModelProposer(runner)
         if proposer.steps_graph is not None:  # the paged backend: greedy rounds' steps 2..K, captured now too
@@ -88,7 +88,7 @@ class ModelDraft:
     def speculator_runner(self, opts: SpeculatorOptions) -> ModelRunner:
         loaded = load_or_place(self.model if self.model is not None else self.name, opts.device, opts.dtype)
         return draft_runner(opts.draft_format, loaded, opts.draft_blocks(), opts.block_size, opts.device,
-                            opts.enforce_eager)
+                            opts.enforce_eager, opts.max_model_len)
 
     def shipment(self) -> Shipment:
         if self.name is not None:

@@ -110,8 +110,9 @@ class ModelRunner(DraftRunner):
 
 
 def draft_runner(fmt: DraftFormat, draft: LoadedModel, num_blocks: int, block_size: int, device: str,
-                 enforce_eager: bool) -> ModelRunner:
+                 enforce_eager: bool, max_seq_len: int | None = None) -> ModelRunner:
     """The draft's runner: the fast path with ``fmt`` if custom (an error where it cannot run), else as
-    the engine runs."""
+    the engine runs. ``max_seq_len``: the engine's ``max_model_len``, which bounds the block tables its
+    graphs stage (the draft's own context length otherwise)."""
     return ModelRunner(draft.model, num_blocks, block_size, device, enforce_eager=enforce_eager and not fmt.custom,
-                       weights=fmt.weights, head_ids=fmt.head_ids(draft))
+                       weights=fmt.weights, head_ids=fmt.head_ids(draft), max_seq_len=max_seq_len)

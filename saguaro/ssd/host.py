@@ -44,13 +44,15 @@ class SpeculatorOptions:
     enforce_eager: bool = True  # False: the draft runs the device's fast path, like the target (Config)
     draft_format: DraftFormat = field(default_factory=DraftFormat)  # int8 weights / reduced head
     max_num_seqs: int = 1  # the largest batch a round can carry (sizes the draft's CUDA graphs)
+    max_model_len: int | None = None  # the longest sequence (bounds the block tables its graphs stage)
 
     @classmethod
     def from_config(cls, cfg: Config, plan: SpecPlan) -> SpeculatorOptions:
         return cls(plan=plan, dtype=cfg.draft_torch_dtype, device=cfg.draft_device or cfg.device,
                    cores=cfg.draft_cores, threads=cfg.threads, kv_cache_tokens=cfg.kv_cache_tokens,
                    block_size=cfg.block_size, timeout_s=cfg.worker_timeout_s, enforce_eager=cfg.enforce_eager,
-                   draft_format=cfg.draft_format, max_num_seqs=cfg.max_num_seqs)
+                   draft_format=cfg.draft_format, max_num_seqs=cfg.max_num_seqs,
+                   max_model_len=cfg.max_model_len)
 
     @property
     def k(self) -> int:
