@@ -139,7 +139,7 @@ def test_choices_depend_only_on_what_was_observed():
 def test_ssd_chooser_uses_the_hit_rate():
     def ssd(p_hit):
         return AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.5),
-                         Priors([0.0], [[0.45]], [0.3], [p_hit]), SSDModel(lambda b: True, 0.9))
+                         Priors([0.0], [[0.45]], [0.3], [p_hit]), SSDModel(lambda b: True, 0.18))
     def at_k4(c):
         return c.gains([seq()], BatchCosts.at(c.costs, 1, 4))[0, 4]
     assert at_k4(ssd(1.0)) > at_k4(ssd(0.0))
@@ -151,10 +151,25 @@ def test_ssd_chooser_uses_the_hit_rate():
     assert c.costs.verify(5) == pytest.approx(0.0108)
 
 
+def test_an_ssd_build_that_outlasts_the_verification_prices_deep_k():
+    """A build at K makes K + 1 passes: where each pass costs a third of a verification, K = 5 keeps the round
+    waiting on the build (6 passes, two verifications long) and a shorter K wins, though every hit carries K tokens;
+    with passes ten times cheaper the deepest K wins. Measured builds, at whatever K they ran, set the pass."""
+    def best_k(pass_s):
+        c = AdaptiveK(5, AdaptSettings(), costs(draft_ratio=0.1), Priors([0.0], [[0.7]], [0.3], [0.9]),
+                      SSDModel(lambda b: True, pass_s))
+        return int(np.argmax(c.gains([seq()], BatchCosts.at(c.costs, 1, 5))[0])), c
+    slow, c = best_k(1.0 / 3)
+    fast, _ = best_k(1.0 / 30)
+    assert fast == 5 and 1 <= slow < 4
+    c.observe_build(0.1, 2)  # a measured build of two steps: passes as cheap as the fast prior's
+    assert int(np.argmax(c.gains([seq()], BatchCosts.at(c.costs, 1, 5))[0])) == 5
+
+
 def test_a_batch_is_judged_row_by_row():
     """The batch's one array computation gives each sequence the gains it gets on its own (same round costs)."""
     c = AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.4), Priors([0.0, 1.0], [[0.5], [0.8]], [0.3, 0.2],
-                                                                  [0.4, 0.7]), SSDModel(lambda b: False, 0.9, 1.3))
+                                                                  [0.4, 0.7]), SSDModel(lambda b: False, 0.18, 1.3))
     seqs = [seq(), seq(1.0), seq()]
     c.observe(seqs[2], 4, 4, hit=True)
     batch = BatchCosts.at(c.costs, 3, 4)
@@ -197,9 +212,10 @@ def test_live_costs_follow_the_rounds():
     c.observe_verify(2, 10.0)  # one pass in a burst of load moves the level a step, and bends the shape little
     assert c.verify(5) / c.verify(1) == pytest.approx(shape)  # no row count but the burst's own moved
     assert 1.0 < c.shape[2] <= 1 - c.weight + c.weight * 3.0  # the burst's: one clipped step from the table's
-    c.observe_build(0.5)
-    c.observe_build(1.0)
-    assert 0.5 < c.build_s < 1.0
+    c.observe_build(0.5, 4)  # K = 4: the glue and four steps, 0.1 s a pass
+    c.observe_build(0.6, 2)
+    assert 0.1 < c.build_pass_s < 0.2
+    assert c.build_s(4, 1.0) == pytest.approx(c.build_pass_s * np.arange(1, 6))  # the measured pass, not the prior
 
 
 def test_the_verification_s_shape_follows_what_each_row_count_costs():

@@ -123,8 +123,11 @@ def test_a_request_that_accepts_little_wants_shallow_guesses_one_that_accepts_mu
     assert high.spec.fan_out_per_round == [4]  # the branches asked of the build for it
     c.observe_verify(K + 1, 1.0)  # sets the target's scale, and the draft's while the draft is untimed
     step = c.costs.draft_step(1)
-    c.observe_build(0.5)  # this build ran in the tree sent the round before (the same here)
+    c.observe_build(0.5, K)  # this build ran in the tree sent the round before (the same here), all K steps
     assert c.build_scale == pytest.approx(0.5 / c.sent[0][1])
+    c.build_scale = None
+    c.observe_build(0.25, K // 2)  # interrupted, or a smaller K: compared pass for pass
+    assert c.build_scale == pytest.approx(0.25 / (K // 2 + 1) / (c.sent[0][1] / (K + 1)))
     # a build is draft passes: its measured scale is the draft's (a just-in-time miss is priced by it)
     assert c.costs.draft_step(1) == pytest.approx(step * c.build_scale / c.costs.target_scale)
 

@@ -62,7 +62,8 @@ def _adaptive(cfg: Config, profile: Profile, plan: SpecPlan | None) -> AdaptiveK
         build = build_time(profile.timing, k, 1, branches, plan.steps_for(t0), plan.deep_branches)
         sources = [entry_at(profile, t).primary for t in priors.temperatures]
         trees = TreeModel(plan, profile.timing, sources) if all(s.hit_curves for s in sources) else None
-        ssd = SSDModel(lambda b: plan.miss_strategy_for(b) == MissStrategy.JIT, build.t_hit * build.t_v,
+        pass_s = build.t_hit * build.t_v / (build.deep_steps + 1)  # the hit round over the passes it holds
+        ssd = SSDModel(lambda b: plan.miss_strategy_for(b) == MissStrategy.JIT, pass_s,
                        slowdowns(profile.timing, branches)[0], trees,
                        builds_time_drafts=(cfg.draft_device or cfg.device) == "cpu")
     return AdaptiveK(k, cfg.adapt, costs, priors, ssd)

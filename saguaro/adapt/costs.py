@@ -11,12 +11,15 @@ profile's guess at what an extra row costs (the documented defaults say 2%; the 
 way to what the rounds measure, a bounded step a pass, so that one pass timed in a burst of load barely bends it.
 The first timing sets the scale outright (the target's sets the draft's too, until the
 draft is timed itself: SD times its draft steps; SSD's drafts run in the speculator, whose builds, against their
-prediction from the same table, give the draft's scale). ``build_s``: an SSD round's cache build, measured by the
-speculator.
+prediction from the same table, give the draft's scale). ``build_pass_s``: one pass of an SSD round's cache build
+(the glue, or a branch step), measured by the speculator; a build at K makes K + 1 of them, so its time grows
+with the K asked of it (``build_s``).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from saguaro.calibration.profile import RowTimes, Timing
 from saguaro.calibration.timeline import RowCurve
@@ -31,7 +34,7 @@ class LiveCosts:
     draft: RowTimes  # one draft step over n rows (SD's proposer, SSD's just-in-time drafter)
     target_scale: float = 1.0
     draft_scale: float = 1.0
-    build_s: float | None = None  # SSD: the speculator's build beside a verification (None: not yet measured)
+    build_pass_s: float | None = None  # SSD: one pass of the speculator's build (None: not yet measured)
     weight: float = 0.2  # share of a new observation in the averages
     timed: set[str] = field(default_factory=set)  # the scales set from a measurement: "target", "draft"
     # rows -> the verification measured at that row count over the scaled table's (1: the table's shape holds);
@@ -99,6 +102,15 @@ class LiveCosts:
         if ratio > 0:
             self._scale("draft", ratio)
 
-    def observe_build(self, seconds: float) -> None:
+    def observe_build(self, seconds: float, steps: int) -> None:
+        """An SSD build of ``steps`` branch steps (after its glue) took ``seconds``."""
         if seconds > 0:
-            self.build_s = seconds if self.build_s is None else (1 - self.weight) * self.build_s + self.weight * seconds
+            per_pass = seconds / (max(steps, 0) + 1)
+            old = self.build_pass_s
+            self.build_pass_s = per_pass if old is None else (1 - self.weight) * old + self.weight * per_pass
+
+    def build_s(self, max_k: int, prior_pass_s: float) -> np.ndarray:
+        """[max_k + 1]: seconds of a build at K = 0..max_k (K + 1 passes; ``prior_pass_s`` a pass until one is
+        measured)."""
+        per_pass = self.build_pass_s if self.build_pass_s is not None else prior_pass_s
+        return per_pass * (np.arange(max_k + 1) + 1.0)

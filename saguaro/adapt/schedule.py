@@ -51,7 +51,7 @@ class RequestState:
 class SSDModel:
     """The SSD side of the speed model: the miss strategy by batch size and the measured build."""
     jit_misses_at: Callable[[int], bool]  # batch size -> whether misses are drafted just in time (Thm 18)
-    build_prior_s: float  # the build's time before one is measured
+    build_pass_prior_s: float  # one pass of a build (the glue or a step) before one is measured
     slowdown: float = 1.0  # the verification's beside a build (the profile's contention probe; 1 without one)
     trees: TreeModel | None = None  # the plan's cache trees, one chosen per round (None: the plan's own only)
     builds_time_drafts: bool = True  # a build's seconds are its draft passes' (on a GPU: the host's queueing)
@@ -150,8 +150,9 @@ class AdaptiveK(KSchedule):
         for tree in range(trees.trees) if only is None else only:
             fan_outs = trees.fan_outs(seqs, tree, costs.batch)
             p_hit = np.clip(observed + trees.model_hits(fan_outs, weights, sources) - reference, 0.0, 1.0)
-            build_s, slowdown = trees.build(seqs, tree, costs.batch)
-            round_ = SSDRound(p_hit[:, None], build_s * scale, self.ssd.jit_misses_at(costs.batch), backup, slowdown)
+            build_s, slowdown = trees.build(seqs, tree, costs.batch)  # at the plan's K: K + 1 passes
+            build_s = build_s * scale * (np.arange(self.max_k + 1) + 1.0) / (trees.plan.k + 1)
+            round_ = SSDRound(p_hit[:, None], build_s, self.ssd.jit_misses_at(costs.batch), backup, slowdown)
             out.append(ssd_gains(trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources), costs, round_,
                                  miss_tokens=tokens))
         return np.stack(out)
@@ -165,7 +166,8 @@ class AdaptiveK(KSchedule):
         if self.ssd is None:
             return sd_gains(tokens, costs)
         hit = [self.priors.p_hit[st.prior_index] if reproducible else st.hit_rate.rate(0) for st in states]
-        build = self.ssd.build_prior_s if reproducible else self.costs.build_s or self.ssd.build_prior_s
+        # a build at K makes K + 1 passes: a deeper speculation is not free when the build outlasts the verification
+        build = (self.profile if reproducible else self.costs).build_s(self.max_k, self.ssd.build_pass_prior_s)
         round_ = SSDRound(_column(hit), build, self.ssd.jit_misses_at(costs.batch),
                           _column([self.priors.backup_acceptance[state.prior_index] for state in states]),
                           self.ssd.slowdown)
@@ -201,13 +203,15 @@ class AdaptiveK(KSchedule):
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         self.costs.observe_draft(rows, steps, seconds)
 
-    def observe_build(self, seconds: float) -> None:
-        self.costs.observe_build(seconds)
+    def observe_build(self, seconds: float, steps: int) -> None:
+        self.costs.observe_build(seconds, steps)
         if self.ssd is None or self.ssd.trees is None or not self.sent or seconds <= 0:
             return
-        predicted = self.sent[0][1]  # the build this response reports ran in the tree sent the round before
+        # the build this response reports ran in the tree sent the round before; compared pass for pass, as the
+        # K asked of it (and an interruption) set its steps
+        predicted = self.sent[0][1] / (self.ssd.trees.plan.k + 1)
         if predicted > 0:
-            ratio = seconds / predicted
+            ratio = seconds / (max(steps, 0) + 1) / predicted
             w = self.costs.weight
             self.build_scale = ratio if self.build_scale is None else (1 - w) * self.build_scale + w * ratio
             # a build is the draft's passes, predicted from the draft's table: so is a just-in-time miss, priced

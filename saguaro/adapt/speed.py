@@ -6,7 +6,7 @@ assumed to run the same K (each request is judged as if the batch were like it):
 * SD: a round drafts K steps over b rows, then verifies b (K + 1) rows. With T_SD = K c_d(b) / c_v(b (K + 1)),
   ``sd_speedup(E, T_SD)`` is tokens per verification, and c_v(b) / c_v(b (K + 1)) turns a verification into
   AR steps.
-* SSD: a hit round lasts max(verification slowed by the build beside it, build) -- the slowdown is what the
+* SSD: a hit round lasts max(verification slowed by the build beside it, build at that K) -- the slowdown is what the
   calibration's contention probe measured for the memory bus the two share (``timeline.slowdowns``) -- a miss
   round the same verification plus the miss strategy's drafting (K just-in-time steps; nothing for a point-mass
   backup). ``ssd_speedup_batch`` weighs them with the request's hit rate (Cor. 17), then the same conversion
@@ -51,7 +51,7 @@ class SSDRound:
     """What an SSD round of one request looks like besides its acceptance."""
     # per request (a float, or a column [B, 1] for a batch of requests):
     p_hit: float | np.ndarray  # the estimated cache-hit rate
-    build_s: float  # the speculator's build beside a verification
+    build_s: float | np.ndarray  # the speculator's build beside a verification (or [max_k + 1]: at each K)
     jit_misses: bool  # a miss is drafted just in time (K draft steps); else by a point-mass backup (free)
     backup_acceptance: float | np.ndarray  # a point-mass backup's acceptance (E_miss when not just in time)
     slowdown: float = 1.0  # the verification's, beside a build (the bus contention)

@@ -45,8 +45,8 @@ class KSchedule(ABC):
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         """Drafting took ``seconds`` for ``steps`` passes, the widest over ``rows`` rows."""
 
-    def observe_build(self, seconds: float) -> None:
-        """The SSD speculator's last cache build took ``seconds``."""
+    def observe_build(self, seconds: float, steps: int) -> None:
+        """The SSD speculator's last cache build took ``seconds`` for ``steps`` branch steps after its glue."""
 
     def release(self, seq_id: int) -> None:
         """Forget a finished or preempted sequence."""

@@ -118,7 +118,7 @@ class SSDDecoder(Decoder):
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
         if response.build_steps:
-            self.schedule.observe_build(response.build_s)
+            self.schedule.observe_build(response.build_s, response.build_steps)
         self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
                                      response.build_steps, hits, self.miss_strategies.at(len(seqs)),
                                      [len(out[s.seq_id]) for s in ready]))

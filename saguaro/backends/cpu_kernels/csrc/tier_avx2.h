@@ -16,7 +16,14 @@ constexpr int MAXMB_Q = 3;  // quantized kernels keep their fp32 sums in memory 
 // with the hardware prefetchers alone and ~90% with this; the quantized loops, whose reads jump within a
 // block, stream ~30% without it and ~80% with it (measured, 1 x 1536 by 1536 x 8960). Two blocks ahead was
 // best (one or three: a few points less).
-constexpr int64_t PREFETCH_BF16 = 512, PREFETCH_I8 = 2 * QB * TN, PREFETCH_I4 = 2 * I4_BLOCK;
+#ifndef SAGUARO_PREFETCH_BF16  // overridable at build time for tuning (benchmarks/kernel_tuning.py)
+#define SAGUARO_PREFETCH_BF16 512
+#endif
+#ifndef SAGUARO_PREFETCH_I4_BLOCKS
+#define SAGUARO_PREFETCH_I4_BLOCKS 2
+#endif
+constexpr int64_t PREFETCH_BF16 = SAGUARO_PREFETCH_BF16, PREFETCH_I8 = 2 * QB * TN,
+                  PREFETCH_I4 = SAGUARO_PREFETCH_I4_BLOCKS * I4_BLOCK;
 
 // acc (fp32 [MB, 64], row stride 64), outputs 8 V0 .. 8 (V0 + NV) += x[0:MB, 2*p0 : 2*p1] . tile pairs p0..p1
 template <int MB, int V0, int NV>
