@@ -16,6 +16,7 @@ differs. The default is the best tier the CPU executes; ``SAGUARO_CPU_TIER=avx51
 ``torch.utils.cpp_extension`` the first time it is asked for (about a minute on a 2-core machine) and cached
 under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); torch rebuilds it when the source
 changes and serialises concurrent builds with a file lock, so later processes load it in well under a second.
+The avx2 tier's bf16 prefetch distance is then set for this CPU (``prefetch_tune.py``).
 """
 from __future__ import annotations
 
@@ -123,10 +124,13 @@ def _load(tier: str) -> ModuleType:
     # into the flags
     headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
     try:
-        return build(name=f"saguaro_cpu_{tier}", sources=[str(SOURCE)],
-                     extra_cflags=[*compile_flags(tier), f"-DSAGUARO_HEADERS={headers}"], verbose=False)
+        ops = build(name=f"saguaro_cpu_{tier}", sources=[str(SOURCE)],
+                    extra_cflags=[*compile_flags(tier), f"-DSAGUARO_HEADERS={headers}"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, failed build
         raise KernelsUnavailable(f"could not build the {tier} kernels ({SOURCE.name}): {e}") from e
+    from saguaro.backends.cpu_kernels import prefetch_tune
+    prefetch_tune.apply(ops)  # the avx2 tier's prefetch distance for this CPU (measured once, then kept)
+    return ops
 
 
 def available(tier: str | None = None) -> bool:

@@ -111,6 +111,13 @@ void pack(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilo
 
 #include "quant_pack.h"  // int8 and int4 draft weights: formats and packers
 
+// Bytes of software prefetch ahead of a bf16 weight stream (the avx2 tier reads it; 0: the hardware's alone).
+inline int64_t g_prefetch_bf16 = 512;
+void set_prefetch_bf16(int64_t bytes) {
+  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "prefetch distance must be a non-negative multiple of 64 bytes");
+  g_prefetch_bf16 = bytes;
+}
+
 // Each tier defines MAXMB_BF16 and MAXMB_Q (rows per register tile), bf16_rows (a register tile of rows
 // against k pairs of one packed tile, into fp32 [rows, 64]), tile_block_i8<MB> / tile_block_i4<MB> (the same
 // over quantized k blocks), quantize_rows and attend (attention's work, see attention below).
@@ -367,6 +374,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_i4", &pack_i4, "quantize and pack weight rows into the int4 layout (dst: [T, K/32, 1280])");
   m.attr("I4_BLOCK") = I4_BLOCK;
   m.attr("TIER") = TIER;
+  m.def("set_prefetch_bf16", &set_prefetch_bf16, "bytes of software prefetch ahead of a bf16 weight stream (avx2)");
+  m.def("prefetch_bf16", [] { return g_prefetch_bf16; });
   m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it",

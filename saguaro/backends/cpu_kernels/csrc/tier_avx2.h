@@ -16,14 +16,10 @@ constexpr int MAXMB_Q = 3;  // quantized kernels keep their fp32 sums in memory 
 // with the hardware prefetchers alone and ~90% with this; the quantized loops, whose reads jump within a
 // block, stream ~30% without it and ~80% with it (measured, 1 x 1536 by 1536 x 8960). Two blocks ahead was
 // best (one or three: a few points less).
-#ifndef SAGUARO_PREFETCH_BF16  // overridable at build time for tuning (benchmarks/kernel_tuning.py)
-#define SAGUARO_PREFETCH_BF16 512
-#endif
-#ifndef SAGUARO_PREFETCH_I4_BLOCKS
-#define SAGUARO_PREFETCH_I4_BLOCKS 2
-#endif
-constexpr int64_t PREFETCH_BF16 = SAGUARO_PREFETCH_BF16, PREFETCH_I8 = 2 * QB * TN,
-                  PREFETCH_I4 = SAGUARO_PREFETCH_I4_BLOCKS * I4_BLOCK;
+// The bf16 distance is set at run time (g_prefetch_bf16, chosen per CPU by prefetch_tune.py): on Zen 4 (a
+// faster bus, and stronger hardware prefetchers) the same 512 bytes cost a third of the rate (17 GB/s against
+// 26 without), so no one constant serves both.
+constexpr int64_t PREFETCH_I8 = 2 * QB * TN, PREFETCH_I4 = 2 * I4_BLOCK;
 
 // acc (fp32 [MB, 64], row stride 64), outputs 8 V0 .. 8 (V0 + NV) += x[0:MB, 2*p0 : 2*p1] . tile pairs p0..p1
 template <int MB, int V0, int NV>
@@ -37,10 +33,12 @@ inline void tile_block(const bf16* __restrict x, int64_t ldx, const bf16* __rest
       acc[v][m] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc_io + m * TN + (V0 + v) * 8);
   const __m256i high = _mm256_set1_epi32((int)0xffff0000);
   const bf16* w = tile + p0 * TN * 2 + V0 * 16;
+  const int64_t ahead = g_prefetch_bf16 / 2;  // in bf16 elements
 #pragma GCC unroll 1
   for (int64_t p = p0; p < p1; p++, w += TN * 2) {
     if constexpr (V0 == 0)  // a pair row is 4 cache lines; the V0 > 0 pass reads them again from L1/L2
-      for (int l = 0; l < 4; l++) _mm_prefetch(reinterpret_cast<const char*>(w + PREFETCH_BF16 / 2 + 32 * l), _MM_HINT_T0);
+      if (ahead > 0)
+        for (int l = 0; l < 4; l++) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 32 * l), _MM_HINT_T0);
     __m256 xe[MB], xo[MB];
 #pragma GCC unroll 2
     for (int m = 0; m < MB; m++) {
@@ -78,13 +76,15 @@ inline void two_tiles_pass(const bf16* __restrict x, const bf16* __restrict tile
   }
   const bf16* w0 = tile0 + p0 * TN * 2 + V0 * 16;
   const bf16* w1 = tile1 + p0 * TN * 2 + V0 * 16;
+  const int64_t ahead = g_prefetch_bf16 / 2;
 #pragma GCC unroll 1
   for (int64_t p = p0; p < p1; p++, w0 += TN * 2, w1 += TN * 2) {
     if constexpr (V0 == 0)
-      for (int l = 0; l < 4; l++) {
-        _mm_prefetch(reinterpret_cast<const char*>(w0 + PREFETCH_BF16 / 2 + 32 * l), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w1 + PREFETCH_BF16 / 2 + 32 * l), _MM_HINT_T0);
-      }
+      if (ahead > 0)
+        for (int l = 0; l < 4; l++) {
+          _mm_prefetch(reinterpret_cast<const char*>(w0 + ahead + 32 * l), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w1 + ahead + 32 * l), _MM_HINT_T0);
+        }
     const __m256 xe = _mm256_set1_ps(float(x[2 * p])), xo = _mm256_set1_ps(float(x[2 * p + 1]));
 #pragma GCC unroll 4
     for (int v = 0; v < 4; v++) {
