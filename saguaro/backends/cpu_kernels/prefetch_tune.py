@@ -41,7 +41,7 @@ def apply(ops: ModuleType) -> int:
     known = _read(path)
     if key not in known:
         known[key] = measure(ops)
-        log.info("avx2 bf16 prefetch distance for %s: %d bytes (measured)", cpu_identity(), known[key])
+        log.info("avx2 bf16 prefetch distance for %s: %d bytes (measured)", key, known[key])
         _write(path, {**_read(path), key: known[key]})
     ops.set_prefetch_bf16(int(known[key]))
     return int(known[key])
