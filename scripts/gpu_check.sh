@@ -10,6 +10,9 @@
 # failed (an SSD row whose speculator failed fails its step). bench_gpu_ssd writes its measured table
 # before its projections, so a step cut short by its limit still leaves that table.
 #
+#   GPU_CHECK_STEPS=gpu_tests,bench_gpu_ssd scripts/gpu_check.sh
+#                                    only the steps named (gpu_tests, bench_gpu, overlap_probe, bench_gpu_ssd):
+#                                    a rerun after a fix, inside a short lease
 #   scripts/gpu_check.sh --dry-run   everything that needs no CUDA, on any machine: imports every benchmark
 #                                    module and collects the GPU tests with only the GPU machine's packages
 #                                    importable (scripts/gpu_env), failing if fewer tests are collected than
@@ -72,6 +75,10 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 status=0
 step() {  # step NAME SECONDS COMMAND...: run, log to $OUT/NAME.log, remember a failure
     local name=$1 limit=$2; shift 2
+    if [ -n "${GPU_CHECK_STEPS:-}" ] && [[ ",$GPU_CHECK_STEPS," != *",$name,"* ]]; then
+        echo "== $name: skipped (GPU_CHECK_STEPS=$GPU_CHECK_STEPS)"
+        return
+    fi
     echo "== $name (limit ${limit}s)"
     timeout -k 10 "$limit" "$@" 2>&1 | tee "$OUT/$name.log"
     local rc=${PIPESTATUS[0]}

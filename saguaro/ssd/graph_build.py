@@ -240,7 +240,7 @@ class GraphBuild:
         meta = PagedMetadata(torch.where(valid, own[..., j], -1).reshape(-1), f.table.to(torch.int32),
                              _groups(b, w, self.device), torch.where(valid, prefix, 0).to(torch.int32).reshape(-1),
                              own.reshape(b * w, j + 1),
-                             torch.where(valid, j + 1, 0).to(torch.int32).expand(b, w).reshape(-1),
+                             torch.where(valid, j + 1, 0).to(torch.int32).expand(b, w).reshape(-1).contiguous(),
                              self.cache.block_size)
         hidden = self.net(ids.reshape(-1), (prefix + j).reshape(-1), self.cache, meta)
         return self.net.logits(hidden)
@@ -295,7 +295,8 @@ class _Fields:
 
 
 def _groups(seqs: int, per: int, device: torch.device) -> torch.Tensor:
-    return torch.arange(seqs, dtype=torch.int32, device=device)[:, None].expand(seqs, per).reshape(-1)
+    # contiguous: with one sequence the reshape is a stride-0 view, which the kernels would read past
+    return torch.arange(seqs, dtype=torch.int32, device=device)[:, None].expand(seqs, per).reshape(-1).contiguous()
 
 
 def _outcomes(shape: BuildShape, f: _Fields, ids: torch.Tensor, probs: torch.Tensor, depths: torch.Tensor

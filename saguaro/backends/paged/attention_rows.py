@@ -35,6 +35,14 @@ import torch
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+def check_dense_rows(name: str, t: torch.Tensor) -> None:
+    """A per-row vector [N] that a kernel reads at ``pointer + row`` must be dense. An expanded view (stride 0,
+    as ``x[:, None].expand(1, w).reshape(-1)`` gives) holds one element: a Triton kernel would read past it."""
+    if t.dim() == 1 and t.shape[0] > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be dense (stride 1): the kernels read it by row; got stride {t.stride(0)} "
+                         f"(an expanded view? make it .contiguous())")
+
+
 def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                      row_group: torch.Tensor, prefix_len: torch.Tensor, extra_slots: torch.Tensor,
                      extra_len: torch.Tensor, block_size: int, out: torch.Tensor | None) -> None:
@@ -55,6 +63,7 @@ def check_paged_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     for name, t in (("row_group", row_group), ("prefix_len", prefix_len), ("extra_len", extra_len)):
         if t.shape != (n,):
             raise ValueError(f"{name} must be [N={n}], got {tuple(t.shape)}")
+        check_dense_rows(name, t)
     for name, t in (("block_tables", block_tables), ("row_group", row_group), ("prefix_len", prefix_len),
                     ("extra_slots", extra_slots), ("extra_len", extra_len)):
         if t.dtype.is_floating_point or t.dtype == torch.bool:

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from saguaro.backends.paged.attention_rows import check_dense_rows
 from saguaro.models.rope import apply_rotary
 
 
@@ -91,6 +92,8 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
     q, [N, H, D] in the model dtype. The rotation is the HF "rotate half" one of ``rope.apply_rotary``.
     """
     n = qkv.shape[0]
+    check_dense_rows("positions", positions)  # as the Triton kernel reads them
+    check_dense_rows("slot_mapping", slot_mapping)
     q_cols, kv_cols = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_cols, kv_cols, kv_cols], dim=-1)
     q = q.reshape(n, num_heads, head_dim)

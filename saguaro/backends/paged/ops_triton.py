@@ -39,6 +39,8 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from saguaro.backends.paged.attention_rows import check_dense_rows
+
 # Decided once, like triton.jit itself decides at decoration time whether to interpret.
 _LIBDEVICE = not triton.knobs.runtime.interpret
 
@@ -185,6 +187,7 @@ def rope_and_store(qkv: torch.Tensor, positions: torch.Tensor, inv_freq: torch.T
         if t.shape != (n,) or t.dtype.is_floating_point or t.device != qkv.device:
             raise ValueError(f"{name} must be an integer [{n}] tensor on {qkv.device}, got "
                              f"{tuple(t.shape)} {t.dtype} on {t.device}")
+        check_dense_rows(name, t)
     if inv_freq.shape != (head_dim // 2,) or inv_freq.dtype != torch.float32 or inv_freq.device != qkv.device:
         raise ValueError(f"inv_freq must be float32 [{head_dim // 2}] on {qkv.device}, got "
                          f"{tuple(inv_freq.shape)} {inv_freq.dtype} on {inv_freq.device}")
