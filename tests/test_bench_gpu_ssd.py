@@ -72,6 +72,15 @@ def test_projections_without_the_real_pairs_profile_say_so(tmp_path):
     assert rows == [] and "Projections skipped: no profile" in notes[0]
 
 
+def test_the_committed_real_pair_profile_loads():
+    """The projections read the real pair's committed profile (results/): it must load with today's schema, else
+    every GPU run skips them (it once kept a key the schema had renamed)."""
+    from benchmarks.gpu_projection import PROFILE_PATH, load_profile
+    assert PROFILE_PATH.exists()
+    profile = load_profile()
+    assert profile is not None and profile.temperatures
+
+
 @pytest.mark.worker_failure
 def test_a_speculator_killed_mid_benchmark_fails_its_row_and_the_command(tmp_path, monkeypatch):
     """The speculator thread dies at its third response: the SSD row records why, is marked failed, is not

@@ -104,6 +104,33 @@ def test_ssd_thread_on_one_gpu_matches_cpu():
     assert _ssd_on_cuda(draft_device="cuda:0") == _cpu_reference()
 
 
+def test_the_build_graph_prepares_the_cache_its_eager_run_does(monkeypatch):
+    """The speculator's build as a CUDA graph hits exactly as the same build run eagerly on the GPU (greedy: the
+    same outputs, the same hits). A freed input under the graph once made every key read depth 0 (p_hit 0.15
+    against 0.91 eager, synthetic 1.5B pair on an H200)."""
+    from saguaro.backends.paged.graphs import EagerCapture
+    from saguaro.ssd.speculator import Speculator
+    target = _target()
+
+    def run():
+        with LLM(target=target, draft=truncated(target, 1), mode="ssd", device="cuda:0", num_speculative_tokens=3,
+                 fan_out=[1, 1, 1, 2], block_size=4, adaptive=False) as llm:
+            outs = llm.generate(PROMPTS[:2], SamplingParams(max_tokens=32))
+            assert llm.engine.decoder.failure is None
+            return [o.token_ids for o in outs], llm.spec_metrics(outs).cache_hit_rate
+    graphed = run()
+    real = Speculator._graph_build
+
+    def eager(self):
+        build = real(self)
+        if build is not None:
+            build.capture = EagerCapture(check=False)
+        return build
+    monkeypatch.setattr(Speculator, "_graph_build", eager)
+    assert graphed == run()
+    assert graphed[1] > 0  # hits to compare (the tiny pair hits about 0.15 of its rounds)
+
+
 def test_ssd_thread_in_a_green_context_matches_cpu(monkeypatch):
     """The speculator confined to a share of the SMs (where torch has green contexts; else it warns and shares)."""
     import saguaro.ssd.thread_link as thread_link

@@ -6,6 +6,7 @@
 * Captures happen at start-up, one at a time: the target's before the speculator thread's, both before the
   first round; a pass with no graph after start-up runs eagerly, counted, and gives the same logits.
 * A replay's per-row fields pack into one staging buffer and unpack into the graph's buffers exactly.
+* A CUDA replay keeps alive what its recorded function closes over (CUDA faked).
 """
 import threading
 
@@ -182,3 +183,41 @@ def test_staging_packs_a_pass_and_unpacks_it_padded_with_ghosts():
     assert out.row_group.dtype == torch.int32 and out.block_tables.dtype == torch.int32
     with pytest.raises(ValueError, match="does not fit"):
         StagingLayout(rows=2, extras=2, table_width=3).pack(host, None, torch.zeros(3), meta)
+
+
+def test_a_cuda_replay_keeps_alive_what_its_function_closes_over(monkeypatch):
+    """``CudaCapture``'s replay holds the recorded function, so a tensor made for one capture alone (the build
+    graph's fork depths) lives as long as the graph: freed, the allocator would hand its memory out again and the
+    replay would read whatever came to lie there (on an H200 every cache key read depth 0). CUDA faked, on the
+    CPU; the negative control: once the replay is dropped, the tensor is freed."""
+    import contextlib
+    import gc
+    import weakref
+
+    class FakeGraph:
+        replays = 0
+
+        def replay(self):
+            FakeGraph.replays += 1
+
+    class FakeStream:
+        def wait_stream(self, other):
+            pass
+    for name, fake in (("graph_pool_handle", lambda: None), ("Stream", lambda device: FakeStream()),
+                       ("current_stream", lambda *a: FakeStream()), ("stream", lambda s: contextlib.nullcontext()),
+                       ("CUDAGraph", FakeGraph), ("graph", lambda *a, **kw: contextlib.nullcontext())):
+        monkeypatch.setattr(torch.cuda, name, fake)
+    capture = graphs_module.CudaCapture(torch.device("cpu"))
+
+    def capture_with_an_input_of_its_own():
+        depths = torch.arange(4)
+        replay, _ = capture(lambda: depths * 2)
+        return replay, weakref.ref(depths)
+    replay, depths = capture_with_an_input_of_its_own()
+    gc.collect()
+    assert depths() is not None, "the captured function's input was freed while its graph lives"
+    replay()
+    assert FakeGraph.replays == 1
+    del replay
+    gc.collect()
+    assert depths() is None  # what held it was the replay

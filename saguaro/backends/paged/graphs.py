@@ -30,7 +30,9 @@ Terms
 
 Lifetimes: a graph reads its buffers, the model's weights and the KV cache by address. Each entry
 keeps its buffers and the runner keeps the model and cache for as long as the graphs live; a freed
-input would be reused by the allocator and the replay would read garbage.
+input would be reused by the allocator and the replay would read garbage. A replay also holds the
+function it recorded, and so every tensor that function closes over (as the stand-in's replay does,
+which reruns it): an input made for one capture alone stays alive with its graph.
 """
 from __future__ import annotations
 
@@ -80,7 +82,18 @@ class CudaCapture:
         # thread_local: a colocated speculator thread may launch its own work while this thread captures
         with torch.cuda.graph(graph, pool=self.pool, stream=stream, capture_error_mode="thread_local"):
             out = fn()
-        return graph.replay, out
+        return GraphReplay(graph, fn), out
+
+
+@dataclass(frozen=True)
+class GraphReplay:
+    """A captured graph's replay. It keeps ``recorded`` alive: a tensor that only the recorded function closes
+    over (the build's fork depths, say) would otherwise be freed and its memory reused under the graph."""
+    graph: torch.cuda.CUDAGraph
+    recorded: Callable[[], torch.Tensor]
+
+    def __call__(self) -> None:
+        self.graph.replay()
 
 
 class EagerCapture:
