@@ -65,8 +65,14 @@ class SpeculatorOptions:
         return self.max_num_seqs * max(widest + 1, self.k + 1)
 
     def draft_blocks(self) -> int:
-        """Room for every sequence's context plus the branch scratch of a full batch."""
-        return math.ceil(self.kv_cache_tokens / self.block_size) * 2
+        """Room for every sequence's context (as many tokens as the target's cache holds) plus the branch scratch
+        of a full batch: as much again, or each sequence's K steps over the plan's widest tree where that is more
+        (a wide tree over a small cache once ran the speculator out of blocks). A batch holds at most
+        ``max_num_seqs`` sequences, and no more than the target's cache has blocks."""
+        contexts = math.ceil(self.kv_cache_tokens / self.block_size)
+        widest = max(sum(f) for f in self.plan.lists())
+        seqs = min(self.max_num_seqs, contexts)
+        return contexts + max(contexts, seqs * math.ceil(self.k * widest / self.block_size))
 
 
 def start_speculator(draft: SpeculatorDraft | LoadedModel | str, opts: SpeculatorOptions,
