@@ -114,12 +114,14 @@ def pass_costs(loaded, device: torch.device, enforce_eager: bool, args, rows: li
 
 def engine_run(target, draft, mode: str, k: int, batch: int, args, enforce_eager: bool) -> dict:
     """Decode tok/s of ``batch`` requests together (all tokens after each request's first, over the longest
-    decode), with speculation metrics."""
+    decode), with speculation metrics. Every prompt prefills in one step, so that no prefill step of another
+    request lands among the decode steps timed; SD runs the K it names (no adaptation)."""
     options = dict(device=args.device, dtype="bfloat16", enforce_eager=enforce_eager, max_num_seqs=max(batch, 1),
                    kv_cache_tokens=max(batch, 1) * (args.context + args.max_tokens + 16) + 1024,
-                   max_model_len=args.context + args.max_tokens + 16)
+                   max_model_len=args.context + args.max_tokens + 16,
+                   max_prefill_tokens=max(batch, 1) * args.context)
     if mode != "ar":
-        options.update(mode=mode, draft=draft, num_speculative_tokens=k)
+        options.update(mode=mode, draft=draft, num_speculative_tokens=k, adaptive=False)
     params = SamplingParams(max_tokens=args.max_tokens, ignore_eos=True)
     ids = prompts(target.config.vocab_size, batch, args.context, seed=batch)
     with LLM(target=target, **options) as llm:
