@@ -37,6 +37,7 @@ from benchmarks.build_counters import BuildCounts, build_kind, counting
 from benchmarks.common import (Prompt, environment, float_list, fmt, group_records, int_list, log, parse_fan_out,
                                ratio, run_engine, settings, table, temp_key, write_results)
 from benchmarks.gpu_projection import PROFILE_PATH, load_profile, project
+from benchmarks.gpu_ssd_batches import BatchRow, batch_tables, measure_batches
 from benchmarks.gpu_ssd_rows import (ConfigRow, ProjectionRow, SSDShape, best_of, complete, config_row, goal_rows,
                                      lanes_text)
 from benchmarks.synthetic import DEFAULT_RECIPES, SHAPES, prompts, random_model, synthetic_pair
@@ -86,6 +87,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup-tokens", type=int, default=32,
                    help="tokens of one warm-up request per engine (CUDA graphs are captured at start-up; this warms "
                         "the allocator and caches before the timed requests; default 32)")
+    p.add_argument("--batches", type=int_list, default=[1],
+                   help="batch sizes: 1 is the main table; each size above 1 runs every configuration with that many "
+                        "requests together (benchmarks/gpu_ssd_batches.py; default 1)")
     p.add_argument("--out", type=Path, default=Path("results"))
     p.add_argument("--name", default="bench_gpu_ssd")
     args = p.parse_args(argv)
@@ -171,15 +175,20 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, float]]]:
-    """Every configuration over the same prompts, then the pass costs of the pair; rows completed."""
-    ids = prompts(target.config.vocab_size, args.prompts, args.prompt_len, seed=args.seed)
-    batch = [Prompt("synthetic", i, "", p) for i, p in enumerate(ids)]
+Config = tuple[str, str, "int | None", "SSDShape | None", dict, "str | None", "str | None"]
+
+
+def base_options(args) -> dict[str, Any]:
+    """The engine options every configuration shares (batch 1)."""
     longest = args.prompt_len + args.max_tokens + 16
-    base = dict(device=args.device, dtype="bfloat16", enforce_eager=args.enforce_eager, max_num_seqs=1,
+    return dict(device=args.device, dtype="bfloat16", enforce_eager=args.enforce_eager, max_num_seqs=1,
                 max_model_len=longest, kv_cache_tokens=2 * longest + 1024)
-    configs: list[tuple[str, str, int | None, SSDShape | None, dict[str, Any], str | None, str | None]] = [
-        ("AR", "ar", None, None, {}, None, None)]
+
+
+def configurations(args, draft) -> list[Config]:
+    """(name, mode, K, SSD shape, options, build, priorities) of every row: AR, SD at each K, and each SSD shape
+    with each build and priority setting."""
+    configs: list[Config] = [("AR", "ar", None, None, {}, None, None)]
     # every speculative row is the configuration it names: K fixed (adaptive K would choose per round)
     configs += [(f"SD K={k}", "sd", k, None, dict(draft=draft, num_speculative_tokens=k, adaptive=False), None, None)
                 for k in args.sd_k]
@@ -189,6 +198,14 @@ def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, f
                  dict(draft=draft, num_speculative_tokens=s.k, fan_out=s.fan_out, branch_steps=s.branch_steps,
                       deep_branches=s.deep, miss_strategy="jit", speculator_transport="thread", adaptive=False), b, p)
                 for s in args.ssd for b in args.builds if b == "python" or paged for p in args.priorities]
+    return configs
+
+
+def measure(args, target, draft) -> tuple[list[ConfigRow], dict[str, dict[str, float]]]:
+    """Every configuration over the same prompts, then the pass costs of the pair; rows completed."""
+    ids = prompts(target.config.vocab_size, args.prompts, args.prompt_len, seed=args.seed)
+    batch = [Prompt("synthetic", i, "", p) for i, p in enumerate(ids)]
+    base, configs = base_options(args), configurations(args, draft)
     rows = []
     for name, mode, k, shape, extra, build, priority in configs:
         graph = build == "graph"
@@ -268,10 +285,12 @@ def shape_costs(args, shape: str, seed: int, rows: list[int], tree_rows: list[in
     return pass_costs(model, torch.device(args.device), not args.enforce_eager, args, rows, tree_rows)
 
 
-def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected, notes) -> str:
+def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected, notes,
+           batched: list[BatchRow] = ()) -> str:
     ar = {r.temperature: r.tok_s for r in rows if r.mode == "ar"}
     best = {b.temperature: b for b in best_of(rows)}
-    lines = [f"# SSD, SD and AR on one device: synthetic {args.shape} pair, bf16, batch 1", "",
+    sizes = ", ".join(str(b) for b in sorted({1, *(r.batch for r in batched)}))
+    lines = [f"# SSD, SD and AR on one device: synthetic {args.shape} pair, bf16, batch {sizes}", "",
              f"Hardware: {info['hardware']}.", "",
              f"Weights: random weights of real shapes with a planted language (benchmarks/synthetic.py), not real "
              f"models: speeds are the shapes', acceptance is the synthetic pair's. Target {args.shape}; draft its "
@@ -313,6 +332,7 @@ def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected,
             b = best[t]
             lines += [f"Best: {b.sd} and {b.ssd}.", "", table(["goal (one GPU)", "measured", "goal", ""],
                                                                goal_rows(b)), ""]
+    lines += batch_tables(list(batched))
     lines += ["Pass costs (ms): target " + ", ".join(f"{k} {fmt(v, '.3f')}" for k, v in passes["target"].items()
                                                      if k != "backend")
               + "; draft " + ", ".join(f"{k} {fmt(v, '.3f')}" for k, v in passes["draft"].items() if k != "backend")
@@ -332,6 +352,12 @@ def report(args, info: dict[str, Any], rows: list[ConfigRow], passes, projected,
     return "\n".join(lines)
 
 
+def failures(rows: list[ConfigRow], batched: list[BatchRow]) -> dict[str, str]:
+    """Configuration -> why its speculator failed (it ran n-gram SD), for every row that failed."""
+    return {**{r.name: r.failure for r in rows if r.failure},
+            **{f"{r.name}, batch {r.batch}": r.failure for r in batched if r.failure}}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     device = torch.device(args.device)
@@ -344,20 +370,22 @@ def main(argv: list[str] | None = None) -> int:
             "(benchmarks/synthetic.py); layer-skip draft", "prompt_source": "random token ids (benchmarks.synthetic."
             f"prompts, seed {args.seed})", **{k: v for k, v in pair.items() if not torch.is_tensor(v)}}
     rows, passes = measure(args, target, draft)
+    batched = measure_batches(args, target, configurations(args, draft), base_options(args), stream_priorities)
     del target, draft
     free_memory(device)
     payload = {"benchmark": "gpu_ssd", "environment": environment(), "settings": settings(args), "pair": info,
-               "passes": passes, "failed": {r.name: r.failure for r in rows if r.failure},
-               "rows": [asdict(r) for r in rows], "best": [asdict(b) for b in best_of(rows)]}
+               "passes": passes, "failed": failures(rows, batched),
+               "rows": [asdict(r) for r in rows], "best": [asdict(b) for b in best_of(rows)],
+               "batched_rows": [asdict(r) for r in batched]}
     projected, notes = [], ["Projections: not run yet."]
-    write_results(args.out, args.name, payload, report(args, info, rows, passes, projected, notes))  # kept if cut
+    write_results(args.out, args.name, payload, report(args, info, rows, passes, projected, notes, batched))  # if cut
     projected, notes = projections(args)
     payload.update(projections=[asdict(p) for p in projected], projection_notes=notes)
-    text = report(args, info, rows, passes, projected, notes)
+    text = report(args, info, rows, passes, projected, notes, batched)
     print(text)
     json_path, md_path = write_results(args.out, args.name, payload, text)
     log(f"wrote {json_path} and {md_path}")
-    failed = {r.name: r.failure for r in rows if r.failure}
+    failed = failures(rows, batched)
     for name, reason in failed.items():
         log(f"FAILED {name}: SSD fell back to n-gram SD: {reason}")
     return 1 if failed else 0

@@ -5,8 +5,9 @@
 # is unset). The probe runs before bench_gpu_ssd: it saves its verdict (how to arrange the GPU between the
 # target and the speculator, saguaro/ssd/lane_profile.py) and the SSD table's "auto" rows run with it. Each step
 # has its own time limit, sized for a cold machine (Triton compiles every kernel specialization on first use;
-# the cache in .triton_cache/ serves later runs on the same machine), so the whole check ends within 9 minutes:
-# set-up ~20 s, GPU tests 170 s, bench_gpu 110 s, overlap probe 70 s, bench_gpu_ssd 150 s. A failing step does not stop the ones after it, and the exit status says whether any
+# the cache in .triton_cache/ serves later runs on the same machine), so the whole check ends within 11 minutes:
+# set-up ~20 s, GPU tests 170 s, bench_gpu 110 s, overlap probe 70 s, bench_gpu_ssd 240 s (limits; on an H200
+# the GPU tests took 114 s, bench_gpu 30 s, the probe 10 s, bench_gpu_ssd's batch-1 table with both builds 52 s). A failing step does not stop the ones after it, and the exit status says whether any
 # failed (an SSD row whose speculator failed fails its step). bench_gpu_ssd writes its measured table
 # before its projections, so a step cut short by its limit still leaves that table.
 #
@@ -94,12 +95,12 @@ step bench_gpu 110 python3 -m benchmarks.bench_gpu --shapes qwen2.5-1.5b --max-t
 # priorities off and on, the draft on all SMs and in green contexts of 16, 32 and 66 SMs; its verdict is saved
 # as the engine's arrangement on this card (the cache's profiles/lanes__<card>.json)
 step overlap_probe 70 python3 -m benchmarks.gpu_overlap --reps 10 --watchdog-s 60 --out "$OUT"
-# SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), with the speculator's
-# graph build, in the probe's arrangement (auto) and with stream priorities off and on on all SMs (torch calls per
-# build and device reads per round counted in a short run after each; the Python build's rows: --builds
-# python,graph, past this step's limit), Thm 2 against the measurement, and projections from the real pair's
-# profile (results/profile_qwen2.5-coder_code.json, tracked)
-step bench_gpu_ssd 150 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 2 --max-tokens 96 \
-    --sd-k 3,4 --ssd "4:last3" --builds graph --priorities auto,off,on --reps 10 --project qwen2.5-1.5b:qwen2.5-0.5b \
-    --out "$OUT"
+# SSD against SD and AR on the synthetic Qwen2.5 1.5B pair (colocated speculator thread), 8 prompts x 256 tokens,
+# with the speculator's Python build and its graph build, each in the probe's arrangement (auto) and with stream
+# priorities off and on on all SMs (torch calls per build and device reads per round counted in a short run after
+# each), Thm 2 against the measurement, every configuration again at batch 8, and projections from the real
+# pair's profile (results/profile_qwen2.5-coder_code.json, tracked)
+step bench_gpu_ssd 240 python3 -m benchmarks.bench_gpu_ssd --shape qwen2.5-1.5b --prompts 8 --max-tokens 256 \
+    --sd-k 3,4 --ssd "4:last3" --builds python,graph --priorities auto,off,on --batches 1,8 --reps 10 \
+    --project qwen2.5-1.5b:qwen2.5-0.5b --out "$OUT"
 exit $status

@@ -60,6 +60,26 @@ def test_the_graph_build_rows_on_the_paged_stand_in(tmp_path):
     assert "calls/build" in text and "reads/round" in text and "--paged" in text
 
 
+def test_batched_rows_run_every_configuration_with_several_requests(tmp_path):
+    """--batches 1,3: the batch-1 table as before, and every configuration again with 3 requests together (both
+    builds on the paged stand-in): all-request and per-request tok/s, ratios to AR and the best SD at that size,
+    acceptance and SSD's p_hit; in the table and the JSON."""
+    assert bench_gpu.main(["--mode", "ssd", "--device", "cpu", "--shape", "tiny", "--paged", "--prompts", "1",
+                           "--prompt-len", "16", "--max-tokens", "8", "--sd-k", "2", "--ssd", "2:uniform", "--reps",
+                           "1", "--verify-rows", "2,3", "--tree-rows", "4", "--project", "none", "--warmup-tokens",
+                           "0", "--batches", "1,3", "--out", str(tmp_path), "--name", "batched"]) == 0
+    result = json.loads((tmp_path / "batched.json").read_text())
+    names = {r["name"] for r in result["rows"]}
+    batched = {r["name"]: r for r in result["batched_rows"]}
+    assert set(batched) == names and {r["batch"] for r in batched.values()} == {3}
+    for r in batched.values():
+        assert r["tok_s"] > 0 and r["per_request_tok_s"] > 0 and r["failure"] is None
+        assert (r["p_hit"] is not None) == (r["mode"] == "ssd") and (r["acceptance"] is None) == (r["mode"] == "ar")
+    text = (tmp_path / "batched.md").read_text()
+    assert text.startswith("# SSD, SD and AR on one device: synthetic tiny pair, bf16, batch 1, 3")
+    assert "## Batch 3, T=0" in text and "per request" in text
+
+
 def test_ssd_configurations_parse_and_refuse_what_they_cannot_predict():
     assert ssd_shapes("4:last3@2; 2:uniform") == [SSDShape(4, [1, 1, 1, 1, 3], 2), SSDShape(2, [1, 1, 1])]
     for bad in ("4:auto", "4:1,1,2", "x:uniform", ""):
