@@ -129,14 +129,21 @@ def engine_run(target, draft, mode: str, k: int, batch: int, args, enforce_eager
         outs = llm.generate(ids, params)
         spec = llm.spec_metrics(outs)
         host = resident_bytes() / 1e9  # this process's host memory with the engine loaded (weights on the device)
-    decode_s = max(o.timings.total_s - o.timings.ttft_s for o in outs)
+    tok_s, per_request, decode_s = batch_rates(outs)
     row = {"mode": mode, "k": k if mode != "ar" else None, "batch": batch,
-           "tok_s": sum(len(o.token_ids) - 1 for o in outs) / decode_s if decode_s > 0 else None,
-           "per_request_tok_s": median(o.timings.decode_tokens_per_s for o in outs), "host_rss_gb": host}
+           "tok_s": tok_s, "per_request_tok_s": per_request, "host_rss_gb": host}
     if spec is not None:
         row.update(acceptance=spec.acceptance_rate, tokens_per_round=spec.tokens_per_round,
                    round_ms=1e3 * decode_s * batch / max(spec.rounds, 1))
     return row
+
+
+def batch_rates(outs) -> tuple[float | None, float, float]:
+    """Of requests decoded together: all their decode tokens (each one's after its first) per second over the
+    longest decode, the median request's decode tok/s, and that longest decode (s)."""
+    decode_s = max(o.timings.total_s - o.timings.ttft_s for o in outs)
+    tok_s = sum(len(o.token_ids) - 1 for o in outs) / decode_s if decode_s > 0 else None
+    return tok_s, median(o.timings.decode_tokens_per_s for o in outs), decode_s
 
 
 def hf_generate(loaded, args) -> float | None:

@@ -14,11 +14,11 @@ steps would be timed with them).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from statistics import median
 from typing import Any
 
 import torch
 
+from benchmarks.bench_gpu import batch_rates
 from benchmarks.build_counters import build_kind
 from benchmarks.common import fmt, log, ratio, sampling_params, table, temp_key
 from benchmarks.synthetic import prompts
@@ -69,10 +69,8 @@ def _run(llm, name: str, mode: str, batch: int, temperature: float, ids: list[li
         params.append(p)
     outs = llm.generate(ids, params)
     spec = llm.spec_metrics(outs)
-    decode_s = max(o.timings.total_s - o.timings.ttft_s for o in outs)
-    return BatchRow(name, mode, batch, temperature,
-                    sum(len(o.token_ids) - 1 for o in outs) / decode_s if decode_s > 0 else None,
-                    median(o.timings.decode_tokens_per_s for o in outs),
+    tok_s, per_request, _ = batch_rates(outs)
+    return BatchRow(name, mode, batch, temperature, tok_s, per_request,
                     spec.acceptance_rate if spec is not None else None,
                     spec.cache_hit_rate if spec is not None and mode == "ssd" else None,
                     spec.tokens_per_round if spec is not None else None,

@@ -105,7 +105,7 @@ class LiveCosts:
     def observe_build(self, seconds: float, steps: int) -> None:
         """An SSD build of ``steps`` branch steps (after its glue) took ``seconds``."""
         if seconds > 0:
-            per_pass = seconds / build_passes(steps)[-1]
+            per_pass = seconds / build_passes(steps)
             old = self.build_pass_s
             self.build_pass_s = per_pass if old is None else (1 - self.weight) * old + self.weight * per_pass
 
@@ -113,9 +113,9 @@ class LiveCosts:
         """[max_k + 1]: seconds of a build at K = 0..max_k (K + 1 passes; ``prior_pass_s`` a pass until one is
         measured)."""
         per_pass = self.build_pass_s if self.build_pass_s is not None else prior_pass_s
-        return per_pass * build_passes(max_k)
+        return per_pass * build_passes(np.arange(max_k + 1))
 
 
-def build_passes(max_k: int) -> np.ndarray:
-    """[max_k + 1]: the passes of an SSD build at K = 0..max_k, its glue and K steps."""
-    return np.arange(max_k + 1) + 1.0
+def build_passes(k):
+    """The passes of an SSD build of K = ``k`` steps (an int, or an array of Ks): its glue and K steps."""
+    return np.maximum(k, 0) + 1.0

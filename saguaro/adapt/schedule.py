@@ -151,7 +151,7 @@ class AdaptiveK(KSchedule):
             fan_outs = trees.fan_outs(seqs, tree, costs.batch)
             p_hit = np.clip(observed + trees.model_hits(fan_outs, weights, sources) - reference, 0.0, 1.0)
             build_s, slowdown = trees.build(seqs, tree, costs.batch)  # at the plan's K: K + 1 passes
-            build_s = build_s * scale * build_passes(self.max_k) / build_passes(trees.plan.k)[-1]
+            build_s = build_s * scale * build_passes(np.arange(self.max_k + 1)) / build_passes(trees.plan.k)
             round_ = SSDRound(p_hit[:, None], build_s, self.ssd.jit_misses_at(costs.batch), backup, slowdown)
             out.append(ssd_gains(trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources), costs, round_,
                                  miss_tokens=tokens))
@@ -209,9 +209,9 @@ class AdaptiveK(KSchedule):
             return
         # the build this response reports ran in the tree sent the round before; compared pass for pass, as the
         # K asked of it (and an interruption) set its steps
-        predicted = self.sent[0][1] / build_passes(self.ssd.trees.plan.k)[-1]
+        predicted = self.sent[0][1] / build_passes(self.ssd.trees.plan.k)
         if predicted > 0:
-            ratio = seconds / build_passes(steps)[-1] / predicted
+            ratio = seconds / build_passes(steps) / predicted
             w = self.costs.weight
             self.build_scale = ratio if self.build_scale is None else (1 - w) * self.build_scale + w * ratio
             # a build is the draft's passes, predicted from the draft's table: so is a just-in-time miss, priced

@@ -61,8 +61,11 @@ class SpeculatorOptions:
     def graph_rows(self) -> int:
         """The most rows one draft pass can have: every sequence of the largest batch, each with the widest tree
         the plan gives it (or a K+1-token catch-up)."""
-        widest = max(sum(f) for f in self.plan.lists())  # over every tree the plan offers
-        return self.max_num_seqs * max(widest + 1, self.k + 1)
+        return self.max_num_seqs * max(self.widest_tree() + 1, self.k + 1)
+
+    def widest_tree(self) -> int:
+        """The most branches a sequence's cache can have, over every tree the plan offers."""
+        return max(sum(f) for f in self.plan.lists())
 
     def draft_blocks(self) -> int:
         """Room for every sequence's context (as many tokens as the target's cache holds) plus the branch scratch
@@ -70,9 +73,8 @@ class SpeculatorOptions:
         (a wide tree over a small cache once ran the speculator out of blocks). A batch holds at most
         ``max_num_seqs`` sequences, and no more than the target's cache has blocks."""
         contexts = math.ceil(self.kv_cache_tokens / self.block_size)
-        widest = max(sum(f) for f in self.plan.lists())
         seqs = min(self.max_num_seqs, contexts)
-        return contexts + max(contexts, seqs * math.ceil(self.k * widest / self.block_size))
+        return contexts + max(contexts, seqs * math.ceil(self.k * self.widest_tree() / self.block_size))
 
 
 def start_speculator(draft: SpeculatorDraft | LoadedModel | str, opts: SpeculatorOptions,
