@@ -16,7 +16,7 @@ differs. The default is the best tier the CPU executes; ``SAGUARO_CPU_TIER=avx51
 ``torch.utils.cpp_extension`` the first time it is asked for (about a minute on a 2-core machine) and cached
 under ``$TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``); torch rebuilds it when the source
 changes and serialises concurrent builds with a file lock, so later processes load it in well under a second.
-The avx2 tier's bf16 prefetch distance is then set for this CPU (``prefetch_tune.py``).
+How the avx2 tier reads a bf16 row (streams, prefetch) is then set for this CPU (``stream_tune.py``).
 """
 from __future__ import annotations
 
@@ -128,8 +128,8 @@ def _load(tier: str) -> ModuleType:
                     extra_cflags=[*compile_flags(tier), f"-DSAGUARO_HEADERS={headers}"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, failed build
         raise KernelsUnavailable(f"could not build the {tier} kernels ({SOURCE.name}): {e}") from e
-    from saguaro.backends.cpu_kernels import prefetch_tune
-    prefetch_tune.apply(ops)  # the avx2 tier's prefetch distance for this CPU (measured once, then kept)
+    from saguaro.backends.cpu_kernels import stream_tune
+    stream_tune.apply(ops)  # how the avx2 tier reads a bf16 row on this CPU (measured once, then kept)
     return ops
 
 

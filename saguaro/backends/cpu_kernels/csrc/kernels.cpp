@@ -111,10 +111,14 @@ void pack(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilo
 
 #include "quant_pack.h"  // int8 and int4 draft weights: formats and packers
 
-// Bytes of software prefetch ahead of a bf16 weight stream (the avx2 tier reads it; 0: the hardware's alone).
-inline int64_t g_prefetch_bf16 = 512;
-void set_prefetch_bf16(int64_t bytes) {
+// How the avx2 tier reads one bf16 row's weights (stream_tune.py picks both per CPU): as one stream (each tile
+// in turn, one pass) or two (tile t beside tile t + T/2), and the bytes of software prefetch ahead of each
+// stream (0: the hardware prefetchers alone). Other tiers ignore them.
+inline int64_t g_streams_bf16 = 2, g_prefetch_bf16 = 512;
+void set_bf16_reads(int64_t streams, int64_t bytes) {
+  TORCH_CHECK(streams == 1 || streams == 2, "a bf16 row is read as 1 or 2 streams, not ", streams);
   TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "prefetch distance must be a non-negative multiple of 64 bytes");
+  g_streams_bf16 = streams;
   g_prefetch_bf16 = bytes;
 }
 
@@ -250,7 +254,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(M * TN);
 #ifdef SAGUARO_ROW_TWO_TILES  // one bf16 / int4 row: two tiles side by side (tier_avx2.h); an odd one left below
-    if (M == 1 && !int8)
+    if (M == 1 && (int4 || (!int8 && g_streams_bf16 == 2)))
       t0 = row_two_tiles(int4, xp, xr, K, wp, t0, t1, [&](float* a, int64_t t) {
         finish_tile(a, M, t, n, n_out, epilogue, out_fp32, bp, rp, ldr, op); });
 #endif
@@ -374,8 +378,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_i4", &pack_i4, "quantize and pack weight rows into the int4 layout (dst: [T, K/32, 1280])");
   m.attr("I4_BLOCK") = I4_BLOCK;
   m.attr("TIER") = TIER;
-  m.def("set_prefetch_bf16", &set_prefetch_bf16, "bytes of software prefetch ahead of a bf16 weight stream (avx2)");
-  m.def("prefetch_bf16", [] { return g_prefetch_bf16; });
+  m.def("set_bf16_reads", &set_bf16_reads, "streams and bytes of software prefetch for one bf16 row (avx2)");
+  m.def("bf16_reads", [] { return std::make_tuple(g_streams_bf16, g_prefetch_bf16); });
   m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it",

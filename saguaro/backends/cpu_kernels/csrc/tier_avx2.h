@@ -16,9 +16,10 @@ constexpr int MAXMB_Q = 3;  // quantized kernels keep their fp32 sums in memory 
 // with the hardware prefetchers alone and ~90% with this; the quantized loops, whose reads jump within a
 // block, stream ~30% without it and ~80% with it (measured, 1 x 1536 by 1536 x 8960). Two blocks ahead was
 // best (one or three: a few points less).
-// The bf16 distance is set at run time (g_prefetch_bf16, chosen per CPU by prefetch_tune.py): on Zen 4 (a
-// faster bus, and stronger hardware prefetchers) the same 512 bytes cost a third of the rate (17 GB/s against
-// 26 without), so no one constant serves both.
+// One bf16 row is read by a plan set at run time (g_streams_bf16, g_prefetch_bf16; stream_tune.py measures it
+// per CPU): Zen 3 was fastest with two streams and 512 bytes ahead; on Zen 4 that prefetch cut the rate to
+// 17 GB/s, the two-pass chunks of two streams left it at ~25, and one stream with none reads ~31 (its bus), so
+// no one constant serves both.
 constexpr int64_t PREFETCH_I8 = 2 * QB * TN, PREFETCH_I4 = 2 * I4_BLOCK;
 
 // acc (fp32 [MB, 64], row stride 64), outputs 8 V0 .. 8 (V0 + NV) += x[0:MB, 2*p0 : 2*p1] . tile pairs p0..p1
@@ -41,9 +42,12 @@ inline void tile_block(const bf16* __restrict x, int64_t ldx, const bf16* __rest
         for (int l = 0; l < 4; l++) _mm_prefetch(reinterpret_cast<const char*>(w + ahead + 32 * l), _MM_HINT_T0);
     __m256 xe[MB], xo[MB];
 #pragma GCC unroll 2
-    for (int m = 0; m < MB; m++) {
-      xe[m] = _mm256_set1_ps(float(x[m * ldx + 2 * p]));
-      xo[m] = _mm256_set1_ps(float(x[m * ldx + 2 * p + 1]));
+    for (int m = 0; m < MB; m++) {  // the pair broadcast once, widened as the weights are
+      int32_t pair;
+      std::memcpy(&pair, x + m * ldx + 2 * p, 4);
+      const __m256i xp = _mm256_set1_epi32(pair);
+      xe[m] = _mm256_castsi256_ps(_mm256_slli_epi32(xp, 16));
+      xo[m] = _mm256_castsi256_ps(_mm256_and_si256(xp, high));
     }
 #pragma GCC unroll 8
     for (int v = 0; v < NV; v++) {
@@ -62,7 +66,8 @@ inline void tile_block(const bf16* __restrict x, int64_t ldx, const bf16* __rest
 
 // One row against two tiles at once, 32 outputs of each per pass (4 accumulators per tile). The gemm pairs
 // tile t with tile t + T/2, so the weights are read as two long streams: one core keeps more reads in flight
-// over two streams than over one (measured on Zen 3: ~97% of its bus against ~87% for one stream). Each
+// over two streams than over one (measured on Zen 3: ~97% of its bus against ~87% for one stream; not so on
+// Zen 4, where the plan picks one stream: tile_block<1, 0, 8>). Each
 // chunk of pairs is taken in two passes, the first prefetching the whole pair rows, the second reading them
 // from L1.
 template <int V0>
