@@ -1,20 +1,21 @@
-"""How the avx2 tier reads one bf16 row's weights, measured once per CPU.
+"""How the avx2 tier reads one row's weights, measured once per CPU.
 
-A 1-row bf16 GEMM (every decode step of a bf16 model) reads each weight once, so its speed is how fast one core
-streams memory, and the fastest way to stream differs between cores (1 x 1536 by 1536 x 8960, one core):
+A 1-row GEMM (every decode step) reads each weight once, so its speed is how fast one core streams memory, and
+the fastest way to stream differs between cores (1 x 1536 by 1536 x 8960, one core):
 
   * Zen 3 kept more reads in flight over **two streams** (tile t beside tile t + T/2, each chunk in two passes)
     with 512 bytes of software prefetch ahead of each: ~97% of its 19 GB/s bus against ~87% for one stream;
-  * on Zen 4 (31 GB/s) that prefetch cut the rate to 17 GB/s, and the two-pass chunks left even its prefetchers
+  * on Zen 4 (33 GB/s) that prefetch cut the rate to 17 GB/s, and the two-pass chunks left even its prefetchers
     at ~25 GB/s, while **one stream** (each tile in turn, one pass) keeps up with the bus.
 
-So the read plan, a stream count and a prefetch distance, is a run-time setting (``ops.set_bf16_reads``),
-chosen here by a probe: a 1-row GEMM over packed copies that do not fit the caches, under each candidate plan in
-turn, the fastest kept. It takes about a second and runs once per CPU model; the result is kept in
-``<cache root>/cpu/bf16_reads.json``. The plan changes only how fast the weights arrive, never what is computed.
+So the read plan is a run-time setting (``ops.set_row_reads``): the bf16 stream count, and the bytes of
+software prefetch ahead of each bf16 and each int4 stream (int4 rows are always two streams). It is chosen here
+by a probe: 1-row GEMMs over packed copies that do not fit the caches, under each candidate in turn, the
+fastest kept. It takes about two seconds and runs once per CPU model; the result is kept in
+``<cache root>/cpu/row_reads.json``. The plan changes only how fast the weights arrive, never what is computed.
 
-``SAGUARO_BF16_READS=<streams>:<bytes>`` sets it outright (e.g. ``1:0``, one stream and the hardware prefetchers
-alone).
+``SAGUARO_ROW_READS=<bf16 streams>:<bf16 bytes>:<int4 bytes>`` sets it outright (e.g. ``1:0:0``: one bf16
+stream and the hardware prefetchers alone).
 """
 from __future__ import annotations
 
@@ -30,61 +31,74 @@ import torch
 from saguaro.loading.paths import cache_root
 
 log = logging.getLogger("saguaro.kernels")
-ENV = "SAGUARO_BF16_READS"
-# (streams, bytes of prefetch ahead of each)
-CANDIDATES = ((1, 0), (1, 512), (2, 0), (2, 256), (2, 512))
-K, N, COPIES = 1536, 4096, 8  # 8 copies of 12.6 MB: 100 MB, past any L3 one core reads
+ENV = "SAGUARO_ROW_READS"
+Plan = tuple[int, int, int]  # (bf16 streams, bytes ahead of each bf16 stream, bytes ahead of each int4 stream)
+BF16_CANDIDATES = ((1, 0), (1, 512), (2, 0), (2, 256), (2, 512))  # (streams, bytes ahead)
+INT4_CANDIDATES = (0, 1280, 2560)  # bytes ahead: none, one or two int4 blocks of a tile
+K, N, COPIES = 1536, 4096, 8  # 8 bf16 copies of 12.6 MB: 100 MB, past any L3 one core reads
 
 
-def parse(text: str) -> tuple[int, int]:
-    """``"2:512"`` -> (2, 512); a clear error otherwise."""
-    streams, sep, distance = text.strip().partition(":")
+def parse(text: str) -> Plan:
+    """``"2:512:2560"`` -> (2, 512, 2560); a clear error otherwise."""
     try:
-        plan = (int(streams), int(distance))
+        plan = tuple(int(v) for v in text.strip().split(":"))
     except ValueError:
-        raise ValueError(f"{ENV}={text!r}: expected <streams>:<bytes>, e.g. 1:0 or 2:512") from None
-    if not sep or plan[0] not in (1, 2) or plan[1] < 0 or plan[1] % 64:
-        raise ValueError(f"{ENV}={text!r}: streams must be 1 or 2, bytes a non-negative multiple of 64")
+        plan = ()
+    if len(plan) != 3 or plan[0] not in (1, 2) or any(b < 0 or b % 64 for b in plan[1:]):
+        raise ValueError(f"{ENV}={text!r}: expected <bf16 streams (1 or 2)>:<bf16 bytes>:<int4 bytes>, the bytes "
+                         f"non-negative multiples of 64, e.g. 1:0:0 or 2:512:2560")
     return plan
 
 
-def apply(ops: ModuleType) -> tuple[int, int]:
-    """Set the avx2 tier's bf16 read plan on ``ops`` (other tiers ignore it); returns (streams, bytes)."""
+def apply(ops: ModuleType) -> Plan:
+    """Set the avx2 tier's read plan on ``ops`` (other tiers ignore it); returns it."""
     if ops.TIER != "avx2":
-        return tuple(ops.bf16_reads())
+        return tuple(ops.row_reads())
     forced = os.environ.get(ENV, "").strip()
     if forced:
         plan = parse(forced)
     else:
-        path, key = cache_root() / "cpu" / "bf16_reads.json", f"{cpu_identity()} | {ops.TIER}"
+        path, key = cache_root() / "cpu" / "row_reads.json", f"{cpu_identity()} | {ops.TIER}"
         known = _read(path)
         if key not in known:
             known[key] = measure(ops)
-            log.info("avx2 bf16 reads for %s: %d stream(s), %d bytes ahead (measured)", key, *known[key])
+            log.info("avx2 row reads for %s: %d bf16 stream(s), %d / %d bytes ahead of bf16 / int4 (measured)",
+                     key, *known[key])
             _write(path, {**_read(path), key: known[key]})
         plan = known[key]
-    ops.set_bf16_reads(*plan)
+    ops.set_row_reads(*plan)
     return plan
 
 
-def measure(ops: ModuleType, rounds: int = 3) -> tuple[int, int]:
-    """The candidate plan whose GEMM streams fastest (the best of ``rounds`` passes over every copy)."""
-    size = N * K * 2
-    arena = ops.alloc_huge(size * COPIES)
-    packed = [arena[i * size:(i + 1) * size].view(torch.bfloat16).view(-1, K // 2, 64, 2) for i in range(COPIES)]
-    w = torch.randn(N, K).bfloat16()
+def measure(ops: ModuleType, rounds: int = 3) -> Plan:
+    """The bf16 and the int4 candidates whose GEMMs stream fastest (the best of ``rounds`` passes over every
+    copy), each timed under the other's default."""
+    w, x = torch.randn(N, K).bfloat16(), torch.randn(1, K).bfloat16()
+    bf16 = _fastest(ops, w, x, "bf16", [(*c, 2 * ops.I4_BLOCK) for c in BF16_CANDIDATES], rounds)
+    return _fastest(ops, w, x, "int4", [(*bf16[:2], c) for c in INT4_CANDIDATES], rounds)
+
+
+def _fastest(ops: ModuleType, w: torch.Tensor, x: torch.Tensor, weights: str, plans: list[Plan],
+             rounds: int) -> Plan:
+    if weights == "bf16":
+        size, shape, pack = N * K * 2, (-1, K // 2, 64, 2), ops.pack
+    else:
+        size, shape, pack = (N // 64) * (K // 32) * ops.I4_BLOCK, (-1, K // 32, ops.I4_BLOCK), ops.pack_i4
+    copies = COPIES * (N * K * 2) // size  # as many bytes as the bf16 copies
+    arena = ops.alloc_huge(size * copies)
+    packed = [arena[i * size:(i + 1) * size] for i in range(copies)]
+    packed = [p.view(torch.bfloat16).view(shape) if weights == "bf16" else p.view(shape) for p in packed]
     for p in packed:
-        ops.pack(p, [w], 0)
-    x = torch.randn(1, K).bfloat16()
-    best = {c: float("inf") for c in CANDIDATES}
+        pack(p, [w], 0)
+    best = {plan: float("inf") for plan in plans}
     for _ in range(rounds):
-        for c in CANDIDATES:  # interleaved, so that a burst of load falls on every candidate alike
-            ops.set_bf16_reads(*c)
+        for plan in plans:  # interleaved, so that a burst of load falls on every candidate alike
+            ops.set_row_reads(*plan)
             start = time.perf_counter()
             for p in packed:
                 ops.gemm(x, p, N, None, None, 0, False)
-            best[c] = min(best[c], time.perf_counter() - start)
-    return min(CANDIDATES, key=lambda c: best[c])
+            best[plan] = min(best[plan], time.perf_counter() - start)
+    return min(plans, key=lambda plan: best[plan])
 
 
 def cpu_identity(cpuinfo: str | None = None) -> str:
@@ -104,14 +118,14 @@ def cpu_identity(cpuinfo: str | None = None) -> str:
                                   fields.get("model") and f"model {fields['model']}"]))
 
 
-def _read(path) -> dict[str, tuple[int, int]]:
+def _read(path) -> dict[str, Plan]:
     try:
-        return {k: (int(v[0]), int(v[1])) for k, v in json.loads(path.read_text()).items()}
+        return {k: (int(v[0]), int(v[1]), int(v[2])) for k, v in json.loads(path.read_text()).items()}
     except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
         return {}
 
 
-def _write(path, values: dict[str, tuple[int, int]]) -> None:
+def _write(path, values: dict[str, Plan]) -> None:
     """Atomically: two processes measuring at once each leave a whole file."""
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -119,4 +133,4 @@ def _write(path, values: dict[str, tuple[int, int]]) -> None:
         tmp.write_text(json.dumps({k: list(v) for k, v in values.items()}, indent=1))
         os.replace(tmp, path)
     except OSError as e:  # a read-only cache: measured again next time
-        log.warning("could not keep the bf16 read plan in %s: %s", path, e)
+        log.warning("could not keep the row read plan in %s: %s", path, e)

@@ -111,15 +111,17 @@ void pack(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilo
 
 #include "quant_pack.h"  // int8 and int4 draft weights: formats and packers
 
-// How the avx2 tier reads one bf16 row's weights (stream_tune.py picks both per CPU): as one stream (each tile
-// in turn, one pass) or two (tile t beside tile t + T/2), and the bytes of software prefetch ahead of each
-// stream (0: the hardware prefetchers alone). Other tiers ignore them.
-inline int64_t g_streams_bf16 = 2, g_prefetch_bf16 = 512;
-void set_bf16_reads(int64_t streams, int64_t bytes) {
+// How the avx2 tier reads one row's weights (stream_tune.py picks them per CPU): a bf16 row as one stream (each
+// tile in turn, one pass) or two (tile t beside tile t + T/2), and the bytes of software prefetch ahead of each
+// bf16 and int4 stream (0: the hardware prefetchers alone). Other tiers ignore them.
+inline int64_t g_streams_bf16 = 2, g_prefetch_bf16 = 512, g_prefetch_i4 = 2 * I4_BLOCK;
+void set_row_reads(int64_t streams, int64_t bf16_bytes, int64_t int4_bytes) {
   TORCH_CHECK(streams == 1 || streams == 2, "a bf16 row is read as 1 or 2 streams, not ", streams);
-  TORCH_CHECK(bytes >= 0 && bytes % 64 == 0, "prefetch distance must be a non-negative multiple of 64 bytes");
+  TORCH_CHECK(bf16_bytes >= 0 && bf16_bytes % 64 == 0 && int4_bytes >= 0 && int4_bytes % 64 == 0,
+              "prefetch distances must be non-negative multiples of 64 bytes");
   g_streams_bf16 = streams;
-  g_prefetch_bf16 = bytes;
+  g_prefetch_bf16 = bf16_bytes;
+  g_prefetch_i4 = int4_bytes;
 }
 
 // Each tier defines MAXMB_BF16 and MAXMB_Q (rows per register tile), bf16_rows (a register tile of rows
@@ -378,8 +380,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_i4", &pack_i4, "quantize and pack weight rows into the int4 layout (dst: [T, K/32, 1280])");
   m.attr("I4_BLOCK") = I4_BLOCK;
   m.attr("TIER") = TIER;
-  m.def("set_bf16_reads", &set_bf16_reads, "streams and bytes of software prefetch for one bf16 row (avx2)");
-  m.def("bf16_reads", [] { return std::make_tuple(g_streams_bf16, g_prefetch_bf16); });
+  m.def("set_row_reads", &set_row_reads, "how one row's weights are read (avx2): bf16 streams, prefetch bytes "
+        "ahead of each bf16 and int4 stream");
+  m.def("row_reads", [] { return std::make_tuple(g_streams_bf16, g_prefetch_bf16, g_prefetch_i4); });
   m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it",
