@@ -75,6 +75,28 @@ def test_round_bf16_epilogue_gives_bf16_values_in_fp32(ops):
     assert torch.equal(rounded, exact.bfloat16().float())
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_epilogue_bits_are_the_plain_expressions(ops, m):
+    """Bias, residual and bf16 rounding (vectorized loops) give the bits of v + bias rounded as torch rounds it,
+    NaN and infinities included, for one row and several."""
+    torch.manual_seed(m)
+    n = 200  # a partial last tile
+    x, w = torch.randn(m, 96).bfloat16(), torch.randn(n, 96).bfloat16()
+    bias, res = torch.randn(n).bfloat16(), torch.randn(m, n).bfloat16()
+    bias[:4] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3e38])
+    packed = pack(ops, w)
+    summed = ops.gemm(x, packed, n, bias, None, 0, True)  # fp32 v + bias, no rounding
+    assert torch.equal(summed.isnan(), bias.isnan().expand(m, n))
+
+    def same(got, want):  # bit for bit, but any NaN for a NaN (torch's and c10's NaN bits differ)
+        assert torch.equal(got.isnan(), want.isnan())
+        ints = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got.view(ints)[~got.isnan()], want.view(ints)[~want.isnan()])
+    same(ops.gemm(x, packed, n, bias, None, 0, False), summed.bfloat16())
+    same(ops.gemm(x, packed, n, bias, None, 2, True), summed.bfloat16().float())
+    same(ops.gemm(x, packed, n, bias, res, 0, False), (res.float() + summed.bfloat16().float()).bfloat16())
+
+
 def test_gemm_strided_rows_and_stacked_sources(ops):
     torch.manual_seed(0)
     x = torch.randn(3, 200).bfloat16()[:, :128]  # row stride 200
