@@ -8,13 +8,14 @@ the fastest way to stream differs between cores (1 x 1536 by 1536 x 8960, one co
   * on Zen 4 (33 GB/s) that prefetch cut the rate to 17 GB/s, and the two-pass chunks left even its prefetchers
     at ~25 GB/s, while **one stream** (each tile in turn, one pass) keeps up with the bus.
 
-So the read plan is a run-time setting (``ops.set_row_reads``): the bf16 stream count, and the bytes of
-software prefetch ahead of each bf16 and each int4 stream (int4 rows are always two streams). It is chosen here
+So the read plan is a run-time setting (``ops.set_row_reads``): the bf16 stream count, the bytes of software
+prefetch ahead of each bf16 stream, and the k blocks ahead of each int8 / int4 stream (quantized rows are always
+two streams, each block read in address order; the int4 probe sets the distance for both). It is chosen here
 by a probe: 1-row GEMMs over packed copies that do not fit the caches, under each candidate in turn, the
 fastest kept. It takes about two seconds and runs once per CPU model; the result is kept in
 ``<cache root>/cpu/row_reads.json``. The plan changes only how fast the weights arrive, never what is computed.
 
-``SAGUARO_ROW_READS=<bf16 streams>:<bf16 bytes>:<int4 bytes>`` sets it outright (e.g. ``1:0:0``: one bf16
+``SAGUARO_ROW_READS=<bf16 streams>:<bf16 bytes>:<quantized blocks>`` sets it outright (e.g. ``1:0:0``: one bf16
 stream and the hardware prefetchers alone).
 """
 from __future__ import annotations
@@ -32,21 +33,21 @@ from saguaro.loading.paths import cache_root
 
 log = logging.getLogger("saguaro.kernels")
 ENV = "SAGUARO_ROW_READS"
-Plan = tuple[int, int, int]  # (bf16 streams, bytes ahead of each bf16 stream, bytes ahead of each int4 stream)
+Plan = tuple[int, int, int]  # (bf16 streams, bytes ahead of each bf16 stream, k blocks ahead of a quantized one)
 BF16_CANDIDATES = ((1, 0), (1, 512), (2, 0), (2, 256), (2, 512))  # (streams, bytes ahead)
-INT4_CANDIDATES = (0, 1280, 2560)  # bytes ahead: none, one or two int4 blocks of a tile
+QUANT_CANDIDATES = (0, 1, 2)  # k blocks ahead (int4: 1,280 bytes each, int8: 2,048)
 K, N, COPIES = 1536, 4096, 8  # 8 bf16 copies of 12.6 MB: 100 MB, past any L3 one core reads
 
 
 def parse(text: str) -> Plan:
-    """``"2:512:2560"`` -> (2, 512, 2560); a clear error otherwise."""
+    """``"2:512:2"`` -> (2, 512, 2); a clear error otherwise."""
     try:
         plan = tuple(int(v) for v in text.strip().split(":"))
     except ValueError:
         plan = ()
-    if len(plan) != 3 or plan[0] not in (1, 2) or any(b < 0 or b % 64 for b in plan[1:]):
-        raise ValueError(f"{ENV}={text!r}: expected <bf16 streams (1 or 2)>:<bf16 bytes>:<int4 bytes>, the bytes "
-                         f"non-negative multiples of 64, e.g. 1:0:0 or 2:512:2560")
+    if len(plan) != 3 or plan[0] not in (1, 2) or plan[1] < 0 or plan[1] % 64 or not 0 <= plan[2] <= 8:
+        raise ValueError(f"{ENV}={text!r}: expected <bf16 streams (1 or 2)>:<bf16 bytes (a multiple of 64)>:"
+                         f"<quantized blocks (0 to 8)>, e.g. 1:0:0 or 2:512:2")
     return plan
 
 
@@ -62,8 +63,8 @@ def apply(ops: ModuleType) -> Plan:
         known = _read(path)
         if key not in known:
             known[key] = measure(ops)
-            log.info("avx2 row reads for %s: %d bf16 stream(s), %d / %d bytes ahead of bf16 / int4 (measured)",
-                     key, *known[key])
+            log.info("avx2 row reads for %s: %d bf16 stream(s), %d bytes ahead of bf16, %d blocks ahead of int8 / "
+                     "int4 (measured)", key, *known[key])
             _write(path, {**_read(path), key: known[key]})
         plan = known[key]
     ops.set_row_reads(*plan)
@@ -74,8 +75,8 @@ def measure(ops: ModuleType, rounds: int = 3) -> Plan:
     """The bf16 and the int4 candidates whose GEMMs stream fastest (the best of ``rounds`` passes over every
     copy), each timed under the other's default."""
     w, x = torch.randn(N, K).bfloat16(), torch.randn(1, K).bfloat16()
-    bf16 = _fastest(ops, w, x, "bf16", [(*c, 2 * ops.I4_BLOCK) for c in BF16_CANDIDATES], rounds)
-    return _fastest(ops, w, x, "int4", [(*bf16[:2], c) for c in INT4_CANDIDATES], rounds)
+    bf16 = _fastest(ops, w, x, "bf16", [(*c, 2) for c in BF16_CANDIDATES], rounds)
+    return _fastest(ops, w, x, "int4", [(*bf16[:2], c) for c in QUANT_CANDIDATES], rounds)
 
 
 def _fastest(ops: ModuleType, w: torch.Tensor, x: torch.Tensor, weights: str, plans: list[Plan],

@@ -112,16 +112,18 @@ void pack(at::Tensor& dst, const std::vector<at::Tensor>& sources, int64_t epilo
 #include "quant_pack.h"  // int8 and int4 draft weights: formats and packers
 
 // How the avx2 tier reads one row's weights (stream_tune.py picks them per CPU): a bf16 row as one stream (each
-// tile in turn, one pass) or two (tile t beside tile t + T/2), and the bytes of software prefetch ahead of each
-// bf16 and int4 stream (0: the hardware prefetchers alone). Other tiers ignore them.
-inline int64_t g_streams_bf16 = 2, g_prefetch_bf16 = 512, g_prefetch_i4 = 2 * I4_BLOCK;
-void set_row_reads(int64_t streams, int64_t bf16_bytes, int64_t int4_bytes) {
+// tile in turn, one pass) or two (tile t beside tile t + T/2), the bytes of software prefetch ahead of each bf16
+// stream, and the k blocks ahead of each int8 / int4 stream (0: the hardware prefetchers alone). Other tiers
+// ignore them.
+inline int64_t g_streams_bf16 = 2, g_prefetch_bf16 = 512, g_prefetch_blocks = 2;
+void set_row_reads(int64_t streams, int64_t bf16_bytes, int64_t quant_blocks) {
   TORCH_CHECK(streams == 1 || streams == 2, "a bf16 row is read as 1 or 2 streams, not ", streams);
-  TORCH_CHECK(bf16_bytes >= 0 && bf16_bytes % 64 == 0 && int4_bytes >= 0 && int4_bytes % 64 == 0,
-              "prefetch distances must be non-negative multiples of 64 bytes");
+  TORCH_CHECK(bf16_bytes >= 0 && bf16_bytes % 64 == 0, "the bf16 prefetch distance must be a non-negative "
+              "multiple of 64 bytes");
+  TORCH_CHECK(quant_blocks >= 0 && quant_blocks <= 8, "the quantized prefetch distance is 0 to 8 blocks");
   g_streams_bf16 = streams;
   g_prefetch_bf16 = bf16_bytes;
-  g_prefetch_i4 = int4_bytes;
+  g_prefetch_blocks = quant_blocks;
 }
 
 // Each tier defines MAXMB_BF16 and MAXMB_Q (rows per register tile), bf16_rows (a register tile of rows
@@ -268,9 +270,9 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   if (int8 || int4) xr = quantize_rows(xp, ldx, M, K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(M * TN);
-#ifdef SAGUARO_ROW_TWO_TILES  // one bf16 / int4 row: two tiles side by side (tier_avx2.h); an odd one left below
-    if (M == 1 && (int4 || (!int8 && g_streams_bf16 == 2)))
-      t0 = row_two_tiles(int4, xp, xr, K, wp, t0, t1, [&](float* a, int64_t t) {
+#ifdef SAGUARO_ROW_TWO_TILES  // one row: two tiles side by side (tier_avx2.h; bf16 by the read plan); an odd one left below
+    if (M == 1 && (int4 || int8 || g_streams_bf16 == 2))
+      t0 = row_two_tiles(int4, int8, xp, xr, K, wp, t0, t1, [&](float* a, int64_t t) {
         finish_tile(a, M, t, n, n_out, epilogue, out_fp32, bp, rp, ldr, op); });
 #endif
     for (int64_t t = t0; t < t1; t++) {
@@ -394,8 +396,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.attr("I4_BLOCK") = I4_BLOCK;
   m.attr("TIER") = TIER;
   m.def("set_row_reads", &set_row_reads, "how one row's weights are read (avx2): bf16 streams, prefetch bytes "
-        "ahead of each bf16 and int4 stream");
-  m.def("row_reads", [] { return std::make_tuple(g_streams_bf16, g_prefetch_bf16, g_prefetch_i4); });
+        "ahead of each bf16 stream, k blocks ahead of each int8 / int4 stream");
+  m.def("row_reads", [] { return std::make_tuple(g_streams_bf16, g_prefetch_bf16, g_prefetch_blocks); });
   m.def("gemm", &gemm, "x @ packed^T with bias / residual / SwiGLU epilogues",
         py::call_guard<py::gil_scoped_release>());
   m.def("rms_norm", &rms_norm, "RMSNorm as the eager module rounds it",

@@ -238,9 +238,9 @@ inline void i4_row_block(const QuantRows& xr, int64_t K, const uint8_t* __restri
   if (first) std::memset(acc_io, 0, sizeof(float) * TN);
   const uint8_t* w = tile + b * I4_BLOCK;
   const uint8_t* sz = w + QB * TN / 2;
-  if (g_prefetch_i4 > 0)
+  if (g_prefetch_blocks > 0)
     for (int l = 0; l < I4_BLOCK / 64; l++)
-      _mm_prefetch(reinterpret_cast<const char*>(w + g_prefetch_i4 + l * 64), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(w + g_prefetch_blocks * I4_BLOCK + l * 64), _MM_HINT_T0);
   __m256i dot[TN / 8];
 #pragma GCC unroll 8
   for (int h = 0; h < TN / 8; h++) dot[h] = _mm256_setzero_si256();
@@ -279,19 +279,69 @@ void i4_row_two_tiles(const QuantRows& xr, int64_t K, const uint8_t* tile0, cons
   }
 }
 
+// One row's block b of an int8 tile in address order, as i4_row_block: quad row p (k 4p..4p+3 of all 64
+// outputs) outer, outputs inner, 8 int32 sums in registers; rounded as tile_block_i8 rounds (same bits).
+inline void i8_row_block(const QuantRows& xr, int64_t K, const uint8_t* __restrict tile, int64_t b,
+                         float* __restrict acc_io, bool first) {
+  const __m256i flip = _mm256_set1_epi8((char)0x80), ones = _mm256_set1_epi16(1);
+  if (first) std::memset(acc_io, 0, sizeof(float) * TN);
+  const uint8_t* w = tile + b * QB * TN;
+  if (g_prefetch_blocks > 0)
+    for (int l = 0; l < QB * TN / 64; l++)
+      _mm_prefetch(reinterpret_cast<const char*>(w + g_prefetch_blocks * QB * TN + l * 64), _MM_HINT_T0);
+  __m256i dot[TN / 8];
+#pragma GCC unroll 8
+  for (int h = 0; h < TN / 8; h++) dot[h] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+  for (int64_t p = 0; p < QB / 4; p++) {
+    int32_t quad;
+    std::memcpy(&quad, xr.q.data() + b * QB + 4 * p, 4);
+    const __m256i xq = _mm256_set1_epi32(quad);
+#pragma GCC unroll 8
+    for (int h = 0; h < TN / 8; h++) {
+      const __m256i ws = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + p * TN * 4 + h * 32)), flip);
+      dot[h] = _mm256_add_epi32(dot[h], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(ws), _mm256_sign_epi8(xq, ws)), ones));
+    }
+  }
+  const __m256 a = _mm256_set1_ps(xr.scale[b]);
+#pragma GCC unroll 8
+  for (int h = 0; h < TN / 8; h++) {
+    float* o = acc_io + h * 8;
+    _mm256_storeu_ps(o, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot[h]), a, _mm256_loadu_ps(o)));
+  }
+}
+
+// acc0 / acc1 = x[0] . int8 tile0 / tile1 (all K / QB blocks, then the per-output scales), a block of each in turn
+void i8_row_two_tiles(const QuantRows& xr, int64_t K, const uint8_t* tile0, const uint8_t* tile1, float* acc0,
+                      float* acc1) {
+  for (int64_t b = 0; b < K / QB; b++) {
+    i8_row_block(xr, K, tile0, b, acc0, b == 0);
+    i8_row_block(xr, K, tile1, b, acc1, b == 0);
+  }
+  const float* s0 = reinterpret_cast<const float*>(tile0 + K * TN);
+  const float* s1 = reinterpret_cast<const float*>(tile1 + K * TN);
+  for (int64_t j = 0; j < TN; j++) {
+    acc0[j] *= s0[j];
+    acc1[j] *= s1[j];
+  }
+}
+
 #define SAGUARO_ROW_TWO_TILES
-// One row against tiles t0..t1 of a bf16 or int4 matrix: tile t with tile t + half, so the weights are read as
-// two long streams. finish(acc, t) takes each tile's sums; returns the first tile not done (an odd one).
+// One row against tiles t0..t1 of a bf16, int8 or int4 matrix: tile t with tile t + half, so the weights are
+// read as two long streams. finish(acc, t) takes each tile's sums; returns the first tile not done (an odd one).
 template <typename Finish>
-int64_t row_two_tiles(bool int4, const bf16* x, const QuantRows& xr, int64_t K, const void* w, int64_t t0, int64_t t1,
-                      Finish finish) {
-  const int64_t half = (t1 - t0) / 2, bytes = int4 ? (K / QB) * I4_BLOCK : K * TN * 2;
+int64_t row_two_tiles(bool int4, bool int8, const bf16* x, const QuantRows& xr, int64_t K, const void* w,
+                      int64_t t0, int64_t t1, Finish finish) {
+  const int64_t half = (t1 - t0) / 2,
+                bytes = int4 ? (K / QB) * I4_BLOCK : int8 ? (K / 4 + 4) * TN * 4 : K * TN * 2;
   const uint8_t* tiles = static_cast<const uint8_t*>(w);
   float acc0[TN], acc1[TN];
   for (int64_t t = t0; t < t0 + half; t++) {
     const uint8_t *a = tiles + t * bytes, *b = tiles + (t + half) * bytes;
     if (int4)
       i4_row_two_tiles(xr, K, a, b, acc0, acc1);
+    else if (int8)
+      i8_row_two_tiles(xr, K, a, b, acc0, acc1);
     else
       bf16_row_two_tiles(x, reinterpret_cast<const bf16*>(a), reinterpret_cast<const bf16*>(b), K / 2, acc0, acc1);
     finish(acc0, t);
