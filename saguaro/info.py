@@ -76,6 +76,16 @@ def footprint(models: list[ModelLine], runtime_bytes: int, context: int = DEMO_C
             f"runtime = about {total / 1e9:.2f} GB resident (measure: saguaro bench peers --memory)")
 
 
+def read_plan(tier: str) -> str | None:
+    """How the avx2 tier reads one row's weights on this CPU (``stream_tune.py``); None for other tiers."""
+    if tier != "avx2":
+        return None
+    from saguaro.backends.cpu_kernels import stream_tune
+    streams, bf16_bytes, blocks = kernels.load(tier).row_reads()
+    return (f"avx2 row reads: {streams} bf16 stream(s), {bf16_bytes} bytes prefetched ahead; int8/int4 {blocks} "
+            f"block(s) ahead (measured once for this CPU; {stream_tune.ENV} sets it)")
+
+
 def one_core_bandwidth(seconds: float = 2.0) -> float:
     """Bytes per second core 0 streams alone (one window of ``seconds``)."""
     from saguaro.calibration.bus import stream_rates
@@ -91,6 +101,8 @@ def report(target: str, draft: str, draft_format: DraftFormat) -> str:
              f"features: {' '.join(have) or 'none of ' + ' '.join(FEATURES)}",
              f"kernel tiers this CPU executes: {', '.join(kernels.runnable_tiers())} "
              f"(force one with {kernels.ENV}=avx512|avx2|portable)"]
+    if plan := read_plan(kernels.chosen_tier()):
+        lines.append(plan)
     models = [model_line("target", target, DraftFormat()), model_line("draft", draft, draft_format)]
     bandwidth = one_core_bandwidth()
     for m in models:

@@ -72,6 +72,16 @@ def test_measured_once_per_cpu_then_kept(ops, monkeypatch, tmp_path):
     assert stream_tune.apply(ops) == (1, 512, 0) and tuple(ops.row_reads()) == (1, 512, 0)
 
 
+@needs_avx2
+def test_info_names_the_plan(ops, monkeypatch):
+    from saguaro.info import read_plan
+    monkeypatch.setenv(stream_tune.ENV, "2:256:1")
+    stream_tune.apply(ops)
+    assert read_plan("avx2").startswith("avx2 row reads: 2 bf16 stream(s), 256 bytes prefetched ahead; int8/int4 1 "
+                                        "block(s) ahead")
+    assert read_plan("portable") is None and read_plan("avx512") is None
+
+
 @pytest.mark.parametrize("text", ["2", "1:0", "3:0:0", "1:100:0", "1:0:9", "a:b:c", "1:-64:0", "1:0:-1", "1:0:0:0"])
 def test_a_bad_forced_plan_is_named(text):
     with pytest.raises(ValueError, match=stream_tune.ENV):
