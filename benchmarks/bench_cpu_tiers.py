@@ -27,7 +27,8 @@ import torch
 
 from benchmarks.common import add_model_args, environment, log, table, write_results
 from saguaro.backends.cpu_kernels import build as kernels
-from saguaro.backends.cpu_kernels.model import FastCausalLM, matrix_bytes, pass_bytes
+from saguaro.backends.cpu_kernels.layout import matrix_bytes, packed_copies
+from saguaro.backends.cpu_kernels.model import FastCausalLM, pass_bytes
 from saguaro.cores import pin_process
 from saguaro.info import cpu_name
 
@@ -73,16 +74,8 @@ def gemm_rates(tier: str, n: int, k: int, reps: int) -> dict[str, float]:
     w = torch.randn(n, k).bfloat16() * 0.05
     out = {}
     for weights in FORMATS:
-        size = matrix_bytes(n, k, weights)
-        copies = max(4, (256 << 20) // size)
-        arena = ops.alloc_huge(size * copies)
-        shape = {"bf16": (-1, k // 2, 64, 2), "int8": (-1, k // 4 + 4, 64, 4), "int4": (-1, k // 32, ops.I4_BLOCK)}
-        packed = [arena[i * size:(i + 1) * size] for i in range(copies)]
-        packed = [p.view(torch.bfloat16).view(shape["bf16"]) if weights == "bf16" else p.view(shape[weights])
-                  for p in packed]
-        pack = {"bf16": ops.pack, "int8": ops.pack_i8, "int4": ops.pack_i4}[weights]
-        for p in packed:
-            pack(p, [w], 0)
+        packed = packed_copies(ops, w, weights, 256 << 20)
+        size, copies = matrix_bytes(n, k, weights), len(packed)
         turn = iter(range(1 << 62))
         out[weights] = best_rate(size, lambda: ops.gemm(x, packed[next(turn) % copies], n, None, None, 0, False),
                                  reps, copies) / 1e9

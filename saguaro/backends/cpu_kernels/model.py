@@ -46,10 +46,10 @@ from saguaro.host_memory import MappedPages, trim_heap
 from saguaro.kv.kv_cache import KVCache
 from saguaro.kv.metadata import AttentionMetadata
 from saguaro.backends.cpu_kernels import arena_cache, build as kernels
+from saguaro.backends.cpu_kernels.layout import I4_BLOCK, TILE, matrix_bytes, packed_view, packer, tiles
 from saguaro.models.transformer import CausalLM
 
 log = logging.getLogger("saguaro.fast")
-TILE = 64  # outputs per packed tile (csrc/cpu_bf16.cpp)
 SWIGLU = 1
 ROUND_BF16 = 2  # gemm epilogues (csrc/cpu_bf16.cpp)
 # Rows of one matrix packed at a time (a multiple of TILE): the 1.5B's head is 467 MB in bf16, its source pages
@@ -76,20 +76,6 @@ def unsupported_reason(model: CausalLM, weights: str = "bf16") -> str | None:
     if cfg.hidden_size % 2 or cfg.intermediate_size % 32:
         return "hidden size must be even and intermediate size a multiple of 32"
     return None
-
-
-def _tiles(rows: int) -> int:
-    return -(-rows // TILE)
-
-
-I4_BLOCK = 32 * TILE // 2 + 4 * TILE  # int4 bytes per tile and block of 32 inputs (csrc/common.h)
-
-
-def matrix_bytes(n: int, k: int, weights: str) -> int:
-    """Bytes of an [n, k] matrix packed as ``weights`` (bf16 tiles [K/2, 64, 2]; int8 tiles [K/4, 64, 4] bytes
-    and 64 fp32 scales; int4 tiles K/32 blocks of I4_BLOCK bytes: csrc/quant_pack.h)."""
-    per_tile = {"bf16": 2 * TILE * k, "int8": TILE * (k + 16), "int4": k // 32 * I4_BLOCK}[weights]
-    return _tiles(n) * per_tile
 
 
 def matrix_shapes(cfg, head_rows: int) -> list[tuple[int, int]]:
@@ -125,11 +111,7 @@ class _Arena:
         size = matrix_bytes(n, k, self.weights)
         chunk = self.buffer[self.offset:self.offset + size]
         self.offset += size
-        if self.weights == "int4":
-            return chunk.view(_tiles(n), k // 32, I4_BLOCK)
-        if self.weights == "int8":
-            return chunk.view(_tiles(n), k // 4 + 4, TILE, 4)
-        return chunk.view(torch.bfloat16).view(_tiles(n), k // 2, TILE, 2)
+        return packed_view(chunk, n, k, self.weights)
 
 
 def _metadata_tensors(meta: AttentionMetadata) -> list[torch.Tensor]:
@@ -204,7 +186,7 @@ class FastCausalLM:
 
         def pack(dst: torch.Tensor, sources: list[torch.Tensor], epilogue: int) -> None:
             if pages is not None:
-                packer(dst, sources, epilogue)
+                pack_with(dst, sources, epilogue)
                 pages.release(*sources)  # the arena holds them now
 
         def pack_rows(dst: torch.Tensor, source: torch.Tensor, ids: torch.Tensor | None = None) -> None:
@@ -215,10 +197,10 @@ class FastCausalLM:
             for start in range(0, n if pages is not None else 0, PACK_ROWS):
                 end = min(start + PACK_ROWS, n)
                 rows = source[start:end] if ids is None else source[ids[start:end]]
-                packer(dst[start // TILE:_tiles(end)], [rows], 0)
+                pack_with(dst[start // TILE:tiles(end)], [rows], 0)
                 pages.release(source[start:end] if ids is None else source[ids[start]:ids[end - 1] + 1])
 
-        packer = {"bf16": self.ops.pack, "int8": self.ops.pack_i8, "int4": self.ops.pack_i4}[weights]
+        pack_with = packer(self.ops, weights)
         with torch.no_grad():
             for block in model.model.layers:
                 attn, mlp, layer = block.self_attn, block.mlp, _Layer()

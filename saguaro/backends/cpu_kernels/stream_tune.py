@@ -29,6 +29,7 @@ from types import ModuleType
 
 import torch
 
+from saguaro.backends.cpu_kernels.layout import packed_copies
 from saguaro.loading.paths import cache_root
 
 log = logging.getLogger("saguaro.kernels")
@@ -81,16 +82,7 @@ def measure(ops: ModuleType, rounds: int = 3) -> Plan:
 
 def _fastest(ops: ModuleType, w: torch.Tensor, x: torch.Tensor, weights: str, plans: list[Plan],
              rounds: int) -> Plan:
-    if weights == "bf16":
-        size, shape, pack = N * K * 2, (-1, K // 2, 64, 2), ops.pack
-    else:
-        size, shape, pack = (N // 64) * (K // 32) * ops.I4_BLOCK, (-1, K // 32, ops.I4_BLOCK), ops.pack_i4
-    copies = COPIES * (N * K * 2) // size  # as many bytes as the bf16 copies
-    arena = ops.alloc_huge(size * copies)
-    packed = [arena[i * size:(i + 1) * size] for i in range(copies)]
-    packed = [p.view(torch.bfloat16).view(shape) if weights == "bf16" else p.view(shape) for p in packed]
-    for p in packed:
-        pack(p, [w], 0)
+    packed = packed_copies(ops, w, weights, COPIES * N * K * 2)  # as many bytes as 8 bf16 copies, either format
     best = {plan: float("inf") for plan in plans}
     for _ in range(rounds):
         for plan in plans:  # interleaved, so that a burst of load falls on every candidate alike

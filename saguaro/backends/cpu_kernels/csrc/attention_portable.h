@@ -2,10 +2,6 @@
 // kernels.cpp). Plain C++ the compiler vectorizes: dot products over 8 partial sums, value sums over d.
 // Probabilities are rounded to bf16 before the value product, as the avx512 tier's are.
 
-inline float bf16_at(const bf16* p, int64_t i) {
-  return f32_bits((uint32_t)reinterpret_cast<const uint16_t*>(p)[i] << 16);
-}
-
 inline float dot_bf16(const float* __restrict q, const bf16* __restrict k, int64_t D) {
   float part[8] = {};
   for (int64_t d = 0; d < D; d += 8)

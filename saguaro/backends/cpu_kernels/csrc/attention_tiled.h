@@ -32,12 +32,6 @@ inline float exp_tiled(float x) {
   return y * f32_bits((uint32_t)((int32_t)fx + 127) << 23);  // times 2^fx
 }
 
-// bf16 rounding (to nearest even) of a finite fp32, branch-free so that it vectorizes.
-inline float round_bf16_finite(float v) {
-  const uint32_t bits = bits_f32(v);
-  return f32_bits((bits + 0x7FFFu + ((bits >> 16) & 1u)) & 0xFFFF0000u);
-}
-
 inline float dot_tiled(const float* __restrict q, const float* __restrict k, int64_t D) {
   float part[8] = {};
   for (int64_t d = 0; d < D; d += 8)
@@ -101,7 +95,7 @@ void attend_tiled(const AttentionArgs& a, const std::vector<int64_t>& groups, co
           for (int64_t l = 0; l < lim; l++) {
             pr[l] = exp_tiled(sc[l] - m);
             part[l % 8] += pr[l];
-            pr[l] = round_bf16_finite(pr[l]);
+            pr[l] = round_bf16(pr[l]);
           }
           float* o = acc.data() + lane * D;
           for (int64_t d = 0; d < D; d++) o[d] *= rescale;

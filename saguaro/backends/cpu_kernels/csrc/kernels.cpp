@@ -178,15 +178,6 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
   return out;
 }
 
-// bf16(v)'s bits, as c10::BFloat16 rounds (to nearest even; NaN to 0x7fc0), written without a branch so that
-// the epilogue loops below vectorize: as scalar code they were ~7% of an int4 draft step (avx2).
-inline uint16_t bf16_bits(float v) {
-  const uint32_t u = bits_f32(v);
-  return v != v ? uint16_t(0x7fc0) : uint16_t((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
-}
-inline float rounded(float v) { return f32_bits(uint32_t(bf16_bits(v)) << 16); }  // = round_bf16(v)
-inline float widened(const bf16* p, int64_t j) { return f32_bits(uint32_t(reinterpret_cast<const uint16_t*>(p)[j]) << 16); }
-
 // Write tile t's accumulators (fp32 [M, 64], row stride 64) through the epilogue; see gemm. Each loop has one
 // form per case (bias or none, residual or none), so the compiler vectorizes it; the bits are those of the
 // plain expressions (v + bias or v + 0, the residual added to the rounded value).
@@ -198,21 +189,21 @@ void finish_tile(float* acc, int64_t M, int64_t t, int64_t n, int64_t n_out, int
       uint16_t* o = reinterpret_cast<uint16_t*>(static_cast<bf16*>(op) + m * n_out + base);
       const float* a = acc + m * TN;
       float g[TN / 2], e[TN / 2];
-      for (int64_t j = 0; j < valid; j++) g[j] = rounded(a[j]);
+      for (int64_t j = 0; j < valid; j++) g[j] = round_bf16(a[j]);
       for (int64_t j = 0; j < valid; j++) e[j] = std::exp(-g[j]);  // libm's, one value at a time
-      for (int64_t j = 0; j < valid; j++) o[j] = bf16_bits(rounded(g[j] / (1.f + e[j])) * rounded(a[j + TN / 2]));
+      for (int64_t j = 0; j < valid; j++) o[j] = bf16_bits(round_bf16(g[j] / (1.f + e[j])) * round_bf16(a[j + TN / 2]));
     }
     return;
   }
   const int64_t base = t * TN, valid = std::min<int64_t>(TN, n - base);
   float b[TN];  // the bias, or zeros: v + 0 is not always v (-0 + 0 = +0), and the bits must not change
-  for (int64_t j = 0; j < valid; j++) b[j] = bp ? widened(bp, base + j) : 0.f;
+  for (int64_t j = 0; j < valid; j++) b[j] = bp ? bf16_at(bp, base + j) : 0.f;
   for (int64_t m = 0; m < M; m++) {
     const float* a = acc + m * TN;
     if (out_fp32) {
       float* o = static_cast<float*>(op) + m * n + base;
       if (epilogue == ROUND_BF16)
-        for (int64_t j = 0; j < valid; j++) o[j] = rounded(a[j] + b[j]);
+        for (int64_t j = 0; j < valid; j++) o[j] = round_bf16(a[j] + b[j]);
       else
         for (int64_t j = 0; j < valid; j++) o[j] = a[j] + b[j];
       continue;
@@ -220,7 +211,7 @@ void finish_tile(float* acc, int64_t M, int64_t t, int64_t n, int64_t n_out, int
     uint16_t* o = reinterpret_cast<uint16_t*>(static_cast<bf16*>(op) + m * n + base);
     if (rp) {
       const bf16* r = rp + m * ldr + base;
-      for (int64_t j = 0; j < valid; j++) o[j] = bf16_bits(widened(r, j) + rounded(a[j] + b[j]));
+      for (int64_t j = 0; j < valid; j++) o[j] = bf16_bits(bf16_at(r, j) + round_bf16(a[j] + b[j]));
     } else {
       for (int64_t j = 0; j < valid; j++) o[j] = bf16_bits(a[j] + b[j]);
     }
