@@ -9,6 +9,8 @@ The head is random (tests/eagle_heads.py). Checks:
     the verified prefix and self-conditioning after it;
   * the thread transport hands the features over as the tap made them (no copy); the wire format carries them.
 """
+import threading
+
 import pytest
 import torch
 
@@ -51,7 +53,9 @@ def eagle_ssd(target, head_dir, **kw):  # noqa: F811
     # also checks that the speculator's blocks hold its scratch (it once ran out of blocks and died)
     ("thread", dict(fan_out=[16, 0, 0, 0], kv_cache_tokens=96)),
 ], ids=["hits-and-misses", "all-misses", "tapered-chunked", "process-chunked", "preempted"])
-def test_greedy_eagle_ssd_equals_ar(target, head_dir, ar_outputs, transport, options):  # noqa: F811
+def test_greedy_eagle_ssd_equals_ar(target, head_dir, ar_outputs, transport, options, monkeypatch):  # noqa: F811
+    if transport == "thread" and sum(options["fan_out"]):
+        builds_finish_before_verifying(monkeypatch)
     with eagle_ssd(target, head_dir, speculator_transport=transport, **options) as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=24))
         metrics = llm.spec_metrics(outs)
@@ -66,6 +70,33 @@ def test_greedy_eagle_ssd_equals_ar(target, head_dir, ar_outputs, transport, opt
         assert metrics.cache_hit_rate > 0
     assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
     assert (preemptions > 0) == ("kv_cache_tokens" in options)
+
+
+def builds_finish_before_verifying(monkeypatch) -> None:
+    """Each round's verification waits for the thread's build beside it to end. The random head's rounds end at
+    depth 0, so a hit needs that round's build to have run its glue; on a loaded machine the target's next request
+    can cut every build before it (0 hits in 90 rounds under CI's load). Waiting makes the hits this test checks
+    depend on the head's guesses only; cut builds are exercised by the process case and tests/test_ssd.py."""
+    built = threading.Event()
+    respond, build = Speculator.respond, Speculator.build
+
+    def responding(self, request):
+        built.clear()  # before the response leaves: the target then waits for this round's build
+        return respond(self, request)
+
+    def building(self, *args, **kwargs):
+        try:
+            return build(self, *args, **kwargs)
+        finally:
+            built.set()
+
+    def verifying(*args, **kwargs):
+        assert built.wait(timeout=60), "the build beside this verification never ended"
+        return VERIFY_ROUND(*args, **kwargs)
+
+    monkeypatch.setattr(Speculator, "respond", responding)
+    monkeypatch.setattr(Speculator, "build", building)
+    monkeypatch.setattr(ssd_module, "verify_round", verifying)
 
 
 def recorded_drafts(monkeypatch, llm_factory) -> list[list[list[int]]]:
