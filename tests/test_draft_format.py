@@ -119,6 +119,34 @@ def test_int4_gemm_equals_its_quantization(ops, m, n, k):
     assert rel_err(ops.gemm(x, packed, n, None, res, 0, False), exact.float() + res.float()) < 0.01
 
 
+@pytest.mark.parametrize("weights", ["bf16", "int8", "int4"])
+def test_a_rows_bits_do_not_depend_on_the_rows_beside_it(ops, weights):
+    """AR computes a row alone; SD's verification computes it among K others, in wider register tiles (avx512's
+    int4 takes 4 rows in one pass of its own kernel) and, past a tile, in k blocks: every row's bits must be
+    the same, or greedy speculation could differ from AR. Every row count up to 13 (each split of the rows into
+    register tiles), K long enough for k blocks, with a bias and a residual, and SwiGLU."""
+    torch.manual_seed(13)
+    n, k = 192, 2560
+    w, bias = torch.randn(n, k).bfloat16(), torch.randn(n).bfloat16()
+    if weights == "bf16":
+        packed = torch.empty(n // 64, k // 2, 64, 2, dtype=torch.bfloat16)
+        ops.pack(packed, [w], 0)
+        swiglu = torch.empty(n // 64, k // 2, 64, 2, dtype=torch.bfloat16)
+        ops.pack(swiglu, [w[:n // 2], w[n // 2:]], 1)
+    else:
+        pack = pack_i8 if weights == "int8" else pack_i4
+        packed, swiglu = pack(ops, w), pack(ops, w[:n // 2], w[n // 2:], epilogue=1)
+    for m in range(1, 14):
+        x, res = torch.randn(m, k).bfloat16(), torch.randn(m, n).bfloat16()
+        together = [ops.gemm(x, packed, n, None, None, 0, True), ops.gemm(x, packed, n, bias, res, 0, False),
+                    ops.gemm(x, swiglu, n, None, None, 1, False)]
+        for i in range(m):
+            alone = [ops.gemm(x[i:i + 1], packed, n, None, None, 0, True),
+                     ops.gemm(x[i:i + 1], packed, n, bias, res[i:i + 1], 0, False),
+                     ops.gemm(x[i:i + 1], swiglu, n, None, None, 1, False)]
+            assert all(torch.equal(t[i:i + 1], a) for t, a in zip(together, alone)), (m, i)
+
+
 def test_int4_weights_on_a_4bit_grid_are_kept_exactly(ops):
     """Weights already on a per-group 16-level grid (as GGUF Q4 blocks are) pack without loss."""
     torch.manual_seed(0)

@@ -85,9 +85,9 @@ void gemm(const std::string& in, const std::string& out, int64_t M, int64_t K, i
       for (int64_t j = 0; j < TN; j++) i8[(m * T + t) * TN + j] *= scales[j];
     }
   save(out, "i8.bin", i8);
-  save(out, "i4.bin", tiles(M, T, K / QB, KBLOCK / 16, MAXMB_Q, [&](int64_t t, int mb, int64_t m, int64_t b0,
-                                                                   int64_t b1, float* acc) {
-    with_rows<MAXMB_Q>(mb, [&](auto r) {
+  save(out, "i4.bin", tiles(M, T, K / QB, KBLOCK / 16, MAXMB_I4, [&](int64_t t, int mb, int64_t m, int64_t b0,
+                                                                    int64_t b1, float* acc) {
+    with_rows<MAXMB_I4>(mb, [&](auto r) {
       tile_block_i4<decltype(r)::value>(xr, m, K, w4.data() + t * (K / QB) * I4_BLOCK, b0, b1, acc, b0 == 0);
     });
   }));

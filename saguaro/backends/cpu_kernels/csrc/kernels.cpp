@@ -126,7 +126,7 @@ void set_row_reads(int64_t streams, int64_t bf16_bytes, int64_t quant_blocks) {
   g_prefetch_blocks = quant_blocks;
 }
 
-// Each tier defines MAXMB_BF16 and MAXMB_Q (rows per register tile), bf16_rows (a register tile of rows
+// Each tier defines MAXMB_BF16, MAXMB_Q and MAXMB_I4 (rows per register tile), bf16_rows (a register tile of rows
 // against k pairs of one packed tile, into fp32 [rows, 64]), tile_block_i8<MB> / tile_block_i4<MB> (the same
 // over quantized k blocks), quantize_rows and attend (attention's work, see attention below).
 #if defined(SAGUARO_TIER_AVX512)
@@ -152,7 +152,7 @@ void i8_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* 
 
 void i4_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
              float* acc, bool first) {
-  with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i4<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
+  with_rows<MAXMB_I4>(mb, [&](auto rows) { tile_block_i4<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
 }
 
 #if !defined(SAGUARO_TIER_AVX512)
@@ -269,7 +269,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
     for (int64_t t = t0; t < t1; t++) {
       if (int4) {
         const uint8_t* tile = static_cast<const uint8_t*>(wp) + t * (K / QB) * I4_BLOCK;
-        for_register_tiles(M, K / QB, KBLOCK / 16, MAXMB_Q, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
+        for_register_tiles(M, K / QB, KBLOCK / 16, MAXMB_I4, [&](int mb, int64_t m, int64_t b0, int64_t b1) {
           i4_rows(mb, xr, m, K, tile, b0, b1, acc.data() + m * TN, b0 == 0);
         });
       } else if (int8) {

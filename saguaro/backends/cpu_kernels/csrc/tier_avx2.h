@@ -11,6 +11,7 @@
 // k block.
 constexpr int MAXMB_BF16 = 2;
 constexpr int MAXMB_Q = 3;  // quantized kernels keep their fp32 sums in memory (L1) and only int16 sums in registers
+constexpr int MAXMB_I4 = MAXMB_Q;
 
 // Software prefetch distance in bytes ahead of the weight stream. One core of Zen 3 streams ~80% of its bus
 // with the hardware prefetchers alone and ~90% with this; the quantized loops, whose reads jump within a

@@ -4,6 +4,7 @@
 
 constexpr int MAXMB_BF16 = 4;
 constexpr int MAXMB_Q = 4;
+constexpr int MAXMB_I4 = MAXMB_Q;
 
 template <int MB>
 inline void load_rows(float (&acc)[MB][TN], const float* acc_io, bool first) {
