@@ -9,8 +9,9 @@ constexpr int MAXMB_BF16 = 6;  // rows per register tile: 4 x 6 accumulators + 4
 // rows per register tile of the quantized kernels: 4 x 3 int32 + 4 x 3 fp32 accumulators (measured for int4:
 // 16-output strips of 4-6 rows were 15-35% slower)
 constexpr int MAXMB_Q = 3;
-// int4 takes up to 6 rows in one pass (tile_block_i4_wide): a verification of 4-6 rows read the weights, and
-// unpacked their nibbles, twice as two tiles of 2-3 rows (Zen 4, 1536 x 8960: 4 rows cost 1.73x one row)
+// int4 takes 4 rows in one pass of its own kernel (tile_block_i4_wide), where two tiles of 2 rows read and
+// unpacked the weights twice (Zen 4, 1536 x 8960: 0.43 ms against 0.50; one row 0.26). 5 and 6 rows in one
+// pass measured no faster than 3 + 2 and 3 + 3, whose sums all stay in registers
 constexpr int MAXMB_I4 = 4;
 
 template <int MB>
@@ -139,7 +140,7 @@ inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint
 // int4 (layout: quant_pack.h): the low and high nibbles of a code vector are two vpdpbusd weight operands.
 
 template <int MB>
-inline void tile_block_i4_regs(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
+inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
                           int64_t b1, float* __restrict acc_io, bool first) {
   const int64_t nb = K / QB;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
@@ -193,12 +194,14 @@ inline __m512i dpbusd_broadcast(__m512i acc, __m512i w, const int8_t* x) {
   return acc;
 }
 
-// 4-6 rows: the 4 x MB int32 sums fill the registers, so the fp32 sums stay in acc_io (L1) and x's quads are
-// broadcast from memory (vpdpbusd's m32bcst operand). Each value's arithmetic is tile_block_i4_regs's, in the
-// same order, so a row's bits do not depend on the rows beside it.
+// MB = 4 rows: the 4 x MB int32 sums take 16 registers, so the fp32 sums stay in acc_io (L1) and x's quads are
+// broadcast from memory (vpdpbusd's m32bcst operand). Each value's arithmetic is tile_block_i4's, in the
+// same order, so a row's bits do not depend on the rows beside it. Not inlined: inlined into gemm beside the
+// register tiles, it made their 2-row case 20% slower.
 template <int MB>
-inline void tile_block_i4_wide(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
-                               int64_t b1, float* __restrict acc_io, bool first) {
+__attribute__((noinline)) void tile_block_i4_wide(const QuantRows& xr, int64_t m0, int64_t K,
+                                                  const uint8_t* __restrict tile, int64_t b0, int64_t b1,
+                                                  float* __restrict acc_io, bool first) {
   const int64_t nb = K / QB;
   const __m512i nibble = _mm512_set1_epi8(0x0F);
   if (first)
@@ -209,7 +212,7 @@ inline void tile_block_i4_wide(const QuantRows& xr, int64_t m0, int64_t K, const
     __m512i acc[4][MB];
 #pragma GCC unroll 4
     for (int v = 0; v < 4; v++)
-#pragma GCC unroll 6
+#pragma GCC unroll 4
       for (int m = 0; m < MB; m++) acc[v][m] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
@@ -217,7 +220,7 @@ inline void tile_block_i4_wide(const QuantRows& xr, int64_t m0, int64_t K, const
       for (int v = 0; v < 4; v++) {
         const __m512i raw = _mm512_loadu_si512(w + g * 4 * TN + v * 64);
         const __m512i lo = _mm512_and_si512(raw, nibble), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), nibble);
-#pragma GCC unroll 6
+#pragma GCC unroll 4
         for (int m = 0; m < MB; m++)
           acc[v][m] = dpbusd_broadcast(dpbusd_broadcast(acc[v][m], lo, xq + m * K + 8 * g), hi, xq + m * K + 8 * g + 4);
       }
@@ -227,7 +230,7 @@ inline void tile_block_i4_wide(const QuantRows& xr, int64_t m0, int64_t K, const
     for (int v = 0; v < 4; v++) {
       const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + v * 32)));
       const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * TN + v * 32)));
-#pragma GCC unroll 6
+#pragma GCC unroll 4
       for (int m = 0; m < MB; m++) {
         const float a = xr.scale[(m0 + m) * nb + b], qsum = xr.bias[(m0 + m) * nb + b] / -128.f;
         const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[v][m]), s);
@@ -237,13 +240,4 @@ inline void tile_block_i4_wide(const QuantRows& xr, int64_t m0, int64_t K, const
       }
     }
   }
-}
-
-template <int MB>
-inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
-                          float* acc_io, bool first) {
-  if constexpr (MB <= MAXMB_Q)
-    tile_block_i4_regs<MB>(xr, m0, K, tile, b0, b1, acc_io, first);
-  else
-    tile_block_i4_wide<MB>(xr, m0, K, tile, b0, b1, acc_io, first);
 }
