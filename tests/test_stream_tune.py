@@ -7,6 +7,7 @@ import torch
 
 from saguaro.backends.cpu_kernels import build as kernels
 from saguaro.backends.cpu_kernels import stream_tune
+from saguaro.backends.cpu_kernels.kept import cpu_identity
 
 needs_avx2 = pytest.mark.skipif("avx2" not in kernels.runnable_tiers(), reason="this CPU lacks AVX2")
 
@@ -61,7 +62,7 @@ def test_measured_once_per_cpu_then_kept(ops, monkeypatch, tmp_path):
     monkeypatch.setattr(stream_tune, "measure", lambda ops: (2, 256, 1))
     assert stream_tune.apply(ops) == (2, 256, 1) and tuple(ops.row_reads()) == (2, 256, 1)
     kept = json.loads((tmp_path / "cpu" / "row_reads.json").read_text())
-    assert kept == {f"{stream_tune.cpu_identity()} | avx2": [2, 256, 1]}
+    assert kept == {f"{cpu_identity()} | avx2": [2, 256, 1]}
 
     def no_second_probe(ops):
         raise AssertionError("measured again")
@@ -97,5 +98,5 @@ def test_the_probe_picks_a_candidate(ops):
 def test_a_vm_s_cpu_is_told_apart_by_family_and_model():
     zen3 = "model name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 1\nflags\t: avx2\n"
     zen4 = "model name\t: AMD EPYC\ncpu family\t: 25\nmodel\t\t: 17\n"
-    assert stream_tune.cpu_identity(zen3) == "AMD EPYC family 25 model 1"
-    assert stream_tune.cpu_identity(zen3) != stream_tune.cpu_identity(zen4)
+    assert cpu_identity(zen3) == "AMD EPYC family 25 model 1"
+    assert cpu_identity(zen3) != stream_tune.cpu_identity(zen4)

@@ -1,4 +1,5 @@
-"""Without a calibration profile: a draft step's cost relative to a verification, from the pair's weight bytes.
+"""Without a calibration profile: a draft step's cost relative to a target step, from the pair's weight bytes, and
+what more rows cost each model, from the kernels' measured row curves.
 
 On the CPU a decode pass streams every weight once, so its time follows its bytes (``pass_bytes``: the packed
 formats, the draft's reduced head) plus a fixed cost per pass (Python, dispatch, attention, the epilogues),
@@ -9,12 +10,20 @@ request that chooses K from the profile alone (a seeded sampled one: ``AdaptiveK
 little. So the estimate replaces the default where it is lower; where it is higher (a draft as large as its
 target, the tests' tiny pairs, whose passes are all overhead) the default stands. On a GPU passes of small
 models are bound by their launches rather than their bytes: the default stands there too.
+
+More rows are not nearly free on every kernel (``backends/cpu_kernels/row_costs.py``): an int4 target verifies
+5 rows at about twice a decode step's time on an avx512 core, where the documented slope says 8% more. A request
+that chose K from that slope speculated 5 deep on chat, slower than AR. So where the engine runs the bf16
+kernels, each model's row curve is its weights' share of the pass times the kernels' measured GEMM curve for
+its format, plus the overhead's share, flat (``pass_curve``).
 """
 from __future__ import annotations
 
 import logging
 
-from saguaro.calibration.profile import DEFAULTS
+import torch
+
+from saguaro.calibration.profile import DEFAULTS, ROW_GRID, PairCosts
 from saguaro.config import Config
 
 log = logging.getLogger("saguaro.calibration")
@@ -26,23 +35,47 @@ def byte_ratio(target_bytes: int, draft_bytes: int) -> float:
     return (draft_bytes + PASS_OVERHEAD_BYTES) / (target_bytes + PASS_OVERHEAD_BYTES)
 
 
-def draft_ratio(cfg: Config) -> float | None:
-    """The default profile's draft cost for ``cfg``'s pair: the weight-byte estimate where it is below the
-    documented default, None (the default) otherwise, on a GPU, or where either model's config cannot be read
-    (an n-gram matcher, an EAGLE-3 head, a model given in memory)."""
-    if cfg.device != "cpu" or cfg.draft_device not in (None, "cpu") or not isinstance(cfg.draft, str):
-        return None
+def pair_costs(cfg: Config) -> PairCosts:
+    """What the default profile can know of ``cfg``'s pair without a calibration: nothing on a GPU, for the eager
+    reference, or where a model's config cannot be read (an n-gram matcher, an EAGLE-3 head, a model given in
+    memory); else the draft's byte ratio (where below the documented default) and both models' row curves."""
+    if cfg.device != "cpu" or cfg.draft_device not in (None, "cpu") or not isinstance(cfg.target, str):
+        return PairCosts()
     from saguaro.backends.cpu_kernels.model import pass_bytes
     from saguaro.loading import load_config
     try:
-        target, draft = load_config(cfg.target, progress=False), load_config(cfg.draft, progress=False)
+        target = load_config(cfg.target, progress=False)
+        draft = load_config(cfg.draft, progress=False) if isinstance(cfg.draft, str) else None
     except (OSError, ValueError, LookupError, RuntimeError):  # not a model we can read: the defaults apply
-        return None
+        return PairCosts()
     fmt = cfg.draft_format
-    head = min(fmt.vocab, draft.vocab_size) if fmt.vocab is not None else draft.vocab_size
-    ratio = byte_ratio(pass_bytes(target, cfg.target_weights), pass_bytes(draft, fmt.weights, head))
-    if ratio >= DEFAULTS["draft_ratio"]:
+    target_bytes = pass_bytes(target, cfg.target_weights)
+    draft_bytes = draft and pass_bytes(draft, fmt.weights, min(fmt.vocab or draft.vocab_size, draft.vocab_size))
+    ratio = byte_ratio(target_bytes, draft_bytes) if draft_bytes else None
+    if ratio is not None and ratio >= DEFAULTS["draft_ratio"]:
+        ratio = None
+    elif ratio is not None:
+        log.info("no calibration profile: a draft step is taken as %.3f of a target step (the pair's weight "
+                 "bytes)", ratio)
+    curves = None if cfg.enforce_eager or cfg.torch_dtype != torch.bfloat16 else _row_curves()
+    if curves is None:
+        return PairCosts(ratio)
+    return PairCosts(ratio, pass_curve(target_bytes, curves(cfg.target_weights)),
+                     pass_curve(draft_bytes, curves(fmt.weights)) if draft_bytes else None)
+
+
+def pass_curve(weight_bytes: int, gemm: dict[int, float]) -> dict[int, float]:
+    """A pass over n rows against one row: its weights' GEMMs follow the kernels' curve, the rest of the pass
+    (``PASS_OVERHEAD_BYTES``) barely grows with the rows."""
+    return {n: (weight_bytes * c + PASS_OVERHEAD_BYTES) / (weight_bytes + PASS_OVERHEAD_BYTES) for n, c in gemm.items()}
+
+
+def _row_curves():
+    """``weights`` -> the kernels' GEMM row curve on ROW_GRID (``row_costs``: measured once per CPU), or None
+    where the kernels cannot be built (the engine then runs the eager reference)."""
+    from saguaro.backends.cpu_kernels import build, row_costs
+    try:
+        ops = build.load()
+    except build.KernelsUnavailable:
         return None
-    log.info("no calibration profile: a draft step is taken as %.3f of a verification (the pair's weight bytes)",
-             ratio)
-    return ratio
+    return lambda weights: row_costs.curve(ops, weights, ROW_GRID)

@@ -17,8 +17,9 @@ Glossary:
 
 Defaults (no profile; the engine logs that it used them), chosen from the CPU testbed's measured numbers and the
 paper's fits: primary a_p = 0.75 with r_p = 0.6, backup a_b = 0.3 with r_b = 0.4 at every temperature; a
-draft row costs 0.38 of a target row, a draft step over n rows costs 0.38 (1 + 0.035 (n - 1)) and a
-verification over n rows 1 + 0.02 (n - 1) target rows; n-gram time 0.
+draft row costs 0.38 of a verification, a draft step over n rows costs 0.38 (1 + 0.035 (n - 1)) and a
+verification over n rows 1 + 0.02 (n - 1) target rows; n-gram time 0. On the CPU's kernels the pair's own
+weight bytes and the kernels' measured row curves replace the ratio and the slopes (``PairCosts``).
 """
 from __future__ import annotations
 
@@ -212,23 +213,46 @@ def power_law_source(a: float, r: float, k: int) -> Source:
                   miss_uniform=(1.0 - hit).tolist(), r=r, r2=1.0, power_law=True)
 
 
-def model_timing(k: int, verify_s: float = 1.0, draft_ratio: float | None = None) -> Timing:
-    """The default timing table (relative units, a verification = ``verify_s``; a draft step ``draft_ratio`` of
-    it, DEFAULTS' where None)."""
-    d = DEFAULTS
-    step = verify_s * (d["draft_ratio"] if draft_ratio is None else draft_ratio)
-    target = {str(n): verify_s * (1 + d["target_slope"] * (n - 1)) / (1 + d["target_slope"] * k) for n in ROW_GRID}
-    draft = {str(n): step * (1 + d["draft_slope"] * (n - 1)) for n in ROW_GRID}
+@dataclass
+class PairCosts:
+    """What the defaults know of a pair's passes without a calibration (``calibration.pair_cost``); None: the
+    DEFAULTS' guess."""
+    draft_ratio: float | None = None  # a draft step over a target step, one row each
+    target_rows: dict[int, float] | None = None  # a target pass over n rows / over one row, n in ROW_GRID
+    draft_rows: dict[int, float] | None = None  # the same for a draft pass
+
+
+def model_timing(k: int, verify_s: float = 1.0, costs: PairCosts | None = None) -> Timing:
+    """The default timing table (relative units, a verification = ``verify_s``), with what ``costs`` knows: the
+    row curves (else DEFAULTS' slopes), and a draft step's cost against a 1-row target step (else DEFAULTS'
+    ratio to a verification)."""
+    d, costs = DEFAULTS, costs or PairCosts()
+    target_curve = costs.target_rows or {n: 1 + d["target_slope"] * (n - 1) for n in ROW_GRID}
+    draft_curve = costs.draft_rows or {n: 1 + d["draft_slope"] * (n - 1) for n in ROW_GRID}
+    one_row = verify_s / _at(target_curve, k + 1)
+    target = {str(n): one_row * target_curve[n] for n in ROW_GRID}
+    step = verify_s * d["draft_ratio"] if costs.draft_ratio is None else one_row * costs.draft_ratio
+    draft = {str(n): step * draft_curve[n] for n in ROW_GRID}
     return Timing(target_rows=target, draft_rows=draft, ngram_s=0.0, verify_s=verify_s, draft_step_s=step,
                   T_p=k * step / verify_s, T_b=0.0)
 
 
-def default_profile(target: str, draft: str, dtype, k: int = 4, draft_ratio: float | None = None) -> Profile:
-    """The documented defaults (``default=True``), for greedy and temperature 1; ``draft_ratio``: a draft step's
-    cost over a verification's where the pair's is known (``calibration.pair_cost``), else DEFAULTS'."""
+def _at(curve: dict[int, float], n: int) -> float:
+    """``curve`` at ``n`` rows, linear between the grid's row counts (a K + 1 off the grid: K = 6 verifies 7)."""
+    if n in curve:
+        return curve[n]
+    below, above = max(r for r in curve if r < n), min((r for r in curve if r > n), default=None)
+    if above is None:
+        return curve[below]
+    return curve[below] + (curve[above] - curve[below]) * (n - below) / (above - below)
+
+
+def default_profile(target: str, draft: str, dtype, k: int = 4, costs: PairCosts | None = None) -> Profile:
+    """The documented defaults (``default=True``), for greedy and temperature 1, with what ``costs`` knows of
+    the pair's passes (``calibration.pair_cost``)."""
     d = DEFAULTS
     primary, backup = power_law_source(d["a_p"], d["r_p"], k), power_law_source(d["a_b"], d["r_b"], k)
     return Profile(target=str(target), draft=str(draft), dtype=dtype_name(dtype), k=k,
-                   timing=model_timing(k, draft_ratio=draft_ratio),
+                   timing=model_timing(k, costs=costs),
                    temperatures={t: TemperatureEntry(primary, backup, temperature=float(t)) for t in ("0.0", "1.0")},
                    default=True, created=time.strftime("%Y-%m-%dT%H:%M:%S"))

@@ -31,11 +31,11 @@ def _timed_eager(cfg: Config) -> bool:
 
 
 def pair_profile(cfg: Config, k: int, no_draft: str | None = None) -> Profile:
-    """``cfg``'s pair's calibration profile, or the documented defaults with the pair's draft cost
+    """``cfg``'s pair's calibration profile, or the documented defaults with what is known of the pair's passes
     (``pair_cost``); ``no_draft`` names the draft where ``cfg.draft`` is None (the n-gram matcher)."""
     return resolve_profile(cfg.target, cfg.draft or no_draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
                            draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload,
-                           draft_ratio=lambda: pair_cost.draft_ratio(cfg))
+                           costs=lambda: pair_cost.pair_costs(cfg))
 
 
 def resolve_k(cfg: Config) -> Config:

@@ -16,7 +16,7 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from saguaro.calibration.profile import Profile, ProfileError, default_profile, dtype_name
+from saguaro.calibration.profile import PairCosts, Profile, ProfileError, default_profile, dtype_name
 from saguaro.config import check_workload
 from saguaro.loading.paths import cache_root
 from saguaro.profile_files import slug
@@ -65,15 +65,15 @@ def load_profile(target: str, draft: str, dtype, enforce_eager: bool = True, dra
 
 
 def resolve_profile(target: str, draft: str, dtype, k: int, enforce_eager: bool = True, draft_format: str = "",
-                    workload: str = "mixed", draft_ratio: Callable[[], float | None] | None = None) -> Profile:
+                    workload: str = "mixed", costs: Callable[[], PairCosts] | None = None) -> Profile:
     """The stored profile, or the documented defaults (logged).
 
     Preferred: the profile timed as the engine will run -- on the fast path unless ``enforce_eager`` (as Config),
     with the draft in ``draft_format`` (``DraftFormat.tag``). Failing that, the nearest one that exists
     (same format eager, then the plain draft), with a warning: its acceptance and hit curves still apply
     roughly, its timings do not. A ``workload`` ("code", "chat") without its own profile falls back to the
-    "mixed" one, whose acceptance and hit rates are those of both kinds of prompts. ``draft_ratio``: gives the
-    defaults' draft cost (``default_profile``), asked only when no profile is stored."""
+    "mixed" one, whose acceptance and hit rates are those of both kinds of prompts. ``costs``: what the
+    defaults know of the pair's passes (``default_profile``), asked only when no profile is stored."""
     settings = [(enforce_eager, draft_format), (True, draft_format), (enforce_eager, ""), (True, "")]
     tried = [(f, fmt, w) for w in dict.fromkeys([workload, "mixed"]) for f, fmt in settings]
     for i, (f, fmt, w) in enumerate(dict.fromkeys(tried)):
@@ -89,4 +89,4 @@ def resolve_profile(target: str, draft: str, dtype, k: int, enforce_eager: bool 
         return profile
     log.warning("no calibration profile for target=%s draft=%s dtype=%s (run `saguaro calibrate`); "
                 "using the documented defaults (saguaro.calibration.profile.DEFAULTS)", target, draft, dtype)
-    return default_profile(target, draft, dtype, k, draft_ratio() if draft_ratio is not None else None)
+    return default_profile(target, draft, dtype, k, costs() if costs is not None else None)

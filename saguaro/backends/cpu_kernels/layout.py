@@ -49,6 +49,7 @@ def packed_copies(ops: ModuleType, w: torch.Tensor, weights: str, at_least: int,
     copies = max(minimum, -(-at_least // size))
     arena = ops.alloc_huge(size * copies)
     out = [packed_view(arena[i * size:(i + 1) * size], n, k, weights) for i in range(copies)]
-    for p in out:
-        packer(ops, weights)(p, [w], 0)
+    packer(ops, weights)(out[0], [w], 0)
+    for p in out[1:]:  # the same bytes: copied, not quantized again (int4 packs at tens of MB/s)
+        p.copy_(out[0])
     return out

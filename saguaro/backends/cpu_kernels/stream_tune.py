@@ -20,20 +20,20 @@ stream and the hardware prefetchers alone).
 """
 from __future__ import annotations
 
-import json
 import logging
 import os
-import platform
 import time
 from types import ModuleType
 
 import torch
 
+from saguaro.backends.cpu_kernels import kept
+from saguaro.backends.cpu_kernels.kept import cpu_identity
 from saguaro.backends.cpu_kernels.layout import packed_copies
-from saguaro.loading.paths import cache_root
 
 log = logging.getLogger("saguaro.kernels")
 ENV = "SAGUARO_ROW_READS"
+FILE = "row_reads.json"
 Plan = tuple[int, int, int]  # (bf16 streams, bytes ahead of each bf16 stream, k blocks ahead of a quantized one)
 BF16_CANDIDATES = ((1, 0), (1, 512), (2, 0), (2, 256), (2, 512))  # (streams, bytes ahead)
 QUANT_CANDIDATES = (0, 1, 2)  # k blocks ahead (int4: 1,280 bytes each, int8: 2,048)
@@ -60,14 +60,13 @@ def apply(ops: ModuleType) -> Plan:
     if forced:
         plan = parse(forced)
     else:
-        path, key = cache_root() / "cpu" / "row_reads.json", f"{cpu_identity()} | {ops.TIER}"
-        known = _read(path)
-        if key not in known:
-            known[key] = measure(ops)
+        key = f"{cpu_identity()} | {ops.TIER}"
+        plan = _plan(kept.read(FILE).get(key))
+        if plan is None:
+            plan = measure(ops)
             log.info("avx2 row reads for %s: %d bf16 stream(s), %d bytes ahead of bf16, %d blocks ahead of int8 / "
-                     "int4 (measured)", key, *known[key])
-            _write(path, {**_read(path), key: known[key]})
-        plan = known[key]
+                     "int4 (measured)", key, *plan)
+            kept.keep(FILE, key, list(plan))
     ops.set_row_reads(*plan)
     return plan
 
@@ -94,36 +93,9 @@ def _fastest(ops: ModuleType, w: torch.Tensor, x: torch.Tensor, weights: str, pl
     return min(plans, key=lambda plan: best[plan])
 
 
-def cpu_identity(cpuinfo: str | None = None) -> str:
-    """The CPU's name with its family and model: a VM may show every AMD core as "AMD EPYC"."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = open("/proc/cpuinfo").read()
-        except OSError:
-            cpuinfo = ""
-    fields: dict[str, str] = {}
-    for line in cpuinfo.splitlines():
-        name, sep, value = line.partition(":")
-        if sep and name.strip() not in fields:
-            fields[name.strip()] = value.strip()
-    return " ".join(filter(None, [fields.get("model name") or fields.get("Model") or platform.machine(),
-                                  fields.get("cpu family") and f"family {fields['cpu family']}",
-                                  fields.get("model") and f"model {fields['model']}"]))
-
-
-def _read(path) -> dict[str, Plan]:
+def _plan(value) -> Plan | None:
+    """A kept plan, or None if it is missing or malformed (then measured again)."""
     try:
-        return {k: (int(v[0]), int(v[1]), int(v[2])) for k, v in json.loads(path.read_text()).items()}
-    except (OSError, ValueError, AttributeError, TypeError, IndexError, KeyError):
-        return {}
-
-
-def _write(path, values: dict[str, Plan]) -> None:
-    """Atomically: two processes measuring at once each leave a whole file."""
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({k: list(v) for k, v in values.items()}, indent=1))
-        os.replace(tmp, path)
-    except OSError as e:  # a read-only cache: measured again next time
-        log.warning("could not keep the row read plan in %s: %s", path, e)
+        return int(value[0]), int(value[1]), int(value[2])
+    except (TypeError, ValueError, IndexError, KeyError):
+        return None

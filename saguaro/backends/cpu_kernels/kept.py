@@ -1,0 +1,57 @@
+"""What the kernels measure once per CPU and keep: JSON files under ``<cache root>/cpu/`` (the read plan,
+``stream_tune.py``; the row costs, ``row_costs.py``), keyed by the CPU's identity."""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+from pathlib import Path
+from typing import Any
+
+from saguaro.loading.paths import cache_root
+
+log = logging.getLogger("saguaro.kernels")
+
+
+def path(name: str) -> Path:
+    return cache_root() / "cpu" / name
+
+
+def read(name: str) -> dict[str, Any]:
+    """The kept values in ``name`` ({} when there are none, or the file cannot be read)."""
+    try:
+        values = json.loads(path(name).read_text())
+    except (OSError, ValueError):
+        return {}
+    return values if isinstance(values, dict) else {}
+
+
+def keep(name: str, key: str, value: Any) -> None:
+    """Add ``key`` to ``name``, atomically: two processes measuring at once each leave a whole file. A read-only
+    cache only warns: the value is measured again next time."""
+    target = path(name)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({**read(name), key: value}, indent=1))
+        os.replace(tmp, target)
+    except OSError as e:
+        log.warning("could not keep %s in %s: %s", key, target, e)
+
+
+def cpu_identity(cpuinfo: str | None = None) -> str:
+    """The CPU's name with its family and model: a VM may show every AMD core as "AMD EPYC"."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = open("/proc/cpuinfo").read()
+        except OSError:
+            cpuinfo = ""
+    fields: dict[str, str] = {}
+    for line in cpuinfo.splitlines():
+        name, sep, value = line.partition(":")
+        if sep and name.strip() not in fields:
+            fields[name.strip()] = value.strip()
+    return " ".join(filter(None, [fields.get("model name") or fields.get("Model") or platform.machine(),
+                                  fields.get("cpu family") and f"family {fields['cpu family']}",
+                                  fields.get("model") and f"model {fields['model']}"]))

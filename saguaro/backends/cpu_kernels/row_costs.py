@@ -1,0 +1,71 @@
+"""What a GEMM over n rows costs against one row, per weight format, measured once per CPU and kernel tier.
+
+One row (a decode step) reads every weight once and waits on the bus; more rows (a verification of K + 1
+tokens, a build step over its branches, a batch) reuse each weight from registers, and the kernels turn
+compute-bound at a row count that depends on the format and the tier: on a Zen 4 core with avx512, bf16 stays
+near 1.0x up to 6 rows, while int4 costs 1.3x at 3 rows and 2x at 5 (two vpdpbusd per 8 weights and row, and
+the per-block scales); the avx2 bf16 kernel is at 1.9x by 2 rows. A planner that takes an extra row for nearly
+free (the documented defaults: 2%) speculates far too deep with an int4 target. So without a calibration
+profile the default costs take their row curves from this probe (``calibration.pair_cost``).
+
+The probe times GEMMs of 1536 x 4096 over packed copies that do not fit the caches, every row count of
+``rows`` once per round (interleaved, so a burst of load falls on all), the least of three rounds kept, made
+monotone. About a second per format; kept in ``<cache root>/cpu/row_costs.json`` per CPU model, tier and
+format, so that every later run (and a seeded request's K, which reads only these) sees the same curve.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from types import ModuleType
+
+import torch
+
+from saguaro.backends.cpu_kernels import kept
+from saguaro.backends.cpu_kernels.kept import cpu_identity
+from saguaro.backends.cpu_kernels.layout import packed_copies
+
+log = logging.getLogger("saguaro.kernels")
+K, N = 1536, 4096
+COPIES_BYTES = 100 << 20  # past any L3 one core reads, in either format
+FILE = "row_costs.json"
+Curve = dict[int, float]  # rows -> a GEMM over that many rows / over one row
+
+
+def curve(ops: ModuleType, weights: str, rows: tuple[int, ...]) -> Curve:
+    """The kept curve of ``weights`` on ``ops``' tier for this CPU, measured first if any of ``rows`` is new."""
+    key = f"{cpu_identity()} | {ops.TIER} | {weights}"
+    known = _curve(kept.read(FILE).get(key))
+    if not set(rows) <= set(known):
+        known = measure(ops, weights, tuple(sorted(set(rows) | set(known))))
+        log.info("GEMM row costs for %s (measured): %s", key,
+                 ", ".join(f"{n} rows {c:.2f}x" for n, c in known.items()))
+        kept.keep(FILE, key, {str(n): c for n, c in known.items()})
+    return {n: known[n] for n in rows}
+
+
+def measure(ops: ModuleType, weights: str, rows: tuple[int, ...], rounds: int = 3) -> Curve:
+    """[n rows -> seconds over n rows / seconds over one row]; each the least time measured at >= n rows (as
+    ``calibration.measure.monotone``: a burst of load inflates single measurements)."""
+    counts = sorted(set(rows) | {1})
+    w = torch.randn(N, K).bfloat16()
+    xs = {n: torch.randn(n, K).bfloat16() for n in counts}
+    packed = packed_copies(ops, w, weights, COPIES_BYTES)
+    best = {n: float("inf") for n in counts}
+    for _ in range(rounds):
+        for n in counts:
+            start = time.perf_counter()
+            for p in packed:
+                ops.gemm(xs[n], p, N, None, None, 0, False)
+            best[n] = min(best[n], time.perf_counter() - start)
+    for n, m in zip(counts[-2::-1], counts[:0:-1]):  # more rows never cost less: the least time at >= n rows
+        best[n] = min(best[n], best[m])
+    return {n: best[n] / best[1] for n in rows}
+
+
+def _curve(value) -> Curve:
+    """A kept curve ({} if missing or malformed: then measured again)."""
+    try:
+        return {int(n): float(c) for n, c in value.items()}
+    except (AttributeError, TypeError, ValueError):
+        return {}
