@@ -136,3 +136,12 @@ def test_the_gemm_curve_is_measured_once_per_cpu_then_kept(tmp_path, monkeypatch
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     (tmp_path / "cpu" / row_costs.FILE).write_text("{not json")  # a broken file is measured again
     assert row_costs.curve(ops, "int4", (1, 2))[1] == 1.0
+    # two processes measuring at once: the first to keep its curve wins, and the other uses that one (a seeded
+    # request's K must not differ between them)
+    first = {"1": 1.0, "2": 9.0}
+
+    def racing(ops, weights, rows):
+        kept.keep(row_costs.FILE, f"{kept.cpu_identity()} | portable | int8", first)  # kept meanwhile
+        return {1: 1.0, 2: 1.5}
+    monkeypatch.setattr(row_costs, "measure", racing)
+    assert row_costs.curve(ops, "int8", (1, 2)) == {1: 1.0, 2: 9.0}

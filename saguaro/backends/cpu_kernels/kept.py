@@ -2,10 +2,12 @@
 ``stream_tune.py``; the row costs, ``row_costs.py``), keyed by the CPU's identity."""
 from __future__ import annotations
 
+import fcntl
 import json
 import logging
 import os
 import platform
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,17 +29,25 @@ def read(name: str) -> dict[str, Any]:
     return values if isinstance(values, dict) else {}
 
 
-def keep(name: str, key: str, value: Any) -> None:
-    """Add ``key`` to ``name``, atomically: two processes measuring at once each leave a whole file. A read-only
-    cache only warns: the value is measured again next time."""
+def keep(name: str, key: str, value: Any, usable: Callable[[Any], bool] = lambda kept: True) -> Any:
+    """Keep ``value`` under ``key`` in ``name`` unless another process kept a ``usable`` one first; returns the
+    one kept. The first measurement wins (under a lock, the file replaced atomically), so every process on this CPU
+    reads the same values: a seeded request's K follows the row costs, and must not differ between two
+    processes that measured at once. A read-only cache only warns: the value is measured again next time."""
     target = path(name)
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({**read(name), key: value}, indent=1))
-        os.replace(tmp, target)
+        with open(target.with_suffix(".lock"), "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            values = read(name)
+            if key in values and usable(values[key]):
+                return values[key]
+            tmp = target.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps({**values, key: value}, indent=1))
+            os.replace(tmp, target)
     except OSError as e:
         log.warning("could not keep %s in %s: %s", key, target, e)
+    return value
 
 
 def cpu_identity(cpuinfo: str | None = None) -> str:

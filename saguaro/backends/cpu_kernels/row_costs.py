@@ -40,7 +40,8 @@ def curve(ops: ModuleType, weights: str, rows: tuple[int, ...]) -> Curve:
         known = measure(ops, weights, tuple(sorted(set(rows) | set(known))))
         log.info("GEMM row costs for %s (measured): %s", key,
                  ", ".join(f"{n} rows {c:.2f}x" for n, c in known.items()))
-        kept.keep(FILE, key, {str(n): c for n, c in known.items()})
+        known = _curve(kept.keep(FILE, key, {str(n): c for n, c in known.items()},
+                                 usable=lambda other: set(rows) <= set(_curve(other))))
     return {n: known[n] for n in rows}
 
 

@@ -66,7 +66,7 @@ def apply(ops: ModuleType) -> Plan:
             plan = measure(ops)
             log.info("avx2 row reads for %s: %d bf16 stream(s), %d bytes ahead of bf16, %d blocks ahead of int8 / "
                      "int4 (measured)", key, *plan)
-            kept.keep(FILE, key, list(plan))
+            plan = _plan(kept.keep(FILE, key, list(plan), usable=lambda other: _plan(other) is not None))
     ops.set_row_reads(*plan)
     return plan
 
