@@ -139,6 +139,23 @@ inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint
 
 // int4 (layout: quant_pack.h): the low and high nibbles of a code vector are two vpdpbusd weight operands.
 
+// The scales and offsets of outputs 16v..16v+15 in the block at w; add() puts one row's int32 sums of the block
+// into its fp32 sums f: f + a (z sum(q_x) + s sum(q q_x)), the same operations in the same order in every
+// kernel, so a row's bits do not depend on which kernel ran it.
+struct I4Scales {
+  __m512 s, z;
+  I4Scales(const uint8_t* w, int v) {
+    const uint8_t* sz = w + QB * TN / 2;
+    s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + v * 32)));
+    z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * TN + v * 32)));
+  }
+  __m512 add(__m512 f, __m512i sums, const QuantRows& xr, int64_t row_block) const {
+    const float a = xr.scale[row_block], qsum = xr.bias[row_block] / -128.f;
+    const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(sums), s);
+    return _mm512_fmadd_ps(_mm512_fmadd_ps(z, _mm512_set1_ps(qsum), dot), _mm512_set1_ps(a), f);
+  }
+};
+
 template <int MB>
 inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* __restrict tile, int64_t b0,
                           int64_t b1, float* __restrict acc_io, bool first) {
@@ -171,17 +188,11 @@ inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint
         for (int m = 0; m < MB; m++) acc[v][m] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc[v][m], lo, xlo[m]), hi, xhi[m]);
       }
     }
-    const uint8_t* sz = w + QB * TN / 2;
 #pragma GCC unroll 4
     for (int v = 0; v < 4; v++) {
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + v * 32)));
-      const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * TN + v * 32)));
+      const I4Scales sz(w, v);
 #pragma GCC unroll 4
-      for (int m = 0; m < MB; m++) {
-        const float a = xr.scale[(m0 + m) * nb + b], qsum = xr.bias[(m0 + m) * nb + b] / -128.f;
-        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[v][m]), s);
-        facc[v][m] = _mm512_fmadd_ps(_mm512_fmadd_ps(z, _mm512_set1_ps(qsum), dot), _mm512_set1_ps(a), facc[v][m]);
-      }
+      for (int m = 0; m < MB; m++) facc[v][m] = sz.add(facc[v][m], acc[v][m], xr, (m0 + m) * nb + b);
     }
   }
   store_tile<MB>(facc, acc_io);
@@ -225,18 +236,13 @@ __attribute__((noinline)) void tile_block_i4_wide(const QuantRows& xr, int64_t m
           acc[v][m] = dpbusd_broadcast(dpbusd_broadcast(acc[v][m], lo, xq + m * K + 8 * g), hi, xq + m * K + 8 * g + 4);
       }
     }
-    const uint8_t* sz = w + QB * TN / 2;
 #pragma GCC unroll 4
     for (int v = 0; v < 4; v++) {
-      const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + v * 32)));
-      const __m512 z = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sz + 2 * TN + v * 32)));
+      const I4Scales sz(w, v);
 #pragma GCC unroll 4
       for (int m = 0; m < MB; m++) {
-        const float a = xr.scale[(m0 + m) * nb + b], qsum = xr.bias[(m0 + m) * nb + b] / -128.f;
-        const __m512 dot = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[v][m]), s);
         float* f = acc_io + m * TN + v * 16;
-        _mm512_storeu_ps(f, _mm512_fmadd_ps(_mm512_fmadd_ps(z, _mm512_set1_ps(qsum), dot), _mm512_set1_ps(a),
-                                            _mm512_loadu_ps(f)));
+        _mm512_storeu_ps(f, sz.add(_mm512_loadu_ps(f), acc[v][m], xr, (m0 + m) * nb + b));
       }
     }
   }
