@@ -36,17 +36,14 @@ def byte_ratio(target_bytes: int, draft_bytes: int) -> float:
 
 
 def pair_costs(cfg: Config) -> PairCosts:
-    """What the default profile can know of ``cfg``'s pair without a calibration: nothing on a GPU, for the eager
-    reference, or where a model's config cannot be read (an n-gram matcher, an EAGLE-3 head, a model given in
-    memory); else the draft's byte ratio (where below the documented default) and both models' row curves."""
-    if cfg.device != "cpu" or cfg.draft_device not in (None, "cpu") or not isinstance(cfg.target, str):
+    """What the default profile can know of ``cfg``'s pair without a calibration: nothing on a GPU or where the
+    target's config cannot be read; else the draft's byte ratio (where below the documented default), and on
+    the bf16 kernels the target's row curve and the draft's (a draft whose config cannot be read: neither)."""
+    if cfg.device != "cpu" or cfg.draft_device not in (None, "cpu"):
         return PairCosts()
     from saguaro.backends.cpu_kernels.model import pass_bytes
-    from saguaro.loading import load_config
-    try:
-        target = load_config(cfg.target, progress=False)
-        draft = load_config(cfg.draft, progress=False) if isinstance(cfg.draft, str) else None
-    except (OSError, ValueError, LookupError, RuntimeError):  # not a model we can read: the defaults apply
+    target, draft = _config(cfg.target), _config(cfg.draft)
+    if target is None:
         return PairCosts()
     fmt = cfg.draft_format
     target_bytes = pass_bytes(target, cfg.target_weights)
@@ -62,6 +59,18 @@ def pair_costs(cfg: Config) -> PairCosts:
         return PairCosts(ratio)
     return PairCosts(ratio, pass_curve(target_bytes, curves(cfg.target_weights)),
                      pass_curve(draft_bytes, curves(fmt.weights)) if draft_bytes else None)
+
+
+def _config(name):
+    """A registered model's or a checkpoint's config; None for what cannot be read as one (an n-gram matcher, an
+    EAGLE-3 head, a model given in memory): the defaults apply to it."""
+    from saguaro.loading import load_config
+    if not isinstance(name, str):
+        return None
+    try:
+        return load_config(name, progress=False)
+    except (OSError, ValueError, LookupError, RuntimeError):
+        return None
 
 
 def pass_curve(weight_bytes: int, gemm: dict[int, float]) -> dict[int, float]:
