@@ -92,7 +92,8 @@ def test_the_row_curves_follow_the_kernels(no_profiles, monkeypatch):
     assert timing.verify_s == 1.0 and timing.target_rows["5"] == pytest.approx(1.0)
     assert timing.target_rows["1"] == pytest.approx(1 / costs.target_rows[5])
     assert timing.draft_rows["1"] / timing.target_rows["1"] == pytest.approx(costs.draft_ratio)
-    ngram = pair_cost.pair_costs(Config(mode="sd", proposer="ngram", target=QWEN["target"], target_weights="int4"))
+    ngram = pair_cost.pair_costs(Config(mode="sd", proposer="ngram", target=QWEN["target"], dtype="bfloat16",
+                                        target_weights="int4"))
     assert ngram.target_rows == costs.target_rows and ngram.draft_rows is None and ngram.draft_ratio is None
     for flat in (dict(enforce_eager=True), dict(dtype="float32")):
         assert pair_cost.pair_costs(Config(mode="sd", **{**QWEN, **flat})).target_rows is None
