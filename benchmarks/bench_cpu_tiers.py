@@ -7,6 +7,8 @@ Rates are in CPU time of the one thread (see best_rate): the dev machine is shar
     --reps windows;
   * GEMM: 1 x K by K x N (default the Qwen2.5-1.5B MLP shape, 1 x 1536 by 1536 x 8960), weights packed in
     huge pages, enough copies that each call streams from memory, not the caches; GB/s = packed bytes / time;
+  * rows: the same GEMM over --rows rows against one row, per tier and format (``row_costs.measure``, the
+    probe the default costs read): what a verification of K + 1 rows or a build step costs over a decode step;
   * AR: one 1-row decode step of the target in bf16 on the default tier (forward + logits at a context of 64),
     median of --steps steps, as tok/s; floor = packed bytes per token / bus;
   * draft step: the 0.5B with int4 weights and a 65,536-token head (the demo's draft), one row at a context of
@@ -27,6 +29,7 @@ import torch
 
 from benchmarks.common import add_model_args, environment, log, table, write_results
 from saguaro.backends.cpu_kernels import build as kernels
+from saguaro.backends.cpu_kernels import row_costs
 from saguaro.backends.cpu_kernels.layout import matrix_bytes, packed_copies
 from saguaro.backends.cpu_kernels.model import FastCausalLM, pass_bytes
 from saguaro.cores import pin_process
@@ -42,6 +45,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--k", type=int, default=1536, help="GEMM inputs (default 1536)")
     p.add_argument("--reps", type=int, default=5, help="windows per measurement (best kept; default 5)")
     p.add_argument("--steps", type=int, default=20, help="draft steps timed (default 20)")
+    p.add_argument("--rows", type=lambda s: [int(v) for v in s.split(",")], default=[1, 2, 3, 4, 5, 6, 8, 16],
+                   help="row counts of the row-cost table (default 1,2,3,4,5,6,8,16)")
     p.add_argument("--no-models", dest="models", action="store_false", help="kernels and bus only")
     add_model_args(p)
     p.add_argument("--core", type=int, default=0)
@@ -109,10 +114,14 @@ def decode_steps(name: str, weights: str, vocab: int | None, steps: int) -> dict
 def markdown(r: dict[str, Any]) -> str:
     bus = r["bus_gb_s"]
     rows = [[tier, *[f"{g[w]:.1f} ({g[w] / bus:.0%})" for w in FORMATS]] for tier, g in r["gemm_gb_s"].items()]
+    counts = r["rows"]
+    costs = [[tier, w, *[f"{c[w][str(m)]:.2f}" for m in counts]] for tier, c in r["row_costs"].items() for w in FORMATS]
     lines = [f"# CPU kernel tiers on {r['cpu']}, one core", "",
              f"Bus: {bus:.1f} GB/s (sum over 1 GiB in huge pages, one core). GEMM 1 x {r['k']} by {r['k']} x "
              f"{r['n']}, packed weights streamed from memory: GB/s (share of the bus).", "",
-             table(["tier", *FORMATS], rows)]
+             table(["tier", *FORMATS], rows), "",
+             f"The same GEMM over n rows against one row (a verification of K + 1 rows, a build step; the least of "
+             f"{r['reps']} rounds):", "", table(["tier", "weights", *[f"{m} rows" for m in counts]], costs)]
     if "ar" in r:
         ar, dr = r["ar"], r["draft"]
         lines += ["", f"AR, {r['target']} bf16 ({ar['tier']}): {ar['tok_s']:.2f} tok/s against a one-core floor of "
@@ -134,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     r: dict[str, Any] = {"cpu": f"{cpu_name()} ({isa})", "env": environment(), "n": args.n, "k": args.k,
                          "bus_gb_s": bus}
     r["gemm_gb_s"] = {t: gemm_rates(t, args.n, args.k, args.reps) for t in args.tiers}
+    r["rows"], r["reps"] = sorted(set(args.rows) | {1}), args.reps
+    r["row_costs"] = {t: {w: {str(m): c for m, c in row_costs.measure(kernels.load(t), w, tuple(r["rows"]), args.reps,
+                                                                      args.n, args.k, 256 << 20).items()}
+                          for w in FORMATS} for t in args.tiers}
     if args.models:
         ar = decode_steps(args.target, "bf16", None, args.steps)
         ar["tok_s"], ar["floor_tok_s"] = 1 / ar["step_s"], bus * 1e9 / ar["bytes_per_step"]

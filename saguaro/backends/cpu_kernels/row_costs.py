@@ -45,23 +45,24 @@ def curve(ops: ModuleType, weights: str, rows: tuple[int, ...]) -> Curve:
     return {n: known[n] for n in rows}
 
 
-def measure(ops: ModuleType, weights: str, rows: tuple[int, ...], rounds: int = 3) -> Curve:
-    """[n rows -> seconds over n rows / seconds over one row]; each the least time measured at >= n rows (as
-    ``calibration.measure.monotone``: a burst of load inflates single measurements)."""
+def measure(ops: ModuleType, weights: str, rows: tuple[int, ...], rounds: int = 3, n: int = N, k: int = K,
+            copies_bytes: int = COPIES_BYTES) -> Curve:
+    """[m rows -> seconds over m rows / seconds over one row] of an [n, k] GEMM; each the least time measured at
+    >= m rows (as ``calibration.measure.monotone``: a burst of load inflates single measurements)."""
     counts = sorted(set(rows) | {1})
-    w = torch.randn(N, K).bfloat16()
-    xs = {n: torch.randn(n, K).bfloat16() for n in counts}
-    packed = packed_copies(ops, w, weights, COPIES_BYTES)
-    best = {n: float("inf") for n in counts}
+    w = torch.randn(n, k).bfloat16()
+    xs = {m: torch.randn(m, k).bfloat16() for m in counts}
+    packed = packed_copies(ops, w, weights, copies_bytes)
+    best = {m: float("inf") for m in counts}
     for _ in range(rounds):
-        for n in counts:
+        for m in counts:
             start = time.perf_counter()
             for p in packed:
-                ops.gemm(xs[n], p, N, None, None, 0, False)
-            best[n] = min(best[n], time.perf_counter() - start)
-    for n, m in zip(counts[-2::-1], counts[:0:-1]):  # more rows never cost less: the least time at >= n rows
-        best[n] = min(best[n], best[m])
-    return {n: best[n] / best[1] for n in rows}
+                ops.gemm(xs[m], p, n, None, None, 0, False)
+            best[m] = min(best[m], time.perf_counter() - start)
+    for m, more in zip(counts[-2::-1], counts[:0:-1]):  # more rows never cost less: the least time at >= m rows
+        best[m] = min(best[m], best[more])
+    return {m: best[m] / best[1] for m in rows}
 
 
 def _curve(value) -> Curve:
