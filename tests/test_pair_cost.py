@@ -51,14 +51,17 @@ def _pass_bytes(target, target_weights, draft, draft_weights):
     return pass_bytes(load_config(target), target_weights), pass_bytes(load_config(draft), draft_weights)
 
 
-def test_a_cheaper_draft_is_given_more_drafts(no_profiles):
+def test_a_cheaper_draft_is_given_more_drafts(no_profiles, monkeypatch):
     """The K a seeded request chooses from the profile alone (batch 1, Thm 2 with the profile's costs) at a code
-    prompt's acceptance of 0.8: more drafts with the pair's byte ratio than with the documented 0.38."""
+    prompt's acceptance of 0.8: more drafts with the pair's byte ratio than with the documented 0.38 (rows as
+    nearly free as the documented slopes say, whatever this CPU's kernels measure)."""
     import numpy as np
 
     from saguaro.adapt.costs import LiveCosts
     from saguaro.adapt.speed import BatchCosts, sd_gains
+    from saguaro.backends.cpu_kernels import row_costs
     from saguaro.theory.speedup import expected_tokens
+    monkeypatch.setattr(row_costs, "curve", lambda ops, weights, rows: {n: 1 + 0.02 * (n - 1) for n in rows})
     tokens = np.array([[expected_tokens(0.8, k) for k in range(9)]])
 
     def best_k(profile):
