@@ -229,22 +229,12 @@ def model_timing(k: int, verify_s: float = 1.0, costs: PairCosts | None = None) 
     d, costs = DEFAULTS, costs or PairCosts()
     target_curve = costs.target_rows or {n: 1 + d["target_slope"] * (n - 1) for n in ROW_GRID}
     draft_curve = costs.draft_rows or {n: 1 + d["draft_slope"] * (n - 1) for n in ROW_GRID}
-    one_row = verify_s / _at(target_curve, k + 1)
+    one_row = verify_s / float(np.interp(k + 1, ROW_GRID, [target_curve[n] for n in ROW_GRID]))  # K + 1 off the grid
     target = {str(n): one_row * target_curve[n] for n in ROW_GRID}
     step = verify_s * d["draft_ratio"] if costs.draft_ratio is None else one_row * costs.draft_ratio
     draft = {str(n): step * draft_curve[n] for n in ROW_GRID}
     return Timing(target_rows=target, draft_rows=draft, ngram_s=0.0, verify_s=verify_s, draft_step_s=step,
                   T_p=k * step / verify_s, T_b=0.0)
-
-
-def _at(curve: dict[int, float], n: int) -> float:
-    """``curve`` at ``n`` rows, linear between the grid's row counts (a K + 1 off the grid: K = 6 verifies 7)."""
-    if n in curve:
-        return curve[n]
-    below, above = max(r for r in curve if r < n), min((r for r in curve if r > n), default=None)
-    if above is None:
-        return curve[below]
-    return curve[below] + (curve[above] - curve[below]) * (n - below) / (above - below)
 
 
 def default_profile(target: str, draft: str, dtype, k: int = 4, costs: PairCosts | None = None) -> Profile:

@@ -9,11 +9,12 @@ import os
 import platform
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from saguaro.loading.paths import cache_root
 
 log = logging.getLogger("saguaro.kernels")
+T = TypeVar("T")
 
 
 def path(name: str) -> Path:
@@ -47,6 +48,18 @@ def keep(name: str, key: str, value: Any, usable: Callable[[Any], bool] = lambda
             os.replace(tmp, target)
     except OSError as e:
         log.warning("could not keep %s in %s: %s", key, target, e)
+    return value
+
+
+def once(name: str, key: str, parse: Callable[[Any], T | None], measure: Callable[[], T],
+         encode: Callable[[T], Any] = lambda value: value) -> T:
+    """The value kept under ``key`` (``parse``: it, or None where it is missing, malformed or not enough), else
+    ``measure()`` kept (``encode``: as JSON) -- or, where another process kept one meanwhile, that one."""
+    value = parse(read(name).get(key))
+    if value is None:
+        measured = measure()
+        value = parse(keep(name, key, encode(measured), usable=lambda other: parse(other) is not None))
+        value = measured if value is None else value
     return value
 
 

@@ -35,13 +35,17 @@ Curve = dict[int, float]  # rows -> a GEMM over that many rows / over one row
 def curve(ops: ModuleType, weights: str, rows: tuple[int, ...]) -> Curve:
     """The kept curve of ``weights`` on ``ops``' tier for this CPU, measured first if any of ``rows`` is new."""
     key = f"{cpu_identity()} | {ops.TIER} | {weights}"
-    known = _curve(kept.read(FILE).get(key))
-    if not set(rows) <= set(known):
-        known = measure(ops, weights, tuple(sorted(set(rows) | set(known))))
-        log.info("GEMM row costs for %s (measured): %s", key,
-                 ", ".join(f"{n} rows {c:.2f}x" for n, c in known.items()))
-        known = _curve(kept.keep(FILE, key, {str(n): c for n, c in known.items()},
-                                 usable=lambda other: set(rows) <= set(_curve(other))))
+
+    def covering(value) -> Curve | None:
+        known = _curve(value)
+        return known if set(rows) <= set(known) else None
+
+    def measured() -> Curve:
+        known = measure(ops, weights, tuple(sorted(set(rows) | set(_curve(kept.read(FILE).get(key))))))
+        log.info("GEMM row costs for %s (measured): %s", key, ", ".join(f"{n} rows {c:.2f}x" for n, c in known.items()))
+        return known
+
+    known = kept.once(FILE, key, covering, measured, lambda c: {str(n): v for n, v in c.items()})
     return {n: known[n] for n in rows}
 
 

@@ -61,12 +61,13 @@ def apply(ops: ModuleType) -> Plan:
         plan = parse(forced)
     else:
         key = f"{cpu_identity()} | {ops.TIER}"
-        plan = _plan(kept.read(FILE).get(key))
-        if plan is None:
+
+        def measured() -> Plan:
             plan = measure(ops)
             log.info("avx2 row reads for %s: %d bf16 stream(s), %d bytes ahead of bf16, %d blocks ahead of int8 / "
                      "int4 (measured)", key, *plan)
-            plan = _plan(kept.keep(FILE, key, list(plan), usable=lambda other: _plan(other) is not None))
+            return plan
+        plan = kept.once(FILE, key, _plan, measured, list)
     ops.set_row_reads(*plan)
     return plan
 

@@ -153,7 +153,7 @@ void i8_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* 
 void i4_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* tile, int64_t b0, int64_t b1,
              float* acc, bool first) {
 #if defined(SAGUARO_TIER_AVX512)
-  if (mb == 4) return tile_block_i4_wide<4>(xr, m0, K, tile, b0, b1, acc, first);  // MAXMB_I4: one pass of 4 rows
+  if (mb == MAXMB_I4) return tile_block_i4_wide<MAXMB_I4>(xr, m0, K, tile, b0, b1, acc, first);  // its own kernel
 #endif
   with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i4<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
 }

@@ -139,6 +139,14 @@ inline void tile_block_i8(const QuantRows& xr, int64_t m0, int64_t K, const uint
 
 // int4 (layout: quant_pack.h): the low and high nibbles of a code vector are two vpdpbusd weight operands.
 
+template <int MB>
+inline void zero_sums(__m512i (&acc)[4][MB]) {
+#pragma GCC unroll 4
+  for (int v = 0; v < 4; v++)
+#pragma GCC unroll 4
+    for (int m = 0; m < MB; m++) acc[v][m] = _mm512_setzero_si512();
+}
+
 // The scales and offsets of outputs 16v..16v+15 in the block at w; add() puts one row's int32 sums of the block
 // into its fp32 sums f: f + a (z sum(q_x) + s sum(q q_x)), the same operations in the same order in every
 // kernel, so a row's bits do not depend on which kernel ran it.
@@ -166,10 +174,7 @@ inline void tile_block_i4(const QuantRows& xr, int64_t m0, int64_t K, const uint
   for (int64_t b = b0; b < b1; b++) {
     const uint8_t* w = tile + b * I4_BLOCK;
     __m512i acc[4][MB];
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; v++)
-#pragma GCC unroll 4
-      for (int m = 0; m < MB; m++) acc[v][m] = _mm512_setzero_si512();
+    zero_sums<MB>(acc);
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
       __m512i xlo[MB], xhi[MB];
@@ -221,10 +226,7 @@ __attribute__((noinline)) void tile_block_i4_wide(const QuantRows& xr, int64_t m
     const uint8_t* w = tile + b * I4_BLOCK;
     const int8_t* xq = xr.q.data() + m0 * K + b * QB;
     __m512i acc[4][MB];
-#pragma GCC unroll 4
-    for (int v = 0; v < 4; v++)
-#pragma GCC unroll 4
-      for (int m = 0; m < MB; m++) acc[v][m] = _mm512_setzero_si512();
+    zero_sums<MB>(acc);
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
 #pragma GCC unroll 4
