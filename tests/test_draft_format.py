@@ -188,9 +188,11 @@ def logits_of(model, ids, **fast):
     return runner.forward([ForwardItem(ids, 0, table, "all")])[0]
 
 
-def test_reduced_head_keeps_exact_logits_and_masks_the_rest(on_tier):
+@pytest.mark.parametrize("keep", [[0, 1, 2, 5, 50, 99], [3, 7, 99], list(range(40))],
+                         ids=["a run then scattered", "no run", "only a run"])
+def test_reduced_head_keeps_exact_logits_and_masks_the_rest(on_tier, keep):
     model = bf16_model()
-    keep = torch.tensor([0, 1, 2, 5, 50, 99])
+    keep = torch.tensor(keep)
     a, b = logits_of(model, [3, 4, 5, 6]), logits_of(model, [3, 4, 5, 6], head_ids=keep)
     assert torch.equal(b[:, keep], a[:, keep])
     dropped = torch.ones(100, dtype=torch.bool)

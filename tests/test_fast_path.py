@@ -142,6 +142,29 @@ def test_attention_with_tree_mask(ops, head_dim):
     torch.testing.assert_close(got.float().view(8, heads, head_dim), ref, rtol=0.02, atol=0.02)
 
 
+@pytest.mark.parametrize("heads,head_dim", [(14, 64), (6, 16), (4, 128)])
+def test_a_querys_attention_bits_do_not_depend_on_the_queries_beside_it(ops, heads, head_dim):
+    """Verification rows share work items (a kv head's keys read once for several (query, head) lanes), and a
+    query sees fewer keys than the group's longest: each row must still equal that query attended alone, bit
+    for bit, as a decode step would give it. 14 heads over 2 kv heads put 7 lanes per query: 3 queries cross
+    a block of 8 lanes."""
+    torch.manual_seed(heads)
+    kv_heads, slots = 2, 200
+    k_cache, v_cache = torch.randn(2, slots, kv_heads, head_dim).bfloat16()
+    context = list(range(20, 120))
+    qkv = torch.randn(3, (heads + 2 * kv_heads) * head_dim).bfloat16()
+
+    def attend(rows: torch.Tensor, contexts, masks) -> torch.Tensor:
+        meta = build_metadata(contexts, [len(m) for m in masks], masks)
+        return ops.attention(rows, k_cache, v_cache, meta.query_index, meta.query_valid, meta.context_slots,
+                             meta.mask, heads, kv_heads, head_dim, head_dim ** -0.5)
+
+    together = attend(qkv, [context], [torch.ones(3, 100, dtype=torch.bool).tril(97)])
+    for q in range(3):
+        alone = attend(qkv[q:q + 1], [context[:98 + q]], [torch.ones(1, 98 + q, dtype=torch.bool)])
+        assert torch.equal(together[q], alone[0]), f"query {q}"
+
+
 # -- whole forward pass ---------------------------------------------------------------------
 
 def run_both(model, fast, steps):

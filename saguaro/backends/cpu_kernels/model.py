@@ -157,6 +157,9 @@ class FastCausalLM:
             self.head_ids = torch.as_tensor(head_ids, dtype=torch.long).unique()
             if len(self.head_ids) == 0 or self.head_ids[0] < 0 or self.head_ids[-1] >= cfg.vocab_size:
                 raise ValueError(f"head_ids must be non-empty token ids below {cfg.vocab_size}")
+            # the kept ids' leading run 0, 1, 2, ... (a draft keeps the first ids and the special tokens): logits
+            # copies it as one block and scatters only the rest. Sorted and unique, ids[i] == i only in that run.
+            self.head_run = int((self.head_ids == torch.arange(len(self.head_ids))).sum())
         head_rows = head.shape[0] if self.head_ids is None else len(self.head_ids)
         nbytes = sum(matrix_bytes(n, k, weights) for n, k in matrix_shapes(cfg, head_rows))
         pages = MappedPages()
@@ -288,8 +291,11 @@ class FastCausalLM:
         if self.head_ids is None:
             return self.ops.gemm(hidden.contiguous(), self.head, self.config.vocab_size, None, None, ROUND_BF16, True)
         kept = self.ops.gemm(hidden.contiguous(), self.head, len(self.head_ids), None, None, ROUND_BF16, True)
-        full = kept.new_full((hidden.shape[0], self.config.vocab_size), float("-inf"))
-        return full.index_copy_(1, self.head_ids, kept)
+        run = self.head_run
+        full = kept.new_empty((hidden.shape[0], self.config.vocab_size))
+        full[:, :run] = kept[:, :run]
+        full[:, run:] = float("-inf")
+        return full.index_copy_(1, self.head_ids[run:], kept[:, run:])
 
 
 def fast_or_eager(model: CausalLM, weights: str = "bf16",
