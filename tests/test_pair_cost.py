@@ -134,10 +134,14 @@ def test_the_gemm_curve_is_measured_once_per_cpu_then_kept(tmp_path, monkeypatch
     ops = build.load("portable")
     curve = row_costs.curve(ops, "int4", (1, 2, 4))
     assert curve[1] == 1.0 and curve[1] <= curve[2] <= curve[4]
-    assert kept.read(row_costs.FILE) == {f"{kept.cpu_identity()} | portable | int4": {"1": 1.0, "2": curve[2],
-                                                                                      "4": curve[4]}}
+    key = row_costs.curve_key(ops, "int4")
+    assert key.startswith(f"{kept.cpu_identity()} | portable | ") and build.source_digest() in key
+    assert kept.read(row_costs.FILE) == {key: {"1": 1.0, "2": curve[2], "4": curve[4]}}
     monkeypatch.setattr(row_costs, "measure", lambda *a, **k: pytest.fail("measured again"))
     assert row_costs.curve(ops, "int4", (2, 4)) == {2: curve[2], 4: curve[4]}
+    monkeypatch.setattr(build, "source_digest", lambda: "changed kernels")  # another build's curve is its own
+    with pytest.raises(pytest.fail.Exception, match="measured again"):
+        row_costs.curve(ops, "int4", (2, 4))
     monkeypatch.undo()
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
     (tmp_path / "cpu" / row_costs.FILE).write_text("{not json")  # a broken file is measured again
@@ -147,7 +151,7 @@ def test_the_gemm_curve_is_measured_once_per_cpu_then_kept(tmp_path, monkeypatch
     first = {"1": 1.0, "2": 9.0}
 
     def racing(ops, weights, rows):
-        kept.keep(row_costs.FILE, f"{kept.cpu_identity()} | portable | int8", first)  # kept meanwhile
+        kept.keep(row_costs.FILE, row_costs.curve_key(ops, "int8"), first)  # kept meanwhile
         return {1: 1.0, 2: 1.5}
     monkeypatch.setattr(row_costs, "measure", racing)
     assert row_costs.curve(ops, "int8", (1, 2)) == {1: 1.0, 2: 9.0}

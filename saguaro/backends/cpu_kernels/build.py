@@ -122,15 +122,20 @@ def _load(tier: str) -> ModuleType:
     from torch.utils.cpp_extension import load as build
     # torch rebuilds when the sources or flags change, but does not read #included headers: their hash goes
     # into the flags
-    headers = hashlib.sha256(b"".join(h.read_bytes() for h in sorted(CSRC.glob("*.h")))).hexdigest()[:16]
     try:
         ops = build(name=f"saguaro_cpu_{tier}", sources=[str(SOURCE)],
-                    extra_cflags=[*compile_flags(tier), f"-DSAGUARO_HEADERS={headers}"], verbose=False)
+                    extra_cflags=[*compile_flags(tier), f"-DSAGUARO_HEADERS={source_digest()}"], verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # no compiler, failed build
         raise KernelsUnavailable(f"could not build the {tier} kernels ({SOURCE.name}): {e}") from e
     from saguaro.backends.cpu_kernels import stream_tune
     stream_tune.apply(ops)  # how the avx2 tier reads a bf16 row on this CPU (measured once, then kept)
     return ops
+
+
+@functools.cache
+def source_digest() -> str:
+    """A digest of the kernels' sources (kernels.cpp and every header): what they compute, and how fast."""
+    return hashlib.sha256(b"".join(p.read_bytes() for p in [SOURCE, *sorted(CSRC.glob("*.h"))])).hexdigest()[:16]
 
 
 def available(tier: str | None = None) -> bool:

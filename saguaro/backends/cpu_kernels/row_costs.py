@@ -10,8 +10,9 @@ profile the default costs take their row curves from this probe (``calibration.p
 
 The probe times GEMMs of 1536 x 4096 over packed copies that do not fit the caches, every row count of
 ``rows`` once per round (interleaved, so a burst of load falls on all), the least of three rounds kept, made
-monotone. About a second per format; kept in ``<cache root>/cpu/row_costs.json`` per CPU model, tier and
-format, so that every later run (and a seeded request's K, which reads only these) sees the same curve.
+monotone. About a second per format; kept in ``<cache root>/cpu/row_costs.json`` per CPU model, tier, kernel
+source and format, so that every later run of the same kernels (and a seeded request's K, which reads only
+these) sees the same curve, and changed kernels are measured again.
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from types import ModuleType
 
 import torch
 
-from saguaro.backends.cpu_kernels import kept
+from saguaro.backends.cpu_kernels import build, kept
 from saguaro.backends.cpu_kernels.kept import cpu_identity
 from saguaro.backends.cpu_kernels.layout import packed_copies
 
@@ -34,7 +35,7 @@ Curve = dict[int, float]  # rows -> a GEMM over that many rows / over one row
 
 def curve(ops: ModuleType, weights: str, rows: tuple[int, ...]) -> Curve:
     """The kept curve of ``weights`` on ``ops``' tier for this CPU, measured first if any of ``rows`` is new."""
-    key = f"{cpu_identity()} | {ops.TIER} | {weights}"
+    key = curve_key(ops, weights)
 
     def covering(value) -> Curve | None:
         known = _curve(value)
@@ -47,6 +48,11 @@ def curve(ops: ModuleType, weights: str, rows: tuple[int, ...]) -> Curve:
 
     known = kept.once(FILE, key, covering, measured, lambda c: {str(n): v for n, v in c.items()})
     return {n: known[n] for n in rows}
+
+
+def curve_key(ops: ModuleType, weights: str) -> str:
+    """Where a curve is kept: this CPU model, ``ops``' tier, the kernels' sources and the weight format."""
+    return f"{cpu_identity()} | {ops.TIER} | {build.source_digest()} | {weights}"
 
 
 def measure(ops: ModuleType, weights: str, rows: tuple[int, ...], rounds: int = 3, n: int = N, k: int = K,

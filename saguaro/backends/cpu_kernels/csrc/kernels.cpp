@@ -285,7 +285,7 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
           for (int64_t j = 0; j < TN; j++) acc[m * TN + j] *= scales[j];
       } else {
         const bf16* tile = static_cast<const bf16*>(wp) + t * P * TN * 2;
-        for_register_tiles(M, P, KBLOCK, MAXMB_BF16, [&](int mb, int64_t m, int64_t p0, int64_t p1) {
+        for_register_tiles(M, P, KBLOCK_BF16, MAXMB_BF16, [&](int mb, int64_t m, int64_t p0, int64_t p1) {
           bf16_rows(mb, xp + m * ldx, ldx, tile, p0, p1, acc.data() + m * TN, p0 == 0);
         });
       }

@@ -6,6 +6,7 @@
 // signed activation bytes).
 
 constexpr int MAXMB_BF16 = 6;  // rows per register tile: 4 x 6 accumulators + 4 weights + 1 broadcast
+constexpr int64_t KBLOCK_BF16 = KBLOCK;  // k pairs per block past one register tile of rows
 // rows per register tile of the quantized kernels: 4 x 3 int32 + 4 x 3 fp32 accumulators (measured for int4:
 // 16-output strips of 4-6 rows were 15-35% slower)
 constexpr int MAXMB_Q = 3;

@@ -3,6 +3,7 @@
 // arrays that stay in L1, then applied to every row with loops over the 64 outputs of the tile.
 
 constexpr int MAXMB_BF16 = 4;
+constexpr int64_t KBLOCK_BF16 = KBLOCK;  // k pairs per block past one register tile of rows
 constexpr int MAXMB_Q = 4;
 constexpr int MAXMB_I4 = MAXMB_Q;
 
