@@ -4,9 +4,10 @@ One row (a decode step) reads every weight once and waits on the bus; more rows 
 tokens, a build step over its branches, a batch) reuse each weight from registers, and the kernels turn
 compute-bound at a row count that depends on the format and the tier: on a Zen 4 core with avx512, bf16 stays
 near 1.0x up to 6 rows, while int4 costs 1.3x at 3 rows and 2x at 5 (two vpdpbusd per 8 weights and row, and
-the per-block scales); the avx2 bf16 kernel is at 1.9x by 2 rows. A planner that takes an extra row for nearly
-free (the documented defaults: 2%) speculates far too deep with an int4 target. So without a calibration
-profile the default costs take their row curves from this probe (``calibration.pair_cost``).
+the per-block scales); the avx2 bf16 kernel, two FMAs per weight and row, is at 1.7-2.0x by 4 rows. A planner
+that takes an extra row for nearly free (the documented defaults: 2%) speculates far too deep with an int4
+target. So without a calibration profile the default costs take their row curves from this probe
+(``calibration.pair_cost``).
 
 The probe times GEMMs of 1536 x 4096 over packed copies that do not fit the caches, every row count of
 ``rows`` once per round (interleaved, so a burst of load falls on all), the least of three rounds kept, made
