@@ -181,6 +181,27 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
   return out;
 }
 
+#ifdef SAGUARO_ROW_TWO_TILES
+// One row against tiles t0..t1 of a bf16, int8 or int4 matrix: tile t with tile t + half (the tier's row_pair
+// takes a pair), so the weights are read as two long streams: one core keeps more reads in flight over two.
+// finish(acc, t) takes each tile's sums; returns the first tile not done (an odd one).
+template <typename Finish>
+int64_t row_two_tiles(bool int4, bool int8, const bf16* x, const QuantRows& xr, int64_t K, const void* w,
+                      int64_t t0, int64_t t1, Finish finish) {
+  const int64_t half = (t1 - t0) / 2,
+                bytes = int4 ? (K / QB) * I4_BLOCK : int8 ? (K / 4 + 4) * TN * 4 : K * TN * 2;
+  const uint8_t* tiles = static_cast<const uint8_t*>(w);
+  float acc0[TN], acc1[TN];
+  for (int64_t t = t0; t < t0 + half; t++) {
+    const uint8_t *a = tiles + t * bytes, *b = tiles + (t + half) * bytes;
+    row_pair(int4, int8, x, xr, K, a, b, acc0, acc1);
+    finish(acc0, t);
+    finish(acc1, t + half);
+  }
+  return t0 + 2 * half;
+}
+#endif
+
 // Write tile t's accumulators (fp32 [M, 64], row stride 64) through the epilogue; see gemm. Each loop has one
 // form per case (bias or none, residual or none), so the compiler vectorizes it; the bits are those of the
 // plain expressions (v + bias or v + 0, the residual added to the rounded value).
@@ -264,8 +285,8 @@ at::Tensor gemm(const at::Tensor& x, const at::Tensor& packed, int64_t n, const 
   if (int8 || int4) xr = quantize_rows(xp, ldx, M, K);
   at::parallel_for(0, T, 1, [&](int64_t t0, int64_t t1) {
     std::vector<float> acc(M * TN);
-#ifdef SAGUARO_ROW_TWO_TILES  // one row: two tiles side by side (tier_avx2.h; bf16 by the read plan); an odd one left below
-    if (M == 1 && (int4 || int8 || g_streams_bf16 == 2))
+#ifdef SAGUARO_ROW_TWO_TILES  // one row: two tiles side by side where the tier reads it so; an odd one left below
+    if (M == 1 && two_streams(int4, int8))
       t0 = row_two_tiles(int4, int8, xp, xr, K, wp, t0, t1, [&](float* a, int64_t t) {
         finish_tile(a, M, t, n, n_out, epilogue, out_fp32, bp, rp, ldr, op); });
 #endif
