@@ -4,49 +4,25 @@
 // fp32 lanes under AVX, 4 under SSE or NEON), so no product is ever reduced across a vector.
 //   * scores: each lane's query against KEYS keys at once (independent FMA chains), a key's dims broadcast; a
 //     lane's dot product is summed over d in order;
-//   * numerators exp(score - max) by a polynomial over the lanes (no libm call), fp32 sums of them, and the
+//   * numerators exp(score - max) by a polynomial over the lanes (exp_poly), fp32 sums of them, and the
 //     numerators rounded to bf16 before the value product, as every tier's are;
 //   * values: a block of rows converted to fp32 once (L1) and added into each lane's output in key order.
 // Every operation is per lane, so a lane's result never depends on the lanes beside it.
 
-// LANES: (query, head) lanes per work item, one register; KEYS: keys scored together (independent FMA chains);
-// WIDE: registers of a lane's output summed at once. Accumulators fill at most half the registers (16 ymm or
-// SSE, 32 NEON), so none is spilled. None of them changes a lane's bits.
-#if defined(__AVX__)
-constexpr int64_t LANES = 8, KEYS = 8, WIDE = 8;
-#elif defined(__aarch64__)
-constexpr int64_t LANES = 4, KEYS = 8, WIDE = 8;
+// LANES (common.h): (query, head) lanes per work item, one register; KEYS: keys scored together (independent
+// FMA chains); WIDE: registers of a lane's output summed at once. Accumulators fill at most half the registers
+// (16 ymm or SSE, 32 NEON), so none is spilled. None of them changes a lane's bits.
+constexpr int64_t KEYS = 8;
+#if defined(__AVX__) || defined(__aarch64__)
+constexpr int64_t WIDE = 8;
 #else
-constexpr int64_t LANES = 4, KEYS = 8, WIDE = 4;
+constexpr int64_t WIDE = 4;
 #endif
 constexpr int64_t ROW_FLOATS = 4096;  // fp32 key or value rows converted at a time: KEYS rows, or 16 KB of values
-using Lanes = float __attribute__((vector_size(LANES * sizeof(float))));
-using LaneBits = int32_t __attribute__((vector_size(LANES * sizeof(int32_t))));
-using LaneWords = uint32_t __attribute__((vector_size(LANES * sizeof(uint32_t))));
 
 inline void to_f32(float* dst, const bf16* src, int64_t n) {
   const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
   for (int64_t i = 0; i < n; i++) dst[i] = f32_bits((uint32_t)s[i] << 16);
-}
-
-// exp over the lanes for x <= 0 (a score less the lane's max): the Cephes-style polynomial of the tiled kernel's
-// exp_tiled, with nearbyint as the add-and-subtract of 1.5 * 2^23 (the same rounding, to nearest even).
-inline Lanes exp_lanes(Lanes x) {
-  const Lanes lo = Lanes{} - 87.3f;
-  x = x < lo ? lo : x;
-  const Lanes fx = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
-  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  Lanes y = Lanes{} + 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * x * x + x + 1.f;
-  const LaneBits two_n = (__builtin_convertvector(fx, LaneBits) + 127) << 23;  // 2^fx's bits
-  Lanes scale;
-  std::memcpy(&scale, &two_n, sizeof scale);
-  return y * scale;
 }
 
 // round_bf16 of each lane, for finite values (as common.h's bf16_bits: to nearest even)
@@ -150,7 +126,7 @@ void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fsc
       // numerators: fp32 sums of the unrounded ones, then each rounded to bf16 (masked: 0)
       Lanes sum = Lanes{};
       for (int64_t l = 0; l < len; l++) {
-        const Lanes v = sc[l], e = exp_lanes(v - mx);
+        const Lanes v = sc[l], e = exp_poly(v - mx);
         const Lanes p = v == Lanes{} - INFINITY ? Lanes{} : e;
         sum += p;
         sc[l] = round_lanes(p);

@@ -16,22 +16,6 @@ inline float tiled_bf16(const bf16* p, int64_t i) {
   return f32_bits((uint32_t)reinterpret_cast<const uint16_t*>(p)[i] << 16);
 }
 
-// exp for x <= 0 (after the running max is subtracted), Cephes-style like the avx512 tier's exp_ps, written so
-// that a loop over it vectorizes (no libm call); -inf gives 0.
-inline float exp_tiled(float x) {
-  x = x < -87.3f ? -87.3f : x;
-  const float fx = std::nearbyint(x * 1.44269504088896341f);
-  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
-  float y = 1.9875691500e-4f;
-  y = y * x + 1.3981999507e-3f;
-  y = y * x + 8.3334519073e-3f;
-  y = y * x + 4.1665795894e-2f;
-  y = y * x + 1.6666665459e-1f;
-  y = y * x + 5.0000001201e-1f;
-  y = y * x * x + x + 1.f;
-  return y * f32_bits((uint32_t)((int32_t)fx + 127) << 23);  // times 2^fx
-}
-
 inline float dot_tiled(const float* __restrict q, const float* __restrict k, int64_t D) {
   float part[8] = {};
   for (int64_t d = 0; d < D; d += 8)
@@ -93,7 +77,7 @@ void attend_tiled(const AttentionArgs& a, const std::vector<int64_t>& groups, co
           const float m = std::max(mx[lane], top), rescale = std::exp(mx[lane] - m);  // exp(-inf) = 0 at first
           float part[8] = {};
           for (int64_t l = 0; l < lim; l++) {
-            pr[l] = exp_tiled(sc[l] - m);
+            pr[l] = exp_poly(sc[l] - m);
             part[l % 8] += pr[l];
             pr[l] = round_bf16(pr[l]);
           }

@@ -9,7 +9,6 @@ constexpr int64_t I4_BLOCK = QB * TN / 2 + 4 * TN;  // int4 bytes per tile and k
 
 using bf16 = at::BFloat16;
 
-inline float silu(float g) { return g / (1.f + std::exp(-g)); }
 
 enum Epilogue : int64_t { PLAIN = 0, SWIGLU = 1, ROUND_BF16 = 2 };
 
@@ -57,6 +56,45 @@ inline float round_bf16(float v) { return f32_bits(uint32_t(bf16_bits(v)) << 16)
 
 inline float bf16_at(const bf16* p, int64_t i) {  // = float(p[i])
   return f32_bits((uint32_t)reinterpret_cast<const uint16_t*>(p)[i] << 16);
+}
+
+// The fp32 vector of one register (GCC vector extensions, for kernels written in plain C++): 8 lanes under AVX,
+// 4 under SSE or NEON.
+#if defined(__AVX__)
+constexpr int64_t LANES = 8;
+#else
+constexpr int64_t LANES = 4;
+#endif
+using Lanes = float __attribute__((vector_size(LANES * sizeof(float))));
+using LaneBits = int32_t __attribute__((vector_size(LANES * sizeof(int32_t))));
+using LaneWords = uint32_t __attribute__((vector_size(LANES * sizeof(uint32_t))));
+
+inline float pow2_of(float n) { return f32_bits((uint32_t)((int32_t)n + 127) << 23); }  // 2^n, n whole
+inline Lanes pow2_of(Lanes n) {
+  const LaneBits bits = (__builtin_convertvector(n, LaneBits) + 127) << 23;
+  Lanes v;
+  std::memcpy(&v, &bits, sizeof v);
+  return v;
+}
+
+// exp(x) of a float or of Lanes, for x in [-87.3, 88.3] (clamped to it): a softmax numerator after its max,
+// silu's exp(-g). A Cephes-style polynomial, ~1 ulp, with no libm call, so that loops over it vectorize.
+// nearbyint is the add-and-subtract of 1.5 * 2^23 (the same rounding, to nearest even).
+template <typename V>
+inline V exp_poly(V x) {
+  const V lo = V{} - 87.3f, hi = V{} + 88.3f;
+  x = x < lo ? lo : x;
+  x = x > hi ? hi : x;
+  const V fx = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  x = x - fx * 0.693359375f + fx * 2.12194440e-4f;
+  V y = V{} + 1.9875691500e-4f;
+  y = y * x + 1.3981999507e-3f;
+  y = y * x + 8.3334519073e-3f;
+  y = y * x + 4.1665795894e-2f;
+  y = y * x + 1.6666665459e-1f;
+  y = y * x + 5.0000001201e-1f;
+  y = y * x * x + x + 1.f;
+  return y * pow2_of(fx);
 }
 
 // rows(mb, m, s0, s1) for register tiles of at most maxmb rows, over k steps in chunks of `chunk`
