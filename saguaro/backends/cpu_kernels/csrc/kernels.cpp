@@ -214,7 +214,7 @@ void finish_tile(float* acc, int64_t M, int64_t t, int64_t n, int64_t n_out, int
       const float* a = acc + m * TN;
       float g[TN / 2], e[TN / 2];
       for (int64_t j = 0; j < valid; j++) g[j] = round_bf16(a[j]);
-      for (int64_t j = 0; j < valid; j++) e[j] = exp_poly(-g[j]);  // vectorized (libm's took 13% of an int4 MLP)
+      for (int64_t j = 0; j < valid; j++) e[j] = exp_poly(-g[j]);  // vectorized (libm's took 13% of an int4 gate/up GEMM)
       for (int64_t j = 0; j < valid; j++) o[j] = bf16_bits(round_bf16(g[j] / (1.f + e[j])) * round_bf16(a[j + TN / 2]));
     }
     return;

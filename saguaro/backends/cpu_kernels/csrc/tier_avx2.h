@@ -130,13 +130,12 @@ void bf16_row_two_tiles(const bf16* x, const bf16* tile0, const bf16* tile1, int
 
 void bf16_rows(int mb, const bf16* x, int64_t ldx, const bf16* tile, int64_t p0, int64_t p1, float* acc, bool first) {
   if (mb == 1) return tile_block<1, 0, 8>(x, ldx, tile, p0, p1, acc, first);
-  // Two rows take the tile's two halves in turn over chunks of 32 pair rows (8 KB): the second half reads the
+  // Two rows take the tile's two halves in turn over chunks of KBLOCK_BF16 pair rows: the second half reads the
   // lines the first brought into L1. One half over the whole range, then the other, left the second to read
   // from L2 or memory, and cost 1.9-2.1x one row (1536 x 4096, Zen 4). A row's sums run over k in the same
   // order either way, so its bits do not change.
-  constexpr int64_t CHUNK = 32;
-  for (int64_t c = p0; c < p1; c += CHUNK) {
-    const int64_t e = std::min(p1, c + CHUNK);
+  for (int64_t c = p0; c < p1; c += KBLOCK_BF16) {
+    const int64_t e = std::min(p1, c + KBLOCK_BF16);
     tile_block<2, 0, 4>(x, ldx, tile, c, e, acc, first && c == p0);
     tile_block<2, 4, 4>(x, ldx, tile, c, e, acc, first && c == p0);
   }
