@@ -20,11 +20,6 @@ constexpr int64_t WIDE = 4;
 #endif
 constexpr int64_t ROW_FLOATS = 4096;  // fp32 key or value rows converted at a time: KEYS rows, or 16 KB of values
 
-inline void to_f32(float* dst, const bf16* src, int64_t n) {
-  const uint16_t* s = reinterpret_cast<const uint16_t*>(src);
-  for (int64_t i = 0; i < n; i++) dst[i] = f32_bits((uint32_t)s[i] << 16);
-}
-
 // round_bf16 of each lane, for finite values (as common.h's bf16_bits: to nearest even)
 inline Lanes round_lanes(Lanes v) {
   LaneWords u;

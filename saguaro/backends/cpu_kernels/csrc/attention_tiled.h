@@ -12,10 +12,6 @@
 constexpr int64_t TQ = 16;  // queries per work item
 constexpr int64_t TK = 64;  // keys per block
 
-inline float tiled_bf16(const bf16* p, int64_t i) {
-  return f32_bits((uint32_t)reinterpret_cast<const uint16_t*>(p)[i] << 16);
-}
-
 inline float dot_tiled(const float* __restrict q, const float* __restrict k, int64_t D) {
   float part[8] = {};
   for (int64_t d = 0; d < D; d += 8)
@@ -60,10 +56,8 @@ void attend_tiled(const AttentionArgs& a, const std::vector<int64_t>& groups, co
         const int64_t nl = std::min(TK, hi - l0);
         for (int64_t l = 0; l < nl; l++) {
           const int64_t slot = (ctx[s * L + l0 + l] * KVH + kvh) * D;
-          for (int64_t d = 0; d < D; d++) {
-            kf[l * D + d] = tiled_bf16(kc + slot, d);
-            vf[l * D + d] = tiled_bf16(vc + slot, d);
-          }
+          to_f32(kf.data() + l * D, kc + slot, D);
+          to_f32(vf.data() + l * D, vc + slot, D);
         }
         for (int64_t lane = 0; lane < lanes; lane++) {
           const int64_t lim = std::min(nl, seen[lane / G] - l0);

@@ -58,6 +58,10 @@ inline float bf16_at(const bf16* p, int64_t i) {  // = float(p[i])
   return f32_bits((uint32_t)reinterpret_cast<const uint16_t*>(p)[i] << 16);
 }
 
+inline void to_f32(float* dst, const bf16* src, int64_t n) {  // dst[i] = float(src[i]), a loop that vectorizes
+  for (int64_t i = 0; i < n; i++) dst[i] = bf16_at(src, i);
+}
+
 // The fp32 vector of one register (GCC vector extensions, for kernels written in plain C++): 8 lanes under AVX,
 // 4 under SSE or NEON.
 #if defined(__AVX__)
