@@ -9,7 +9,7 @@
 //   kernel_harness attention IN OUT N H KVH D S Q L SCALE
 //     IN: qkv.bin bf16 [N, (H + 2 KVH) D]; k.bin, v.bin bf16 [slots, KVH, D]; qi.bin int64 [S, Q]; qv.bin
 //     bool [S, Q]; ctx.bin int64 [S, L]; mask.bin bool [S, Q, L]. OUT: attn.bin bf16 [N, H D] (zero where no
-//     valid query writes), through attend_all: attend_tiled for causal chunks, attend for the rest.
+//     valid query writes), through attend (one kernel for every pass).
 //   kernel_harness norm IN OUT M H EPS
 //     IN: x.bin bf16 [M, H], w.bin bf16 [H]. OUT: norm.bin bf16 [M, H].
 #include "torch_shim.h"
@@ -27,8 +27,6 @@ namespace {
 #include "common.h"
 #include "tier_portable.h"
 #include "attention_portable.h"
-#include "attention_tiled.h"
-#include "attention_dispatch.h"
 
 template <typename T>
 std::vector<T> load(const std::string& dir, const char* name, int64_t count) {
@@ -108,7 +106,7 @@ void attention(const std::string& in, const std::string& out, char** a) {
   std::vector<bf16> o(N * H * D, bf16(0.f));
   const AttentionArgs args{S, Q, L, H / KVH, row, qkv.data(), kc.data(), vc.data(), qi.data(), ctx.data(),
                            qvb.get(), mkb.get(), o.data()};
-  attend_all(args, H, KVH, D, std::stof(a[7]));
+  attend(args, H, KVH, D, std::stof(a[7]));
   save(out, "attn.bin", o);
 }
 

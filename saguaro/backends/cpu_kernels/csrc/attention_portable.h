@@ -1,13 +1,18 @@
 // Attention over the paged cache with a general boolean mask, in fp32 (avx2 and portable tiers; included by
-// kernels.cpp). Laid out as the avx512 tier's: a work item is one group, one kv head and up to LANES (query,
-// head) "lanes" that share its keys, with the lanes in the vector (GCC vector extensions, one register wide: 8
-// fp32 lanes under AVX, 4 under SSE or NEON), so no product is ever reduced across a vector.
+// kernels.cpp): decode, verification, tree branches and prefill chunks alike. Laid out as the avx512 tier's: a
+// work item is one group, one kv head and up to ITEM_VECS vectors of LANES (query, head) "lanes" (GCC vector
+// extensions, one register wide: 8 fp32 lanes under AVX, 4 under SSE or NEON), so no product is ever reduced
+// across a vector. Keys come in blocks of SOFTMAX_BLOCK, converted to fp32 once per item (L1) and used by all
+// its lanes, with an online softmax: each lane keeps its running max, fp32 sum and fp32 output, rescaled when
+// the max grows.
 //   * scores: each lane's query against KEYS keys at once (independent FMA chains), a key's dims broadcast; a
 //     lane's dot product is summed over d in order;
-//   * numerators exp(score - max) by a polynomial over the lanes (exp_poly), fp32 sums of them, and the
+//   * numerators exp(score - max) by a polynomial over the lanes (exp_poly), their fp32 sum per block, and the
 //     numerators rounded to bf16 before the value product, as every tier's are;
-//   * values: a block of rows converted to fp32 once (L1) and added into each lane's output in key order.
-// Every operation is per lane, so a lane's result never depends on the lanes beside it.
+//   * values: added into each lane's output in key order.
+// A vector skips a block none of its lanes sees (so a causal chunk costs half a square): for such a lane the
+// block would rescale by exp(0) = 1 and add zeros. Every operation is per lane, so a lane's result depends only
+// on its own query, mask and keys, never on the lanes or the pass beside it.
 
 // LANES (common.h): (query, head) lanes per work item, one register; KEYS: keys scored together (independent
 // FMA chains); WIDE: registers of a lane's output summed at once. Accumulators fill at most half the registers
@@ -18,7 +23,7 @@ constexpr int64_t WIDE = 8;
 #else
 constexpr int64_t WIDE = 4;
 #endif
-constexpr int64_t ROW_FLOATS = 4096;  // fp32 key or value rows converted at a time: KEYS rows, or 16 KB of values
+constexpr int64_t ITEM_VECS = 8;  // vectors of lanes per work item: they share each block's fp32 keys and values
 
 // round_bf16 of each lane, for finite values (as common.h's bf16_bits: to nearest even)
 inline Lanes round_lanes(Lanes v) {
@@ -65,89 +70,104 @@ inline void lane_values(float* o, const float* vf, int64_t D, const float* p, in
 void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fscale) {
   TORCH_CHECK(D % 8 == 0 && D <= 512, "attention: head_dim must be a multiple of 8, at most 512");
   const auto [S, Q, L, G, row, qp, kc, vc, qi, ctx, qv, mk, op] = a;
-
-  // work items: (group, first lane) per block of LANES lanes; lanes of group s are (valid query, head), q-major
-  std::vector<int64_t> item_s, item_lane0, lens(S, 0);
-  std::vector<std::vector<int64_t>> valid(S);
-  for (int64_t s = 0; s < S; s++) {
-    for (int64_t q = 0; q < Q; q++) {
-      if (!qv[s * Q + q]) continue;
-      valid[s].push_back(q);
-      const bool* m = mk + (s * Q + q) * L;
-      for (int64_t l = L - 1; l >= lens[s]; l--)  // attend up to the group's last visible context entry
-        if (m[l]) { lens[s] = l + 1; break; }
-    }
-    for (int64_t lane0 = 0; lane0 < (int64_t)valid[s].size() * G; lane0 += LANES) {
-      item_s.push_back(s);
-      item_lane0.push_back(lane0);
-    }
-  }
-  const int64_t items = (int64_t)item_s.size(), chunk = std::max<int64_t>(KEYS, ROW_FLOATS / D);
+  const AttentionItems w = attention_items(a, ITEM_VECS * LANES);
+  const int64_t items = (int64_t)w.s.size(), B = SOFTMAX_BLOCK;
 
   at::parallel_for(0, items * KVH, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<Lanes> qt(D), sc;                     // queries [D]; scores, then numerators [len]
-    std::vector<float> kf(KEYS * D), vf(chunk * D), acc(LANES * D);
+    std::vector<Lanes> qt(ITEM_VECS * D), sc(B), mx(ITEM_VECS), sum(ITEM_VECS), seen(ITEM_VECS);
+    std::vector<float> kf(B * D, 0.f), vf(B * D), acc(ITEM_VECS * LANES * D);
     for (int64_t it = i0; it < i1; it++) {
-      const int64_t item = it / KVH, kvh = it % KVH, s = item_s[item], lane0 = item_lane0[item], len = lens[s];
-      const int64_t lanes = std::min<int64_t>(LANES, (int64_t)valid[s].size() * G - lane0);
-      int64_t lane_row[LANES], lane_head[LANES];
-      const bool* lane_mask[LANES];
-      for (int64_t i = 0; i < LANES; i++) {  // lanes past the last repeat it (computed, never written)
-        const int64_t li = lane0 + std::min(i, lanes - 1), q = valid[s][li / G];
-        lane_row[i] = qi[s * Q + q];
-        lane_head[i] = kvh * G + li % G;
-        lane_mask[i] = mk + (s * Q + q) * L;
-      }
-      for (int64_t d = 0; d < D; d++)
-        for (int64_t i = 0; i < LANES; i++) qt[d][i] = float(qp[lane_row[i] * row + lane_head[i] * D + d]);
-
-      // scores, masked keys -inf; the max of each lane
-      sc.resize(len);
-      Lanes mx = Lanes{} - INFINITY;
-      for (int64_t l0 = 0; l0 < len; l0 += KEYS) {
-        const int64_t nl = std::min(KEYS, len - l0);
-        for (int64_t j = 0; j < KEYS; j++)
-          to_f32(kf.data() + j * D, kc + (ctx[s * L + l0 + std::min(j, nl - 1)] * KVH + kvh) * D, D);
-        Lanes dots[KEYS];
-        lane_scores(dots, qt.data(), kf.data(), D);
-        for (int64_t j = 0; j < nl; j++) {
-          Lanes v = dots[j] * fscale;
-          for (int64_t i = 0; i < LANES; i++)
-            if (!lane_mask[i][l0 + j]) v[i] = -INFINITY;
-          sc[l0 + j] = v;
-          mx = v > mx ? v : mx;
+      const int64_t item = it / KVH, kvh = it % KVH, s = w.s[item], lane0 = w.lane0[item];
+      const int64_t lanes = std::min<int64_t>(ITEM_VECS * LANES, (int64_t)w.valid[s].size() * G - lane0);
+      const int64_t vecs = (lanes + LANES - 1) / LANES;
+      int64_t lane_row[ITEM_VECS * LANES], lane_head[ITEM_VECS * LANES], vec_end[ITEM_VECS], hi = 0;
+      const bool* lane_mask[ITEM_VECS * LANES];
+      bool vec_prefix[ITEM_VECS];
+      for (int64_t v = 0; v < vecs; v++) {
+        vec_end[v] = 0;
+        vec_prefix[v] = true;
+        for (int64_t i = 0; i < LANES; i++) {  // lanes past the last repeat it (computed, never written)
+          const int64_t li = lane0 + std::min(v * LANES + i, lanes - 1), q = w.valid[s][li / G], n = v * LANES + i;
+          const Visible vis = w.vis[s * Q + q];
+          lane_row[n] = qi[s * Q + q];
+          lane_head[n] = kvh * G + li % G;
+          lane_mask[n] = mk + (s * Q + q) * L;
+          seen[v][i] = (float)vis.end;
+          vec_end[v] = std::max(vec_end[v], vis.end);
+          vec_prefix[v] = vec_prefix[v] && vis.prefix;
         }
+        hi = std::max(hi, vec_end[v]);
+        for (int64_t d = 0; d < D; d++)
+          for (int64_t i = 0; i < LANES; i++)
+            qt[v * D + d][i] = float(qp[lane_row[v * LANES + i] * row + lane_head[v * LANES + i] * D + d]);
+        mx[v] = Lanes{} - INFINITY;
+        sum[v] = Lanes{};
       }
-      // numerators: fp32 sums of the unrounded ones, then each rounded to bf16 (masked: 0)
-      Lanes sum = Lanes{};
-      for (int64_t l = 0; l < len; l++) {
-        const Lanes v = sc[l], e = exp_poly(v - mx);
-        const Lanes p = v == Lanes{} - INFINITY ? Lanes{} : e;
-        sum += p;
-        sc[l] = round_lanes(p);
-      }
-      // values: blocks of rows in fp32, added into every lane's output
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t l0 = 0; l0 < len; l0 += chunk) {
-        const int64_t nl = std::min(chunk, len - l0);
-        for (int64_t l = 0; l < nl; l++) to_f32(vf.data() + l * D, vc + (ctx[s * L + l0 + l] * KVH + kvh) * D, D);
-        for (int64_t i = 0; i < lanes; i++) {
-          const float* p = reinterpret_cast<const float*>(sc.data() + l0) + i;
-          for (int64_t v0 = 0; v0 < D / LANES;) {  // WIDE, 4, 2 or 1 registers of dims at a time
-            const int64_t left = D / LANES - v0;
-            float* o = acc.data() + i * D + LANES * v0;
-            const float* v = vf.data() + LANES * v0;
-            if (left >= WIDE) lane_values<WIDE>(o, v, D, p, nl), v0 += WIDE;
-            else if (left >= 4) lane_values<4>(o, v, D, p, nl), v0 += 4;
-            else if (left >= 2) lane_values<2>(o, v, D, p, nl), v0 += 2;
-            else lane_values<1>(o, v, D, p, nl), v0 += 1;
+      std::fill(acc.begin(), acc.begin() + vecs * LANES * D, 0.f);
+
+      for (int64_t b0 = 0; b0 < hi; b0 += B) {
+        const int64_t nl = std::min(B, hi - b0);
+        for (int64_t l = 0; l < nl; l++) {
+          const int64_t slot = (ctx[s * L + b0 + l] * KVH + kvh) * D;
+          to_f32(kf.data() + l * D, kc + slot, D);
+          to_f32(vf.data() + l * D, vc + slot, D);
+        }
+        for (int64_t v = 0; v < vecs; v++) {
+          if (vec_end[v] <= b0) continue;  // no lane of it sees this block
+          // scores, masked keys -inf; the block's max of each lane
+          Lanes bmax = Lanes{} - INFINITY;
+          for (int64_t l0 = 0; l0 < nl; l0 += KEYS) {
+            Lanes dots[KEYS];
+            lane_scores(dots, qt.data() + v * D, kf.data() + l0 * D, D);
+            for (int64_t j = 0; j < std::min(KEYS, nl - l0); j++) {
+              Lanes x = dots[j] * fscale;
+              if (vec_prefix[v]) {
+                x = Lanes{} + (float)(b0 + l0 + j) < seen[v] ? x : Lanes{} - INFINITY;
+              } else {
+                for (int64_t i = 0; i < LANES; i++)
+                  if (!lane_mask[v * LANES + i][b0 + l0 + j]) x[i] = -INFINITY;
+              }
+              sc[l0 + j] = x;
+              bmax = x > bmax ? x : bmax;
+            }
+          }
+          // the new max; the sum and outputs so far rescaled (0 for a lane that has seen nothing yet)
+          const Lanes nmax = bmax > mx[v] ? bmax : mx[v];
+          const Lanes rescale = mx[v] == Lanes{} - INFINITY ? Lanes{} : exp_poly(mx[v] - nmax);
+          mx[v] = nmax;
+          sum[v] *= rescale;
+          float* o = acc.data() + v * LANES * D;
+          for (int64_t i = 0; i < LANES; i++)
+            if (rescale[i] != 1.f)
+              for (int64_t d = 0; d < D; d++) o[i * D + d] *= rescale[i];
+          // numerators: the block's fp32 sum of the unrounded ones, then each rounded to bf16 (masked: 0)
+          Lanes bsum = Lanes{};
+          for (int64_t l = 0; l < nl; l++) {
+            const Lanes x = sc[l], e = exp_poly(x - nmax);
+            const Lanes p = x == Lanes{} - INFINITY ? Lanes{} : e;
+            bsum += p;
+            sc[l] = round_lanes(p);
+          }
+          sum[v] += bsum;
+          // values, added into every lane's output
+          for (int64_t i = 0; i < std::min<int64_t>(LANES, lanes - v * LANES); i++) {
+            const float* p = reinterpret_cast<const float*>(sc.data()) + i;
+            for (int64_t v0 = 0; v0 < D / LANES;) {  // WIDE, 4, 2 or 1 registers of dims at a time
+              const int64_t left = D / LANES - v0;
+              float* out = o + i * D + LANES * v0;
+              const float* val = vf.data() + LANES * v0;
+              if (left >= WIDE) lane_values<WIDE>(out, val, D, p, nl), v0 += WIDE;
+              else if (left >= 4) lane_values<4>(out, val, D, p, nl), v0 += 4;
+              else if (left >= 2) lane_values<2>(out, val, D, p, nl), v0 += 2;
+              else lane_values<1>(out, val, D, p, nl), v0 += 1;
+            }
           }
         }
       }
-      for (int64_t i = 0; i < lanes; i++) {
-        bf16* dst = op + lane_row[i] * H * D + lane_head[i] * D;
-        const float inv = 1.f / sum[i];
-        for (int64_t d = 0; d < D; d++) dst[d] = bf16(acc[i * D + d] * inv);
+      for (int64_t n = 0; n < lanes; n++) {
+        bf16* dst = op + lane_row[n] * H * D + lane_head[n] * D;
+        const float inv = 1.f / sum[n / LANES][n % LANES];
+        for (int64_t d = 0; d < D; d++) dst[d] = bf16(acc[n * D + d] * inv);
       }
     }
   });

@@ -126,6 +126,44 @@ struct AttentionArgs {
   bf16* op;
 };
 
+// Keys per block of every attention kernel's online softmax. A query's scores, numerators, sums and outputs go
+// through the same operations in the same order whatever else is in its pass (one query or a prefill chunk, one
+// tier's kernel for all), so a prompt's cache bits do not depend on where its chunks fell.
+constexpr int64_t SOFTMAX_BLOCK = 64;
+
+// What a query sees: every key it attends is in [0, end); prefix: it attends all of them (a causal run).
+struct Visible {
+  int64_t end;
+  bool prefix;
+};
+
+// Work items of an attention call: (group, first lane) per block of `width` lanes. The lanes of group s are its
+// (valid query, head) pairs, query-major; valid[s] lists its valid query slots, vis[s * Q + q] what each sees.
+struct AttentionItems {
+  std::vector<std::vector<int64_t>> valid;
+  std::vector<Visible> vis;
+  std::vector<int64_t> s, lane0;
+};
+
+inline AttentionItems attention_items(const AttentionArgs& a, int64_t width) {
+  AttentionItems w{std::vector<std::vector<int64_t>>(a.S), std::vector<Visible>(a.S * a.Q, Visible{0, true}), {}, {}};
+  for (int64_t s = 0; s < a.S; s++) {
+    for (int64_t q = 0; q < a.Q; q++) {
+      if (!a.qv[s * a.Q + q]) continue;
+      w.valid[s].push_back(q);
+      const bool* m = a.mk + (s * a.Q + q) * a.L;
+      int64_t n = a.L;
+      while (n > 0 && !m[n - 1]) n--;
+      w.vis[s * a.Q + q] = Visible{n, std::memchr(m, 0, n) == nullptr};
+    }
+    for (int64_t lane0 = 0; lane0 < (int64_t)w.valid[s].size() * a.G; lane0 += width) {
+      w.s.push_back(s);
+      w.lane0.push_back(lane0);
+    }
+  }
+  return w;
+}
+
 // Activations quantized per row and block of QB (scale = absmax / 127, codes rounded to nearest even as
 // nearbyint): plain C++, for the tiers without a vector version of it (avx512 has its own).
 inline QuantRows quantize_rows_scalar(const bf16* x, int64_t ldx, int64_t M, int64_t K) {

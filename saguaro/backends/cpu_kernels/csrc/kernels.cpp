@@ -158,13 +158,7 @@ void i4_rows(int mb, const QuantRows& xr, int64_t m0, int64_t K, const uint8_t* 
   with_rows<MAXMB_Q>(mb, [&](auto rows) { tile_block_i4<decltype(rows)::value>(xr, m0, K, tile, b0, b1, acc, first); });
 }
 
-#if !defined(SAGUARO_TIER_AVX512)
-#include "attention_tiled.h"  // avx2 and portable: causal multi-row passes (avx512's is in its attention header)
-#endif
-#include "attention_dispatch.h"
-
-// Masked attention of the new tokens over their context slots: attend_tiled for causal chunks, the tier's
-// attend for the rest.
+// Masked attention of the new tokens over their context slots (the tier's attend: one kernel for every pass).
 at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& query_index, const at::Tensor& query_valid, const at::Tensor& context_slots,
                      const at::Tensor& mask, int64_t H, int64_t KVH, int64_t D, double scale) {
@@ -177,7 +171,7 @@ at::Tensor attention(const at::Tensor& qkv, const at::Tensor& k_cache, const at:
                            qkv.data_ptr<bf16>(), k_cache.data_ptr<bf16>(), v_cache.data_ptr<bf16>(),
                            query_index.data_ptr<int64_t>(), context_slots.data_ptr<int64_t>(),
                            query_valid.data_ptr<bool>(), mask.data_ptr<bool>(), out.data_ptr<bf16>()};
-  attend_all(args, H, KVH, D, (float)scale);
+  attend(args, H, KVH, D, (float)scale);
   return out;
 }
 

@@ -106,196 +106,100 @@ inline void interleave_rows(bf16* vp, const bf16* r0, const bf16* r1, int64_t nv
   }
 }
 
-// (AttentionArgs: kernels.cpp)
-// Work item: one group s, one kv head, up to 16 (query, head) "lanes" that share it. Scores
-// for the 16 lanes come out of one vdpbf16ps per k pair (lanes in the vector, the key's
-// pair broadcast); values are accumulated in fp32.
+// (AttentionArgs: common.h; rows of out are written for valid queries only)
+// Work item: one group, one kv head, up to 16 (query, head) "lanes" that share its keys: decode, verification,
+// tree branches and prefill chunks alike. Keys go by blocks of SOFTMAX_BLOCK with an online softmax:
+//   * scores: one vdpbf16ps per key pair of dims for the 16 lanes (the pair broadcast), kept in L1 ([64][16]);
+//     a lane's mask is a compare of the key index with its visible length when every lane sees a prefix (a
+//     causal chunk), the mask's bytes otherwise;
+//   * the new max of each lane; its fp32 sum and outputs rescaled by exp(old - new) (0 before its first key);
+//   * numerators exp(score - max), fp32 sums of the unrounded ones, each rounded to bf16 for the value product;
+//   * the block's value rows interleaved in pairs once for the 16 lanes, accumulated in fp32.
+// The item stops at the last key its lanes see, so a causal chunk costs half a square; a block a lane does not
+// see would rescale it by exp(0) = 1 and add zeros. Every operation is per lane, so a lane's result depends only
+// on its own query, mask and keys, never on the lanes or the pass beside it.
 void attend(const AttentionArgs& a, int64_t H, int64_t KVH, int64_t D, float fscale) {
   TORCH_CHECK(D % 16 == 0 && D <= 256 && (D / 16 & (D / 16 - 1)) == 0, "attention: head_dim must be 16, 32, 64, 128 or 256");
   const auto [S, Q, L, G, row, qp, kc, vc, qi, ctx, qv, mk, op] = a;
-
-  // work items: (s, kv head, lane block); lanes of group s are (valid query q, head g), q-major
-  std::vector<int64_t> item_s, item_lane0, lens(S), nq(S);
-  for (int64_t s = 0; s < S; s++) {
-    int64_t cnt = 0;
-    for (int64_t q = 0; q < Q; q++) cnt += qv[s * Q + q];
-    nq[s] = cnt;
-    int64_t len = 0;  // attend only up to the last visible context entry of the group
-    for (int64_t q = 0; q < Q; q++) {
-      if (!qv[s * Q + q]) continue;
-      const bool* m = mk + (s * Q + q) * L;
-      for (int64_t l = L - 1; l >= len; l--)
-        if (m[l]) { len = l + 1; break; }
-    }
-    lens[s] = len;
-    for (int64_t lane0 = 0; lane0 < cnt * G; lane0 += 16) { item_s.push_back(s); item_lane0.push_back(lane0); }
-  }
-  const int64_t items = (int64_t)item_s.size();
-
+  const AttentionItems w = attention_items(a, 16);
+  const int64_t items = (int64_t)w.s.size(), nv = D / 16, B = SOFTMAX_BLOCK;
   at::parallel_for(0, items * KVH, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<int64_t> vq;  // valid query positions of the current group
-    std::vector<bf16> qt(D * 16);        // [D/2][16 lanes][2]
-    std::vector<float> sc;               // scores [len][16]
-    std::vector<int32_t> pp;             // bf16 probability pairs [16 lanes][pairs]
-    std::vector<bf16> vp(32 * 2 * D);    // 64 value rows interleaved in pairs [32][D/16][32]
-    std::vector<float> acc(16 * D);      // outputs [16 lanes][D]
+    std::vector<bf16> qt(D * 16), vp(B / 2 * nv * 32);
+    std::vector<float> sc(B * 16), acc(16 * D);
+    std::vector<int32_t> pp(16 * B / 2);
     for (int64_t it = i0; it < i1; it++) {
-      const int64_t item = it / KVH, kvh = it % KVH, s = item_s[item], lane0 = item_lane0[item], len = lens[s];
-      vq.clear();
-      for (int64_t q = 0; q < Q; q++)
-        if (qv[s * Q + q]) vq.push_back(q);
-      const int64_t lanes = std::min<int64_t>(16, nq[s] * G - lane0);
-      int64_t lane_row[16], lane_head[16], lane_q[16];
-      for (int64_t i = 0; i < 16; i++) {
+      const int64_t item = it / KVH, kvh = it % KVH, s = w.s[item], lane0 = w.lane0[item];
+      const int64_t lanes = std::min<int64_t>(16, (int64_t)w.valid[s].size() * G - lane0);
+      int64_t lane_row[16], lane_head[16], lane_q[16], hi = 0;
+      bool prefix = true;
+      alignas(64) float lane_vis[16];
+      for (int64_t i = 0; i < 16; i++) {  // lanes past the last repeat it (computed, never written)
         const int64_t li = lane0 + std::min(i, lanes - 1);
-        lane_q[i] = vq[li / G];
+        const Visible vis = w.vis[s * Q + (lane_q[i] = w.valid[s][li / G])];
         lane_row[i] = qi[s * Q + lane_q[i]];
         lane_head[i] = kvh * G + li % G;
+        lane_vis[i] = (float)vis.end;
+        hi = std::max(hi, vis.end);
+        prefix = prefix && vis.prefix;
       }
       lane_queries(qt.data(), qp, row, lane_row, lane_head, D);
-      // lane bitmasks per distinct query in this block (lanes are q-major)
+      // lane bitmasks per distinct query (lanes are q-major), for a mask read from its bytes
       int64_t runs = 0, run_q[16];
       __mmask16 run_bits[16];
-      for (int64_t i = 0; i < lanes; i++) {
+      for (int64_t i = 0; i < 16; i++) {
         if (runs == 0 || run_q[runs - 1] != lane_q[i]) { run_q[runs] = lane_q[i]; run_bits[runs] = 0; runs++; }
         run_bits[runs - 1] |= (__mmask16)(1u << i);
       }
-      // scores
-      sc.resize(len * 16);
-      const __m512 ninf = _mm512_set1_ps(-INFINITY);
-      __m512 vmax = ninf;
-      for (int64_t l0 = 0; l0 < len; l0 += 8) {
-        const int64_t nl = std::min<int64_t>(8, len - l0);
-        const bf16* kr[8];
-        for (int64_t j = 0; j < 8; j++) kr[j] = kc + (ctx[s * L + l0 + std::min(j, nl - 1)] * KVH + kvh) * D;
-        // the cache is cold (a layer's weights streamed through since it was written): fetch the
-        // next 8 keys and these 8 values into L2 while the scores compute (-20% at 256 tokens)
-        for (int64_t j = 0; j < 8; j++) {
-          const char* kn = reinterpret_cast<const char*>(kc + (ctx[s * L + std::min(l0 + 8 + j, len - 1)] * KVH + kvh) * D);
-          const char* vn = reinterpret_cast<const char*>(vc + (ctx[s * L + l0 + std::min(j, nl - 1)] * KVH + kvh) * D);
-          for (int64_t b = 0; b < D * 2; b += 64) {
-            _mm_prefetch(kn + b, _MM_HINT_T1);
-            _mm_prefetch(vn + b, _MM_HINT_T1);
-          }
-        }
-        __m512 a[8];
-        scores8(a, qt.data(), kr, D);
-        for (int64_t j = 0; j < nl; j++) {
-          const int64_t l = l0 + j;
-          __mmask16 ok = 0;
-          for (int64_t r = 0; r < runs; r++)
-            if (mk[(s * Q + run_q[r]) * L + l]) ok |= run_bits[r];
-          const __m512 v = _mm512_mask_mov_ps(ninf, ok, _mm512_mul_ps(a[j], _mm512_set1_ps(fscale)));
-          _mm512_storeu_ps(sc.data() + l * 16, v);
-          vmax = _mm512_max_ps(vmax, v);
-        }
-      }
-      // softmax: fp32 numerators and sums; numerators rounded to bf16 pairs for the value product
-      const int64_t pairs = (len + 1) / 2;
-      pp.resize(16 * pairs);
-      const __m512 vsum = numerators(sc.data(), len, vmax, pp.data(), lanes);
-      float sums[16];
-      _mm512_storeu_ps(sums, vsum);
-      // values: chunks of 64 context rows, interleaved in pairs (L1-sized), applied to every lane
-      const int64_t nv = D / 16;
-      std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t lp0 = 0; lp0 < pairs; lp0 += 32) {
-        const int64_t lp1 = std::min(pairs, lp0 + 32);
-        for (int64_t lp = lp0; lp < lp1; lp++) {
-          const int64_t l = 2 * lp;
-          const bf16* r0 = vc + (ctx[s * L + l] * KVH + kvh) * D;
-          const bf16* r1 = l + 1 < len ? vc + (ctx[s * L + l + 1] * KVH + kvh) * D : nullptr;
-          interleave_rows(vp.data() + (lp - lp0) * nv * 32, r0, r1, nv);
-        }
-        for (int64_t i = 0; i < lanes; i++)
-          lane_accumulate_any(nv, acc.data() + i * D, vp.data(), pp.data() + i * pairs + lp0, lp1 - lp0);
-      }
-      for (int64_t i = 0; i < lanes; i++) {
-        bf16* dst = op + lane_row[i] * H * D + lane_head[i] * D;
-        const float inv = 1.f / sums[i];
-        for (int64_t d = 0; d < D; d++) dst[d] = bf16(acc[i * D + d] * inv);
-      }
-    }
-  });
-}
-
-
-// ---------------------------------------------------------------------------------------------
-// tiled causal attention for multi-row passes (kernels.cpp picks the groups: every valid query sees a prefix)
-//
-// As attend, one work item is (group, kv head, 16 lanes); keys go by blocks of 64 with an online softmax: a
-// block's scores stay in L1 ([64][16]), each lane stops at its own query's prefix (the causal triangle costs
-// half a square), the mask is a compare of the key index with the lane's visible length, and the value rows of
-// a block are interleaved once for the 16 lanes. Numerators are rounded to bf16 for the value product, the
-// sums are fp32 of the unrounded ones, the outputs fp32 rescaled when a lane's max grows.
-constexpr int64_t TILE_KEYS = 64;
-
-void attend_tiled(const AttentionArgs& a, const std::vector<int64_t>& groups, const int64_t* vis, int64_t H,
-                  int64_t KVH, int64_t D, float fscale) {
-  TORCH_CHECK(D % 16 == 0 && D <= 256 && (D / 16 & (D / 16 - 1)) == 0, "attention: head_dim must be 16, 32, 64, 128 or 256");
-  const auto [S, Q, L, G, row, qp, kc, vc, qi, ctx, qv, mk, op] = a;
-  std::vector<int64_t> item_s, item_lane0;
-  std::vector<std::vector<int64_t>> valid(S);
-  for (int64_t s : groups) {
-    for (int64_t q = 0; q < Q; q++)
-      if (qv[s * Q + q]) valid[s].push_back(q);
-    for (int64_t lane0 = 0; lane0 < (int64_t)valid[s].size() * G; lane0 += 16) {
-      item_s.push_back(s);
-      item_lane0.push_back(lane0);
-    }
-  }
-  const int64_t items = (int64_t)item_s.size(), nv = D / 16;
-  at::parallel_for(0, items * KVH, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<bf16> qt(D * 16), vp(TILE_KEYS / 2 * nv * 32);
-    std::vector<float> sc(TILE_KEYS * 16), acc(16 * D);
-    std::vector<int32_t> pp(16 * TILE_KEYS / 2);
-    for (int64_t it = i0; it < i1; it++) {
-      const int64_t item = it / KVH, kvh = it % KVH, s = item_s[item], lane0 = item_lane0[item];
-      const int64_t lanes = std::min<int64_t>(16, (int64_t)valid[s].size() * G - lane0);
-      int64_t lane_row[16], lane_head[16], hi = 0;
-      alignas(64) float lane_vis[16];
-      for (int64_t i = 0; i < 16; i++) {
-        const int64_t li = lane0 + std::min(i, lanes - 1), q = valid[s][li / G];
-        lane_row[i] = qi[s * Q + q];
-        lane_head[i] = kvh * G + li % G;
-        lane_vis[i] = i < lanes ? (float)vis[s * Q + q] : 0.f;
-        hi = std::max(hi, vis[s * Q + q]);
-      }
-      lane_queries(qt.data(), qp, row, lane_row, lane_head, D);
       const __m512 ninf = _mm512_set1_ps(-INFINITY), seen = _mm512_load_ps(lane_vis);
       __m512 vmax = ninf, vsum = _mm512_setzero_ps();
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t b0 = 0; b0 < hi; b0 += TILE_KEYS) {
-        const int64_t len = std::min(TILE_KEYS, hi - b0);
+      for (int64_t b0 = 0; b0 < hi; b0 += B) {
+        const int64_t len = std::min(B, hi - b0);
         __m512 bmax = ninf;
         for (int64_t l0 = 0; l0 < len; l0 += 8) {  // scores of 8 keys for the 16 lanes
           const int64_t nl = std::min<int64_t>(8, len - l0);
           const bf16* kr[8];
           for (int64_t j = 0; j < 8; j++) kr[j] = kc + (ctx[s * L + b0 + l0 + std::min(j, nl - 1)] * KVH + kvh) * D;
-          for (int64_t j = 0; j < 8; j++) {  // the next keys into L2 while these compute
+          // the cache is cold (a layer's weights streamed through since it was written): the next 8 keys and
+          // these 8 values into L2 while the scores compute
+          for (int64_t j = 0; j < 8; j++) {
             const char* kn = reinterpret_cast<const char*>(kc + (ctx[s * L + std::min(b0 + l0 + 8 + j, hi - 1)] * KVH + kvh) * D);
-            for (int64_t b = 0; b < D * 2; b += 64) _mm_prefetch(kn + b, _MM_HINT_T1);
+            const char* vn = reinterpret_cast<const char*>(vc + (ctx[s * L + b0 + l0 + std::min(j, nl - 1)] * KVH + kvh) * D);
+            for (int64_t b = 0; b < D * 2; b += 64) {
+              _mm_prefetch(kn + b, _MM_HINT_T1);
+              _mm_prefetch(vn + b, _MM_HINT_T1);
+            }
           }
           __m512 acc8[8];
           scores8(acc8, qt.data(), kr, D);
-          for (int64_t j = 0; j < nl; j++) {  // a lane sees key l when l < its visible length
-            const __mmask16 ok = _mm512_cmp_ps_mask(_mm512_set1_ps((float)(b0 + l0 + j)), seen, _CMP_LT_OQ);
+          for (int64_t j = 0; j < nl; j++) {
+            const int64_t l = b0 + l0 + j;
+            __mmask16 ok = 0;
+            if (prefix) {
+              ok = _mm512_cmp_ps_mask(_mm512_set1_ps((float)l), seen, _CMP_LT_OQ);
+            } else {
+              for (int64_t r = 0; r < runs; r++)
+                if (mk[(s * Q + run_q[r]) * L + l]) ok |= run_bits[r];
+            }
             const __m512 v = _mm512_mask_mov_ps(ninf, ok, _mm512_mul_ps(acc8[j], _mm512_set1_ps(fscale)));
             _mm512_storeu_ps(sc.data() + (l0 + j) * 16, v);
             bmax = _mm512_max_ps(bmax, v);
           }
         }
-        // online softmax: the new max, the old sums and outputs rescaled (exp(-inf) = 0 for a lane's first block)
+        // online softmax: the new max, the old sums and outputs rescaled (0 before a lane's first key)
         const __m512 nmax = _mm512_max_ps(vmax, bmax);
-        const __mmask16 fresh = _mm512_cmp_ps_mask(vmax, ninf, _CMP_EQ_OQ), blind = _mm512_cmp_ps_mask(nmax, ninf, _CMP_EQ_OQ);
-        const __m512 rescale = _mm512_maskz_mov_ps(~(fresh | blind), exp_ps(_mm512_sub_ps(vmax, nmax)));
+        const __mmask16 fresh = _mm512_cmp_ps_mask(vmax, ninf, _CMP_EQ_OQ);
+        const __m512 rescale = _mm512_maskz_mov_ps(~fresh, exp_ps(_mm512_sub_ps(vmax, nmax)));
         vsum = _mm512_mul_ps(vsum, rescale);
-        alignas(64) float factor[16];
-        _mm512_store_ps(factor, rescale);
-        for (int64_t i = 0; i < lanes; i++) {
-          const __m512 f = _mm512_set1_ps(factor[i]);
-          for (int64_t v = 0; v < nv; v++)
-            _mm512_storeu_ps(acc.data() + i * D + v * 16, _mm512_mul_ps(f, _mm512_loadu_ps(acc.data() + i * D + v * 16)));
+        const __mmask16 moved = _mm512_cmp_ps_mask(rescale, _mm512_set1_ps(1.f), _CMP_NEQ_UQ);
+        if (moved) {
+          alignas(64) float factor[16];
+          _mm512_store_ps(factor, rescale);
+          for (int64_t i = 0; i < lanes; i++) {
+            const __m512 f = _mm512_set1_ps(factor[i]);
+            for (int64_t v = 0; v < nv; v++)
+              _mm512_storeu_ps(acc.data() + i * D + v * 16, _mm512_mul_ps(f, _mm512_loadu_ps(acc.data() + i * D + v * 16)));
+          }
         }
         vmax = nmax;
         const int64_t pairs = (len + 1) / 2;
