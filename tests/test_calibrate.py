@@ -156,6 +156,25 @@ def test_profiles_are_keyed_by_draft_format(tmp_path, monkeypatch, caplog):
     assert resolve_profile("a", "b", "bfloat16", 4, enforce_eager=False).settings["marker"] == "plain"
 
 
+def test_profiles_are_keyed_by_target_weights(tmp_path, monkeypatch):
+    """An int4 target has its own profile (its verification costs a third of a bf16 one's): the engine with that
+    target reads it, and never the bf16 target's, which would mislead every cost; without its own, the defaults."""
+    from saguaro.calibration.store import resolve_profile
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    assert profile_path("a", "b", "bfloat16", False, target_weights="int4").name == "a@int4__b__bfloat16__fast.json"
+    assert profile_path("a", "b", "bfloat16", False, target_weights="bf16") == profile_path("a", "b", "bfloat16", False)
+    plain = default_profile("a", "b", "bfloat16", 4)
+    plain.default, plain.enforce_eager, plain.settings["marker"] = False, False, "bf16"
+    save_profile(plain)
+    assert resolve_profile("a", "b", "bfloat16", 4, enforce_eager=False, target_weights="int4").default
+    own = replace(plain, settings={"marker": "int4"}, target_weights="int4")
+    assert save_profile(own) == profile_path("a", "b", "bfloat16", False, target_weights="int4")
+    assert resolve_profile("a", "b", "bfloat16", 4, enforce_eager=False,
+                           target_weights="int4").settings["marker"] == "int4"
+    assert resolve_profile("a", "b", "bfloat16", 4, enforce_eager=False).settings["marker"] == "bf16"
+    assert load_profile("a", "b", "bfloat16", False, target_weights="int4").target_weights == "int4"
+
+
 def test_profiles_are_keyed_by_workload(tmp_path, monkeypatch, caplog):
     """A code-only calibration has its own profile; the engine's calibration_workload picks it, and falls
     back to the mixed one (with a warning) when it is missing."""

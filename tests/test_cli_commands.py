@@ -7,6 +7,7 @@ business (tests/test_bench_*.py), here only that the command runs and writes its
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -25,11 +26,14 @@ from tests.tiny import PROMPTS, greedy_tokens, perturbed, save_hf, tiny_model
 REPO = Path(__file__).resolve().parents[1]
 
 
-def saguaro(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    """Run ``saguaro ARGS`` from the repository root (``bench`` reads benchmarks/ there); fail on a non-zero exit."""
+def saguaro(*args: str, timeout: float = 300, env: dict[str, str] | None = None,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """Run ``saguaro ARGS`` from the repository root (``bench`` reads benchmarks/ there), with ``env`` added to the
+    environment; fail on a non-zero exit unless not ``check``."""
     done = subprocess.run([sys.executable, "-m", "saguaro.cli", *map(str, args)], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
-    assert done.returncode == 0, f"saguaro {' '.join(map(str, args))} exited {done.returncode}:\n{done.stderr[-3000:]}"
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    assert not check or done.returncode == 0, \
+        f"saguaro {' '.join(map(str, args))} exited {done.returncode}:\n{done.stderr[-3000:]}"
     return done
 
 
@@ -149,6 +153,32 @@ def test_calibrate_measures_and_writes_a_profile(dirs, tmp_path):
     profile = json.loads((tmp_path / "p.json").read_text())
     assert profile["k"] == 2 and profile["timing"]["verify_s"] > 0
     assert "num_speculative_tokens='auto' would pick K=" in out.stdout
+
+
+def test_calibrate_an_int4_target_for_the_engine_that_runs_it(dirs, tmp_path):
+    """--target-weights int4: the target timed and run on the int4 kernels, the profile saved under its own key,
+    and an engine with that target and draft reads it (not the defaults); a quantized target off the fast path
+    is refused."""
+    target, draft = dirs
+    env = {"SAGUARO_CACHE": str(tmp_path / "cache")}
+    out = saguaro("calibrate", "--target", target, "--draft", draft, "--target-weights", "int4", "--draft-weights",
+                  "int4", "--k", "2", "--temperatures", "0", "--prompts", "1", "--max-tokens", "8", "--batch", "2",
+                  "--max-rows", "8", "--max-batch", "2", "--core", "-1", "--no-contention", env=env)
+    saved = next((tmp_path / "cache" / "profiles").glob("*@int4__*.json"))
+    assert str(saved) in out.stdout
+    profile = json.loads(saved.read_text())
+    assert profile["target_weights"] == "int4" and profile["draft_format"] == "int4"
+    code = ("import sys; from saguaro.config import Config; from saguaro.calibration.resolve import pair_profile; "
+            "cfg = Config(target=sys.argv[1], draft=sys.argv[2], mode='sd', num_speculative_tokens=2, "
+            "target_weights=sys.argv[3], draft_weights='int4', dtype='bfloat16'); p = pair_profile(cfg, 2); "
+            "print(p.default, p.target_weights)")
+    for weights, expected in (("int4", "False int4"), ("bf16", "True bf16")):
+        read = subprocess.run([sys.executable, "-c", code, target, draft, weights], capture_output=True, text=True,
+                              env={**os.environ, **env}, timeout=300)
+        assert read.stdout.split() == expected.split(), read.stderr
+    refused = saguaro("calibrate", "--target", target, "--draft", draft, "--target-weights", "int4", "--dtype",
+                      "float32", "--no-save", check=False)
+    assert refused.returncode != 0 and "--target-weights int4 runs on the CPU kernels" in refused.stderr
 
 
 def test_train_head_saves_a_head_that_loads_everywhere_and_drafts_exactly(dirs, pair, tmp_path):

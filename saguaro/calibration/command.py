@@ -5,6 +5,8 @@ import argparse
 import json
 import math
 
+import torch
+
 from saguaro.calibration.store import load_profile, profile_path, save_profile
 from saguaro.config import DTYPES, WORKLOADS
 from saguaro.cores import pin_process
@@ -18,6 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--target", default="qwen2.5-coder-1.5b")
     p.add_argument("--draft", default="qwen2.5-coder-0.5b")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--target-weights", default="bf16", choices=WEIGHT_FORMATS,
+                   help="the target's weight format, as the engine will run it (int8, int4: the CPU kernels, bf16 "
+                        "dtype, the fast path); the profile is keyed by it")
     p.add_argument("--draft-weights", default="bf16", choices=WEIGHT_FORMATS,
                    help="the draft's weight format, as the engine will run it (the profile is keyed by it)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the draft head keeps token ids below this")
@@ -55,6 +60,10 @@ def run(args: argparse.Namespace) -> int:
     from saguaro.calibration.measure import calibrate, measure_timing
     from saguaro.calibration.policy import make_plan, recommended_k
     from saguaro.ssd_settings import MissStrategy, SSDSettings
+    weights = args.target_weights
+    if weights != "bf16" and (args.enforce_eager or DTYPES[args.dtype] != torch.bfloat16):
+        raise SystemExit(f"saguaro calibrate: --target-weights {weights} runs on the CPU kernels' fast path: use "
+                         "--dtype bfloat16 without --enforce-eager")
     pin_process([args.core] if args.core >= 0 else None, args.threads)
     dtype = DTYPES[args.dtype]
     eager = args.enforce_eager  # the engine's own default: the fast path
@@ -63,16 +72,16 @@ def run(args: argparse.Namespace) -> int:
     draft = load_model(args.draft, dtype=fmt.dtype(dtype))
     check_shared_vocabulary(target.tokenizer, draft.tokenizer)
     if args.timing_only:
-        profile = load_profile(args.target, args.draft, args.dtype, eager, fmt.tag, args.workload)
+        profile = load_profile(args.target, args.draft, args.dtype, eager, fmt.tag, args.workload, weights)
         if profile is None and not eager:  # reuse the eager profile's ranks with fast-path timings
-            profile = load_profile(args.target, args.draft, args.dtype, True, fmt.tag, args.workload)
+            profile = load_profile(args.target, args.draft, args.dtype, True, fmt.tag, args.workload, weights)
         if profile is None:
-            path = profile_path(args.target, args.draft, args.dtype, True, fmt.tag, args.workload)
+            path = profile_path(args.target, args.draft, args.dtype, True, fmt.tag, args.workload, weights)
             raise FileNotFoundError(f"no profile at {path}; run `saguaro calibrate` without --timing-only first")
         args.k = profile.k
         context = profile.timing.context or 256
         profile.timing = measure_timing(target, draft, args.k, context, args.max_rows, enforce_eager=eager,
-                                        draft_format=fmt, contention=not args.no_contention)
+                                        draft_format=fmt, contention=not args.no_contention, target_weights=weights)
         profile.enforce_eager = eager
         timing = profile.timing
         print(f"timing: verify(K+1) {timing.verify_s * 1e3:.1f} ms, draft step {timing.draft_step_s * 1e3:.1f} ms, "
@@ -81,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         profile = calibrate(target, draft, dtype=args.dtype, k=args.k, temperatures=_floats(args.temperatures),
                             c_values=_floats(args.c_values), prompts=args.prompts, max_tokens=args.max_tokens,
                             batch=args.batch, max_rows=args.max_rows, enforce_eager=eager, draft_format=fmt,
-                            contention=not args.no_contention, workload=args.workload)
+                            contention=not args.no_contention, workload=args.workload, target_weights=weights)
     if not args.no_save:
         print(f"profile saved to {save_profile(profile)}")
     if args.json:

@@ -52,7 +52,7 @@ def _busy_draft(ready: Any, stop: Any, passes: Any, nbytes: Any, draft: Any, dty
 def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: torch.dtype = torch.bfloat16,
             enforce_eager: bool = True, draft_format: DraftFormat = DraftFormat(), context: int = 256, reps: int = 8,
             target_cores: list[int] | None = None, draft_cores: list[int] | None = None,
-            log=lambda s: None) -> ContentionProbe:
+            log=lambda s: None, target_weights: str = "bf16") -> ContentionProbe:
     """Target verification time alone and beside a busy draft, for each draft width.
 
     ``target`` / ``draft``: model names (loaded here and in the busy process) or ``LoadedModel``s. The
@@ -63,15 +63,15 @@ def measure(target: Any, draft: Any, rows: int, widths: list[int], *, dtype: tor
     pin_process(target_cores, 1)
     try:
         return _measure(target, draft, rows, widths, dtype, enforce_eager, draft_format, context, reps, target_cores,
-                        draft_cores, log)
+                        draft_cores, log, target_weights)
     finally:
         pin_process(sorted(affinity) if affinity else None, threads)
 
 
 def _measure(target, draft, rows, widths, dtype, enforce_eager, draft_format, context, reps, target_cores, draft_cores,
-             log) -> ContentionProbe:
-    verify = RowTimer(runner_factory(load_or_place(target, "cpu", dtype, progress=False), enforce_eager), context,
-                        rows)
+             log, target_weights) -> ContentionProbe:
+    verify = RowTimer(runner_factory(load_or_place(target, "cpu", dtype, progress=False), enforce_eager,
+                                     target_weights=target_weights), context, rows)
 
     def verify_times() -> list[float]:
         return [1e3 * verify.once(rows) for _ in range(reps)]

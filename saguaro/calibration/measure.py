@@ -140,12 +140,14 @@ def time_step_overhead(vocab: int, widths=OVERHEAD_WIDTHS, repeats: int = 5) -> 
 
 def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repeats: int = 5,
                    prompt: list[int] | None = None, enforce_eager: bool = True,
-                   draft_format: DraftFormat = DraftFormat(), contention: bool = False) -> Timing:
-    """Timings of the target (as the engine runs it) and of the draft in ``draft_format``; with
-    ``contention``, also the target's verification beside a busy draft on core 1 (``contention.measure``)."""
+                   draft_format: DraftFormat = DraftFormat(), contention: bool = False,
+                   target_weights: str = "bf16") -> Timing:
+    """Timings of the target (as the engine runs it, its weights packed as ``target_weights``) and of the draft in
+    ``draft_format``; with ``contention``, also the target's verification beside a busy draft on core 1
+    (``contention.measure``)."""
     rows = sorted(set([n for n in ROW_GRID if n <= max_rows] + [k + 1]))
     draft = place(draft, "cpu", draft_format.dtype(model_dtype(draft)))
-    runners = {"target": runner_factory(target, enforce_eager),
+    runners = {"target": runner_factory(target, enforce_eager, target_weights=target_weights),
                "draft": runner_factory(draft, enforce_eager, draft_format)}
     raw = time_rows(runners, rows, context, repeats)
     target_rows, draft_rows = monotone(raw["target"]), monotone(raw["draft"])
@@ -156,7 +158,8 @@ def measure_timing(target, draft, k: int, context: int, max_rows: int = 64, repe
                     step_overhead=time_step_overhead(draft.config.vocab_size))
     if contention:
         timing.contention = measure_contention(target, draft, k + 1, list(CONTENTION_WIDTHS), dtype=model_dtype(target),
-                                               enforce_eager=enforce_eager, draft_format=draft_format, context=context)
+                                               enforce_eager=enforce_eager, draft_format=draft_format, context=context,
+                                               target_weights=target_weights)
     return timing
 
 
@@ -167,18 +170,21 @@ def model_dtype(loaded) -> torch.dtype:
 # -- ranks ---------------------------------------------------------------------------------------------
 def run_ranked(target, draft, prompts: list[list[int]], params: list[SamplingParams], k: int, plan: SpecPlan,
                max_num_seqs: int = 8, block_size: int = 16, build_branches: bool = False, enforce_eager: bool = True,
-               draft_format: DraftFormat = DraftFormat()) -> tuple[list[RankRecord], dict]:
+               draft_format: DraftFormat = DraftFormat(), target_weights: str = "bf16"
+               ) -> tuple[list[RankRecord], dict]:
     """Run SSD over the prompts with the speculator in this process, recording bonus-token ranks.
 
     ``build_branches=False`` skips decoding the cache (ranks need only the glue's logits)."""
     max_len = max(len(p) for p in prompts) + max(p.max_tokens for p in params) + 2 * (k + 1)
     kv_tokens = (max_len + block_size) * max_num_seqs
-    runner = ModelRunner(target.model, math.ceil(kv_tokens / block_size), block_size, enforce_eager=enforce_eager)
+    runner = ModelRunner(target.model, math.ceil(kv_tokens / block_size), block_size, enforce_eager=enforce_eager,
+                         weights=target_weights)
     # the engine's SSD settings, with the speculator in this process: on the CPU, unpinned, one thread
     cfg = Config(target=target.name, draft=draft.name, mode="ssd", num_speculative_tokens=k,
                  dtype=dtype_name(model_dtype(draft)), draft_cores=None, kv_cache_tokens=kv_tokens,
                  block_size=block_size, max_num_seqs=max_num_seqs, enforce_eager=enforce_eager,
-                 draft_weights=draft_format.weights, draft_vocab=draft_format.vocab, worker_timeout_s=600.0)
+                 draft_weights=draft_format.weights, draft_vocab=draft_format.vocab, worker_timeout_s=600.0,
+                 target_weights=target_weights)
     opts = SpeculatorOptions.from_config(cfg, plan)
     recorder = RankRecorder(build_branches=build_branches)
     decoder = SSDDecoder(runner, InProcessLink(draft, opts, recorder), plan, max_len)
@@ -258,12 +264,13 @@ def summarize_source(records: list[RankRecord], k: int, engine_metrics: dict) ->
 
 
 def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens, batch, plan=None,
-                enforce_eager: bool = True, draft_format: DraftFormat = DraftFormat()) -> Source:
+                enforce_eager: bool = True, draft_format: DraftFormat = DraftFormat(),
+                target_weights: str = "bf16") -> Source:
     plan = plan or SpecPlan.fixed([0] * (k + 1), 1.0, MissStrategy.JIT if source == "primary" else MissStrategy.NGRAM)
     params = [SamplingParams(temperature=temperature, max_tokens=max_tokens, seed=1000 + i)
               for i in range(len(prompts))]
     records, metrics = run_ranked(target, draft, prompts, params, k, plan, batch, enforce_eager=enforce_eager,
-                                  draft_format=draft_format)
+                                  draft_format=draft_format, target_weights=target_weights)
     drafted_by = DraftedBy.PRIMARY if source == "primary" else DraftedBy.BACKUP
     summary = summarize_source([r for r in records if r.drafted_by == drafted_by], k, metrics)
     if source == "primary":  # what each miss strategy would deliver after each round (miss_rounds)
@@ -275,24 +282,27 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
               prompts: int = 8, max_tokens: int = 64, batch: int = 8, max_rows: int = 64,
               prompt_ids: list[list[int]] | None = None, log: Callable[[str], None] = print,
               enforce_eager: bool = True, draft_format: DraftFormat = DraftFormat(), contention: bool = False,
-              workload: str = "mixed") -> Profile:
+              workload: str = "mixed", target_weights: str = "bf16") -> Profile:
     """Measure the pair (``LoadedModel``s, already on their device and dtype) and return its profile.
 
     ``enforce_eager`` False: run both models through the bf16 fast path (as ``Config``, the default), so the timings
     match an engine started without ``enforce_eager``. ``draft_format``: the draft's weights and head, as the
     engine's ``draft_weights`` / ``draft_vocab``; the profile is keyed by it. ``contention``: probe how much
-    the draft on core 1 slows verification on core 0 (the calling process is pinned to core 0 meanwhile)."""
+    the draft on core 1 slows verification on core 0 (the calling process is pinned to core 0 meanwhile).
+    ``target_weights``: the target's packed weights (int8, int4: the CPU kernels); the profile is keyed by them."""
     start = time.perf_counter()
     prompt_ids = prompt_ids or calibration_prompts(target.tokenizer, prompts, workload)
     context = int(np.mean([len(p) for p in prompt_ids]))
-    log(f"calibrating {target.name} / {draft.name} [{draft_format.tag or 'bf16'}] ({dtype_name(dtype)}), K={k}, "
+    log(f"calibrating {target.name} [{target_weights}] / {draft.name} [{draft_format.tag or 'bf16'}] "
+        f"({dtype_name(dtype)}), K={k}, "
         f"{len(prompt_ids)} prompts, "
         f"{max_tokens} tokens each, temperatures {list(temperatures)}")
     timing = measure_timing(target, draft, k, context, max_rows, prompt=prompt_ids[0], enforce_eager=enforce_eager,
-                            draft_format=draft_format, contention=contention)
+                            draft_format=draft_format, contention=contention, target_weights=target_weights)
     log(f"  timing: verify(K+1) {timing.verify_s * 1e3:.1f} ms, draft step {timing.draft_step_s * 1e3:.1f} ms, "
         f"T_p {timing.T_p:.2f}, T_b {timing.T_b:.4f}")
     profile = Profile(target=target.name, draft=draft.name, draft_format=draft_format.tag, workload=workload,
+                      target_weights=target_weights,
                       dtype=dtype_name(dtype), enforce_eager=bool(enforce_eager), k=k,
                       created=time.strftime("%Y-%m-%dT%H:%M:%S"),
                       settings={"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
@@ -304,7 +314,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
         for source in ("primary", "backup"):
             s = sources[source] = _source_run(target, draft, prompt_ids, t, k, source, max_tokens, batch,
                                               enforce_eager=enforce_eager,
-                                              draft_format=draft_format)
+                                              draft_format=draft_format, target_weights=target_weights)
             log(f"  T={t} {source}: acceptance {s.acceptance:.3f}, {s.rounds} rounds, "
                 f"p_hit(F=1) {1 - s.miss_uniform[1]:.2f}, r {s.r if s.r is None else round(s.r, 3)} "
                 f"(R^2 {s.r2:.2f})")
@@ -317,7 +327,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
             reweight = make_plan(one, k, SSDSettings(fan_out="auto"), 1, vocab).plan.primary[0][0]
             s = _source_run(target, draft, prompt_ids, t, k, "primary", max_tokens, batch,
                             SpecPlan.fixed(reweight, c, MissStrategy.JIT), enforce_eager=enforce_eager,
-                            draft_format=draft_format)
+                            draft_format=draft_format, target_weights=target_weights)
             s.c, s.fan_out = float(c), reweight
             profile.temperatures[key].c_sweep.append(s)
             log(f"  T={t} C={c}: acceptance {s.acceptance:.3f}, p_hit(F=1) {1 - s.miss_uniform[1]:.2f} "

@@ -164,8 +164,8 @@ class TemperatureEntry:
 
 @dataclass
 class Profile:
-    """Everything ``saguaro calibrate`` measured for one (target, draft, draft format, dtype, fast path,
-    workload); ``store.profile_path`` keys the file by the same."""
+    """Everything ``saguaro calibrate`` measured for one (target and its weight format, draft and its format,
+    dtype, fast path, workload); ``store.profile_path`` keys the file by the same."""
     target: str
     draft: str
     dtype: str  # "float32", "bfloat16", ...
@@ -175,6 +175,7 @@ class Profile:
     version: int = PROFILE_VERSION
     default: bool = False  # the documented defaults, not a measurement
     draft_format: str = ""  # DraftFormat.tag the draft ran as ("": bf16, full head)
+    target_weights: str = "bf16"  # the target's packed weights (Config.target_weights): its costs follow them
     workload: str = "mixed"  # the held-out prompts (config.WORKLOADS)
     enforce_eager: bool = True  # False: timed on the bf16 fast path (Config.enforce_eager)
     created: str = ""

@@ -35,7 +35,7 @@ def pair_profile(cfg: Config, k: int, no_draft: str | None = None) -> Profile:
     (``pair_cost``); ``no_draft`` names the draft where ``cfg.draft`` is None (the n-gram matcher)."""
     return resolve_profile(cfg.target, cfg.draft or no_draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
                            draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload,
-                           costs=lambda: pair_cost.pair_costs(cfg))
+                           costs=lambda: pair_cost.pair_costs(cfg), target_weights=cfg.target_weights)
 
 
 def resolve_k(cfg: Config) -> Config:

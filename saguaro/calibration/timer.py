@@ -15,12 +15,13 @@ from saguaro.engine.model_runner import ForwardItem, ModelRunner, draft_runner
 from saguaro.models.draft_format import DraftFormat
 
 
-def runner_factory(loaded, enforce_eager: bool,
-                   draft_format: DraftFormat | None = None) -> Callable[[int, int], ModelRunner]:
-    """``make_runner`` for a ``RowTimer``: a target as the engine runs it (``draft_format`` None), or a draft
-    in its format, on the CPU."""
+def runner_factory(loaded, enforce_eager: bool, draft_format: DraftFormat | None = None,
+                   target_weights: str = "bf16") -> Callable[[int, int], ModelRunner]:
+    """``make_runner`` for a ``RowTimer``: a target as the engine runs it (``draft_format`` None; its weights
+    packed as ``target_weights``), or a draft in its format, on the CPU."""
     if draft_format is None:
-        return lambda n, block_size: ModelRunner(loaded.model, n, block_size, enforce_eager=enforce_eager)
+        return lambda n, block_size: ModelRunner(loaded.model, n, block_size, enforce_eager=enforce_eager,
+                                                 weights=target_weights)
     return lambda n, block_size: draft_runner(draft_format, loaded, n, block_size, "cpu", enforce_eager)
 
 
