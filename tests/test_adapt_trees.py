@@ -118,16 +118,18 @@ def test_a_request_that_accepts_little_wants_shallow_guesses_one_that_accepts_mu
     assert gains.shape == (3, 2, K + 1)
     assert gains[1, 0, 1:].max() > gains[2, 0, 1:].max()  # shallow beats deep for the request that rejects
     assert gains[2, 1, K] > gains[1, 1, K]  # deep beats shallow for the one that accepts all
+    alone = c.tree_gains([high], BatchCosts.at(c.costs, 1, K))[2, 0]
     ks = c.choose([high])
-    assert c.tree == 2 and ks == [K]
+    assert c.tree == 2 and ks == [1 + int(np.argmax(alone[1:]))]  # its best K in the deep tree, alone
     assert high.spec.fan_out_per_round == [4]  # the branches asked of the build for it
     c.observe_verify(K + 1, 1.0)  # sets the target's scale, and the draft's while the draft is untimed
     step = c.costs.draft_step(1)
     c.observe_build(0.5, K)  # this build ran in the tree sent the round before (the same here), all K steps
-    assert c.build_scale == pytest.approx(0.5 / c.sent[0][1])
-    c.build_scale = None
-    c.observe_build(0.25, K // 2)  # interrupted, or a smaller K: compared pass for pass
-    assert c.build_scale == pytest.approx(0.25 / (K // 2 + 1) / (c.sent[0][1] / (K + 1)))
+    assert c.build_scale == pytest.approx(0.5 / c.sent[0][1][K])
+    c.build_scale, ratio = None, c.build_scale
+    short = ratio * c.sent[0][1][K // 2]  # interrupted, or a smaller K: compared with the prediction at its steps
+    c.observe_build(short, K // 2)
+    assert c.build_scale == pytest.approx(ratio) and short < 0.5 * (K // 2 + 1) / (K + 1)  # the glue is cheap
     # a build is draft passes: its measured scale is the draft's (a just-in-time miss is priced by it)
     assert c.costs.draft_step(1) == pytest.approx(step * c.build_scale / c.costs.target_scale)
 
@@ -156,3 +158,34 @@ def test_every_tree_is_scored_every_few_rounds_and_when_the_batch_changes(monkey
     scored.clear()
     c.choose([a, b])
     assert scored == [None]
+
+
+def test_a_shallow_build_of_a_wide_tapered_tree_costs_its_wide_steps():
+    """The build at K is the glue and K steps, the wide ones first: a K = 1 build of a tree that decodes 12
+    branches for 2 steps, then 1, costs the glue and one 12-row pass, far more than 2 / 6 of the whole K = 5
+    build (the mean pass, which the narrow tail makes cheap)."""
+    from saguaro.calibration.timeline import build_cost, rows_time
+    timing = profile().timing
+    cost = build_cost(timing, 5, 1, 12, branch_steps=2, deep=1)
+    glue, wide, narrow = (rows_time(timing.draft_rows, n) for n in (1, 12, 1))
+    assert cost == pytest.approx(np.cumsum([glue, wide, wide, narrow, narrow, narrow]))
+    assert cost[1] / 2 > cost[5] / 6
+    c = chooser([TreeOption([[[6, 6, 0, 0]]], [[[6, 6, 0, 0]]], [2])])
+    build = c.ssd.trees.build([seq()], 1, 1, K)
+    assert build.cost == pytest.approx(build_cost(timing, K, 1, 12, 2, c.ssd.trees.plan.deep_branches))
+
+
+def test_a_build_that_outlasts_the_verification_is_cut_and_its_hits_carry_the_steps_it_made():
+    """Drafts as dear as the verification: a build asked for K makes the glue and one step before the
+    verification ends (the pass in flight finishes), so at every K >= 1 it lasts the glue and a step, and a hit
+    carries one token: the chooser's hit tokens and build time at K are those of K = 1."""
+    prof = profile()
+    prof.timing.draft_rows = {n: 2.0 * t for n, t in prof.timing.target_rows.items()}
+    plan = SpecPlan.fixed([1, 1, 1, 1])
+    c = AdaptiveK(K, AdaptSettings(), LiveCosts.from_timing(prof.timing), Priors([0.0], [[0.9]], [0.3], [0.9]),
+                  SSDModel(lambda b: True, 0.5, 1.0, TreeModel(plan, prof.timing, [prof.temperatures["0.0"].primary])))
+    build = c.ssd.trees.build([seq()], 0, 1, K)
+    assert list(build.done) == [0, 1, 1, 1]
+    assert build.cut_s == pytest.approx([build.cost[0]] + [build.cost[1]] * K)
+    gains = c.tree_gains([seq()], BatchCosts.at(c.costs, 1, K))[0, 0]
+    assert gains[2] < gains[1] and gains[3] < gains[1]  # the same tokens and build, a dearer verification

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saguaro.adapt.costs import LiveCosts, build_passes
+from saguaro.adapt.costs import LiveCosts
 from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
@@ -73,7 +73,9 @@ class AdaptiveK(KSchedule):
     model with the request's estimate, the tree whose sequences' best gains sum highest is taken (ties: the
     lower index, the plan's own first), and each request's K is its best in that tree. A tree's hit rate is
     the request's measured one moved by the model's difference from the tree its observed rounds were built
-    in; a build's time is the profile's for the tree scaled as the measured builds were."""
+    in; a build's time is the profile's for the tree at the K asked, scaled as the measured builds were, and a
+    build that outlasts the verification is cut when it ends, so a hit carries the steps it made
+    (``tree_choice.TreeBuild``)."""
 
     def __init__(self, max_k: int, settings: AdaptSettings, costs: LiveCosts, priors: Priors,
                  ssd: SSDModel | None = None):
@@ -84,8 +86,8 @@ class AdaptiveK(KSchedule):
         self.priors = priors
         self.ssd = ssd
         self.states: dict[int, RequestState] = {}
-        # the last two rounds' trees and their predicted builds (profile units), oldest first
-        self.sent: deque[tuple[int, float]] = deque(maxlen=2)
+        # the last two rounds' trees and their predicted builds at K = 0..max (profile units), oldest first
+        self.sent: deque[tuple[int, np.ndarray]] = deque(maxlen=2)
         self.build_scale: float | None = None  # measured build / the profile's for its tree (None: none measured)
         self.tree = 0
         self._tree_age, self._tree_batch = TREE_INTERVAL, frozenset()  # rounds since every tree was scored, for whom
@@ -131,7 +133,7 @@ class AdaptiveK(KSchedule):
         else:
             gains = self.tree_gains(seqs, costs, [self.tree])[0]
         self._tree_age += 1
-        self.sent.append((self.tree, self.ssd.trees.build(seqs, self.tree, len(seqs))[0]))
+        self.sent.append((self.tree, self.ssd.trees.build(seqs, self.tree, len(seqs), self.max_k).cost))
         return gains
 
     def tree_gains(self, seqs: list[Sequence], costs: BatchCosts, only: list[int] | None = None) -> np.ndarray:
@@ -150,11 +152,13 @@ class AdaptiveK(KSchedule):
         for tree in range(trees.trees) if only is None else only:
             fan_outs = trees.fan_outs(seqs, tree, costs.batch)
             p_hit = np.clip(observed + trees.model_hits(fan_outs, weights, sources) - reference, 0.0, 1.0)
-            build_s, slowdown = trees.build(seqs, tree, costs.batch)  # at the plan's K: K + 1 passes
-            build_s = build_s * scale * build_passes(np.arange(self.max_k + 1)) / build_passes(trees.plan.k)
-            round_ = SSDRound(p_hit[:, None], build_s, self.ssd.jit_misses_at(costs.batch), backup, slowdown)
-            out.append(ssd_gains(trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources), costs, round_,
-                                 miss_tokens=tokens))
+            # a build asked for K stops when the verification ends: it lasts until then (the pass in flight
+            # included), and a hit carries the steps it made
+            build = trees.build(seqs, tree, costs.batch, self.max_k)
+            round_ = SSDRound(p_hit[:, None], build.cut_s * scale, self.ssd.jit_misses_at(costs.batch), backup,
+                              build.slowdown)
+            hit = trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources)[:, build.done]
+            out.append(ssd_gains(hit, costs, round_, miss_tokens=tokens))
         return np.stack(out)
 
     def gains(self, seqs: list[Sequence], costs: BatchCosts, reproducible: bool = False) -> np.ndarray:
@@ -207,11 +211,11 @@ class AdaptiveK(KSchedule):
         self.costs.observe_build(seconds, steps)
         if self.ssd is None or self.ssd.trees is None or not self.sent or seconds <= 0:
             return
-        # the build this response reports ran in the tree sent the round before; compared pass for pass, as the
-        # K asked of it (and an interruption) set its steps
-        predicted = self.sent[0][1] / build_passes(self.ssd.trees.plan.k)
+        # the build this response reports ran in the tree sent the round before; compared with that tree's
+        # prediction at the steps it made (the K asked of it, or fewer when interrupted)
+        predicted = self.sent[0][1][min(max(steps, 0), len(self.sent[0][1]) - 1)]
         if predicted > 0:
-            ratio = seconds / build_passes(steps) / predicted
+            ratio = seconds / predicted
             w = self.costs.weight
             self.build_scale = ratio if self.build_scale is None else (1 - w) * self.build_scale + w * ratio
             # a build is the draft's passes, predicted from the draft's table: so is a just-in-time miss, priced

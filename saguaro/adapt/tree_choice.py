@@ -7,8 +7,10 @@ that depend on the tree (``AdaptiveK`` scores every tree with them and builds th
 * Tokens of a hit: a tapered tree's branches carry S tokens, except its ``deep_branches`` likeliest ones, which
   carry K: E_hit(k) = (1 - s) E(min(k, S)) + s E(k), s the share of the hit probability on those branches
   (``calibration.hits.deep_share``, with the request's outcome law).
-* Build: the profile's time for the tree's branches at the batch size, beside the verification
-  (``calibration.timeline.build_time``), in the profile's units, and the bus slowdown of a pass that wide.
+* Build (``TreeBuild``): at each K, the profile's time for the glue and K steps of the tree's branches at the batch
+  size, beside the verification (``calibration.timeline.build_cost``: the wide steps first, then a tapered tree's
+  narrow ones), in the profile's units; how many of the K steps a build makes before the verification's end cuts
+  it (``build_time``: the pass in flight finishes), and the verification's bus slowdown beside a pass that wide.
 """
 from __future__ import annotations
 
@@ -18,11 +20,24 @@ import numpy as np
 
 from saguaro.calibration.hits import deep_share, depth_curves
 from saguaro.calibration.profile import Source, Timing
-from saguaro.calibration.timeline import build_time, slowdowns
+from saguaro.calibration.timeline import build_cost, build_time, slowdowns
 from saguaro.engine.sequence import Sequence
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.speculator import seq_temperature
 from saguaro.ssd_settings import DraftedBy
+
+
+@dataclass
+class TreeBuild:
+    """A build in one tree for one batch, at K = 0..max_k (profile units)."""
+    cost: np.ndarray  # [max_k + 1]: seconds of the glue and K steps, all made
+    done: np.ndarray  # [max_k + 1]: the steps a build asked for K makes before the verification ends (<= K)
+    slowdown: float  # the verification's, beside a pass that wide
+
+    @property
+    def cut_s(self) -> np.ndarray:
+        """[max_k + 1]: seconds until a build asked for K stops (its steps made, the one in flight included)."""
+        return self.cost[self.done]
 
 
 @dataclass
@@ -31,7 +46,7 @@ class TreeModel:
     timing: Timing  # the profile's costs
     sources: list[Source]  # the profile's primary source per prior temperature (``Priors.temperatures`` order)
     curves: list[np.ndarray] = field(init=False)  # per source: [K + 1, F + 1] p_hit^d(F), index K all accepted
-    _builds: dict[tuple, tuple[float, float]] = field(default_factory=dict)
+    _builds: dict[tuple, TreeBuild] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         width = max(len(c) for s in self.sources for c in s.hit_curves) if self.sources else 1
@@ -74,13 +89,15 @@ class TreeModel:
             out[b] = (1 - share) * tokens[b, np.minimum(np.arange(k + 1), steps)] + share * tokens[b]
         return out
 
-    def build(self, seqs: list[Sequence], tree: int, batch: int) -> tuple[float, float]:
-        """(seconds in the profile's units, the verification's bus slowdown) of a build in ``tree`` for this
-        batch: its sequences' mean branch count, the tree's taper at the first one's temperature."""
+    def build(self, seqs: list[Sequence], tree: int, batch: int, max_k: int) -> TreeBuild:
+        """A build in ``tree`` for this batch at K = 0..max_k: its sequences' mean branch count, the tree's taper
+        at the first one's temperature."""
         branches = max(1, round(float(np.mean(self.fan_outs(seqs, tree, batch).sum(axis=1)))))
         steps = self.plan.steps_for(seq_temperature(seqs[0]), tree)
-        key = (branches, steps, batch)
+        key = (branches, steps, batch, max_k)
         if key not in self._builds:
-            t = build_time(self.timing, self.plan.k, batch, branches, steps, self.plan.deep_branches)
-            self._builds[key] = (t.t_hit * t.t_v, slowdowns(self.timing, batch * branches)[0])
+            deep = self.plan.deep_branches
+            done = [build_time(self.timing, k, batch, branches, steps, deep).deep_steps for k in range(max_k + 1)]
+            self._builds[key] = TreeBuild(build_cost(self.timing, max_k, batch, branches, steps, deep),
+                                          np.array(done), slowdowns(self.timing, batch * branches)[0])
         return self._builds[key]

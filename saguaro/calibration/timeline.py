@@ -84,6 +84,26 @@ def step_overhead(timing: Timing, rows: int, sampled: bool) -> float:
     return rows_time(table, rows) if table else 0.0
 
 
+def build_widths(k: int, batch: int, rows: int, branch_steps: int | None = None, deep: int = 1) -> list[int]:
+    """The rows of each pass of a build of K steps: the glue, one row per sequence (a speculation from the draft
+    arrives with its k/v and ranked ids; only its last token is fed), then ``rows`` per sequence for the first
+    ``branch_steps`` steps (all of them when None) and ``deep`` after them (a tapered tree)."""
+    full = k if branch_steps is None else min(branch_steps, k)
+    return [batch] + [batch * max(rows, 1)] * full + [batch * deep] * (k - full)
+
+
+def build_cost(timing: Timing, max_k: int, batch: int, rows: int, branch_steps: int | None = None,
+               deep: int = 1, sampled: bool = False) -> np.ndarray:
+    """[max_k + 1]: seconds of a whole build of K = 0..max_k steps beside a verification, each pass at its width
+    (``build_widths``) slowed by the bus as the profile measured (``slowdowns``), each step with its logits' work
+    (``step_overhead``). The wide steps come first, so a shallow build of a wide tree costs more per pass than
+    the whole tree's mean."""
+    widths = build_widths(max_k, batch, rows, branch_steps, deep)
+    passes = [rows_time(timing.draft_rows, w) * slowdowns(timing, w)[1] for w in widths]
+    passes[1:] = [p + step_overhead(timing, w, sampled) for p, w in zip(passes[1:], widths[1:])]
+    return np.cumsum(passes)
+
+
 def build_time(timing: Timing, k: int, batch: int, rows: int, branch_steps: int | None = None,
                deep: int = 1, sampled: bool = False) -> BuildTime:
     """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
@@ -97,9 +117,7 @@ def build_time(timing: Timing, k: int, batch: int, rows: int, branch_steps: int 
     always runs, a later one only starts while the verification is still running."""
     t_alone = rows_time(timing.target_rows, batch * (k + 1))
     full = k if branch_steps is None else branch_steps
-    # the glue: one row per sequence (a speculation from the draft arrives with its k/v and ranked ids;
-    # only its last token is fed), then the branch steps
-    widths = [batch] + [batch * max(rows, 1)] * full + [batch * deep] * (k - full)
+    widths = build_widths(k, batch, rows, branch_steps, deep)
     clock = work = 0.0  # wall time of the draft, verification work done (in uncontended seconds)
     t_v = None
     passes = 0

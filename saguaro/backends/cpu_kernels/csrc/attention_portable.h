@@ -14,7 +14,7 @@
 // block would rescale by exp(0) = 1 and add zeros. Every operation is per lane, so a lane's result depends only
 // on its own query, mask and keys, never on the lanes or the pass beside it.
 
-// LANES (common.h): (query, head) lanes per work item, one register; KEYS: keys scored together (independent
+// LANES (common.h): (query, head) lanes per vector, one register; KEYS: keys scored together (independent
 // FMA chains); WIDE: registers of a lane's output summed at once. Accumulators fill at most half the registers
 // (16 ymm or SSE, 32 NEON), so none is spilled. None of them changes a lane's bits.
 constexpr int64_t KEYS = 8;
