@@ -12,7 +12,7 @@ from saguaro.adapt.costs import LiveCosts
 from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
-from saguaro.adapt.tree_choice import TreeModel
+from saguaro.adapt.tree_choice import TreeModel, branches_at
 from saguaro.engine.k_schedule import KSchedule
 from saguaro.engine.sequence import Sequence
 
@@ -112,9 +112,9 @@ class AdaptiveK(KSchedule):
                         self.gains(group, BatchCosts.at(self.profile, 1, self.max_k), True) if group else []))
         ks = [self._one(seq, rows.get(seq.seq_id, row)) for seq, row in zip(seqs, live)]
         if self.ssd is not None and self.ssd.trees is not None:
-            branches = self.ssd.trees.fan_outs(seqs, self.tree, len(seqs)).sum(axis=1)  # one call for the batch
-            for seq, k, n in zip(seqs, ks, branches):  # the branches asked of the build for it (none at K = 0)
-                seq.spec.fan_out_per_round.append(int(n) if k else 0)
+            branches = branches_at(self.ssd.trees.fan_outs(seqs, self.tree, len(seqs)))  # one call for the batch
+            for seq, k, row in zip(seqs, ks, branches):  # the branches asked of the build for it (none at K = 0)
+                seq.spec.fan_out_per_round.append(int(row[k]) if k else 0)
         return ks
 
     def _live_gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
@@ -156,7 +156,7 @@ class AdaptiveK(KSchedule):
             # included), and a hit carries the steps it made
             build = trees.build(seqs, tree, costs.batch, self.max_k)
             round_ = SSDRound(p_hit[:, None], build.cut_s * scale, self.ssd.jit_misses_at(costs.batch), backup,
-                              build.slowdown)
+                              build.slowdown)  # (each at K = 0..max)
             hit = trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources)[:, build.done]
             out.append(ssd_gains(hit, costs, round_, miss_tokens=tokens))
         return np.stack(out)

@@ -54,7 +54,7 @@ class SSDRound:
     build_s: float | np.ndarray  # the speculator's build beside a verification (or [max_k + 1]: at each K)
     jit_misses: bool  # a miss is drafted just in time (K draft steps); else by a point-mass backup (free)
     backup_acceptance: float | np.ndarray  # a point-mass backup's acceptance (E_miss when not just in time)
-    slowdown: float = 1.0  # the verification's, beside a build (the bus contention)
+    slowdown: float | np.ndarray = 1.0  # the verification's beside a build (the bus contention; or [max_k + 1])
 
 
 def ssd_gains(tokens: np.ndarray, costs: BatchCosts, round_: SSDRound,

@@ -7,8 +7,9 @@ that depend on the tree (``AdaptiveK`` scores every tree with them and builds th
 * Tokens of a hit: a tapered tree's branches carry S tokens, except its ``deep_branches`` likeliest ones, which
   carry K: E_hit(k) = (1 - s) E(min(k, S)) + s E(k), s the share of the hit probability on those branches
   (``calibration.hits.deep_share``, with the request's outcome law).
-* Build (``TreeBuild``): at each K, the profile's time for the glue and K steps of the tree's branches at the batch
-  size, beside the verification (``calibration.timeline.build_cost``: the wide steps first, then a tapered tree's
+* Build (``TreeBuild``): at each K, the branches a K-draft speculation gets (``branches_at``: its guesses at
+  depths 0..K - 1 and the all-accepted outcome's), the profile's time for the glue and K steps of them at the batch
+  size beside the verification (``calibration.timeline.build_cost``: the wide steps first, then a tapered tree's
   narrow ones), in the profile's units; how many of the K steps a build makes before the verification's end cuts
   it (``build_time``: the pass in flight finishes), and the verification's bus slowdown beside a pass that wide.
 """
@@ -32,12 +33,16 @@ class TreeBuild:
     """A build in one tree for one batch, at K = 0..max_k (profile units)."""
     cost: np.ndarray  # [max_k + 1]: seconds of the glue and K steps, all made
     done: np.ndarray  # [max_k + 1]: the steps a build asked for K makes before the verification ends (<= K)
-    slowdown: float  # the verification's, beside a pass that wide
+    cut_s: np.ndarray  # [max_k + 1]: seconds until a build asked for K stops (its steps made, the one in flight)
+    slowdown: np.ndarray  # [max_k + 1]: the verification's, beside the passes of a build at K
 
-    @property
-    def cut_s(self) -> np.ndarray:
-        """[max_k + 1]: seconds until a build asked for K stops (its steps made, the one in flight included)."""
-        return self.cost[self.done]
+
+def branches_at(fan_outs: np.ndarray) -> np.ndarray:
+    """[B, K + 1]: the branches a speculation of k = 0..K drafts builds in a tree of ``fan_outs`` [B, K + 1]: its
+    guesses at depths 0..k - 1 and the all-accepted outcome's F_K (``ssd.outcomes.predict_outcomes``)."""
+    k = fan_outs.shape[1] - 1
+    shallow = np.concatenate([np.zeros((len(fan_outs), 1)), np.cumsum(fan_outs[:, :k], axis=1)], axis=1)
+    return shallow + fan_outs[:, [k]]
 
 
 @dataclass
@@ -90,14 +95,19 @@ class TreeModel:
         return out
 
     def build(self, seqs: list[Sequence], tree: int, batch: int, max_k: int) -> TreeBuild:
-        """A build in ``tree`` for this batch at K = 0..max_k: its sequences' mean branch count, the tree's taper
-        at the first one's temperature."""
-        branches = max(1, round(float(np.mean(self.fan_outs(seqs, tree, batch).sum(axis=1)))))
+        """A build in ``tree`` for this batch at K = 0..max_k: its sequences' mean branch count at each K, the
+        tree's taper at the first one's temperature."""
+        rows = branches_at(self.fan_outs(seqs, tree, batch)).mean(axis=0)[:max_k + 1]
+        rows = tuple(int(n) for n in np.maximum(1, np.round(rows)))
         steps = self.plan.steps_for(seq_temperature(seqs[0]), tree)
-        key = (branches, steps, batch, max_k)
+        key = (rows, steps, batch)
         if key not in self._builds:
-            deep = self.plan.deep_branches
-            done = [build_time(self.timing, k, batch, branches, steps, deep).deep_steps for k in range(max_k + 1)]
-            self._builds[key] = TreeBuild(build_cost(self.timing, max_k, batch, branches, steps, deep),
-                                          np.array(done), slowdowns(self.timing, batch * branches)[0])
+            deep, cost, done, cut, slow = self.plan.deep_branches, [], [], [], []
+            for k, n in enumerate(rows):
+                whole = build_cost(self.timing, k, batch, n, steps, deep)
+                done.append(min(build_time(self.timing, k, batch, n, steps, deep).deep_steps, k))
+                cost.append(whole[k])
+                cut.append(whole[done[-1]])
+                slow.append(slowdowns(self.timing, batch * n)[0])
+            self._builds[key] = TreeBuild(*(np.array(v) for v in (cost, done, cut, slow)))
         return self._builds[key]
