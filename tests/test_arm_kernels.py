@@ -1,6 +1,6 @@
 """The portable kernel tier run on aarch64, not only compiled for it: tests/arm/kernel_harness.cpp (the tier's
-GEMM tiles for bf16, int8 and int4 weights, activation quantization, attention through the same dispatch as the
-extension, so the tiled causal attention included, and RMSNorm) is built natively and, cross-compiled statically
+GEMM tiles for bf16, int8 and int4 weights, activation quantization, attention (the one kernel of every pass,
+as in the extension) and RMSNorm) is built natively and, cross-compiled statically
 with Debian's aarch64 toolchain, run under qemu-aarch64 on the same inputs.
 
 The bf16 products, the activation quantization, attention and RMSNorm must be bit-identical on both: the same
@@ -89,8 +89,8 @@ def _chunk(cached: int, new: int, first: int) -> tuple[list[int], torch.Tensor]:
 
 
 def _attention_case(path: Path, seed: int) -> tuple[list[str], dict]:
-    """A 40-token chunk after 70 (the tiled kernel, key blocks of 64 crossed), a decode token, a short chunk
-    and tree branches (the other kernel), in one call, grouped heads."""
+    """A 40-token chunk after 70 (key blocks of 64 crossed), a decode token, a short chunk and tree branches (a
+    mask read from its bytes), in one call, grouped heads."""
     H, KVH, D = 9, 3, 64
     tree = torch.zeros(5, 65, dtype=torch.bool)
     tree[:, :60] = True
