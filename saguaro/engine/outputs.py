@@ -31,8 +31,9 @@ class SpeculationMetrics:
     rounds_at_k0: int = 0
     mean_k: float = 0.0
     acceptance_estimate: list[float] = field(default_factory=list)
-    # SSD, adaptive: the branches each round's build was asked to prepare for the request (the sum of the fan-outs
-    # of the cache tree chosen for the round; 0 at K = 0), one request's, and their mean over the speculating rounds
+    # SSD, adaptive: the branches each round's build was asked to prepare for the request (in the round's cache tree,
+    # its guesses at depths 0..K - 1 and the all-accepted one's; 0 at K = 0), one request's, and their mean over the
+    # speculating rounds
     fan_out_per_round: list[int] = field(default_factory=list)
     mean_fan_out: float = 0.0
 

@@ -21,7 +21,8 @@ Per-request adaptive K (saguaro.adapt): saguaro:spec_decode_k (histogram of the 
 saguaro:spec_decode_rounds_at_k0_total (rounds a request ran as AR) and
 saguaro:spec_decode_acceptance_estimate{position} (the running requests' mean estimate, read when scraped);
 SSD adds saguaro:ssd_build_fan_out (histogram of the branches each round's build was asked to prepare for a
-request: the sum of the fan-outs of the cache tree chosen for the round).
+request: in the cache tree chosen for the round, the fan-outs of a speculation of the request's K, its guesses
+at depths 0..K - 1 and the all-accepted one's).
 """
 from __future__ import annotations
 
