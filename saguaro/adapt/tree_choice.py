@@ -105,7 +105,7 @@ class TreeModel:
             deep, cost, done, cut, slow = self.plan.deep_branches, [], [], [], []
             for k, n in enumerate(rows):
                 whole = build_cost(self.timing, k, batch, n, steps, deep)
-                done.append(min(build_time(self.timing, k, batch, n, steps, deep).deep_steps, k))
+                done.append(build_time(self.timing, k, batch, n, steps, deep).deep_steps)  # at most k
                 cost.append(whole[k])
                 cut.append(whole[done[-1]])
                 slow.append(slowdowns(self.timing, batch * n)[0])

@@ -92,16 +92,20 @@ def build_widths(k: int, batch: int, rows: int, branch_steps: int | None = None,
     return [batch] + [batch * max(rows, 1)] * full + [batch * deep] * (k - full)
 
 
+def build_pass(timing: Timing, width: int, step: bool, sampled: bool) -> tuple[float, float]:
+    """(the forward of a build pass ``width`` rows wide beside a verification, slowed by the bus as the profile
+    measured (``slowdowns``); a step's own logits work after it (``step_overhead``; none for the glue))."""
+    dur = rows_time(timing.draft_rows, width) * slowdowns(timing, width)[1]
+    return dur, step_overhead(timing, width, sampled) if step else 0.0
+
+
 def build_cost(timing: Timing, max_k: int, batch: int, rows: int, branch_steps: int | None = None,
                deep: int = 1, sampled: bool = False) -> np.ndarray:
     """[max_k + 1]: seconds of a whole build of K = 0..max_k steps beside a verification, each pass at its width
-    (``build_widths``) slowed by the bus as the profile measured (``slowdowns``), each step with its logits' work
-    (``step_overhead``). The wide steps come first, so a shallow build of a wide tree costs more per pass than
-    the whole tree's mean."""
+    (``build_widths``, ``build_pass``). The wide steps come first, so a shallow build of a wide tree costs more
+    per pass than the whole tree's mean."""
     widths = build_widths(max_k, batch, rows, branch_steps, deep)
-    passes = [rows_time(timing.draft_rows, w) * slowdowns(timing, w)[1] for w in widths]
-    passes[1:] = [p + step_overhead(timing, w, sampled) for p, w in zip(passes[1:], widths[1:])]
-    return np.cumsum(passes)
+    return np.cumsum([sum(build_pass(timing, w, i > 0, sampled)) for i, w in enumerate(widths)])
 
 
 def build_time(timing: Timing, k: int, batch: int, rows: int, branch_steps: int | None = None,
@@ -124,9 +128,8 @@ def build_time(timing: Timing, k: int, batch: int, rows: int, branch_steps: int 
     for i, width in enumerate(widths):
         if i >= 2 and t_v is not None:
             break
-        slow_target, slow_draft = slowdowns(timing, width)
-        dur = rows_time(timing.draft_rows, width) * slow_draft  # the forward, beside the verification
-        extra = step_overhead(timing, width, sampled) if i else 0.0  # the step's own logits work (CPU)
+        slow_target = slowdowns(timing, width)[0]
+        dur, extra = build_pass(timing, width, i > 0, sampled)  # the forward beside the verification; its logits
         if t_v is None and work + dur / slow_target >= t_alone:
             t_v = clock + (t_alone - work) * slow_target
         work += dur / slow_target
