@@ -8,7 +8,7 @@ from saguaro.engine.k_schedule import KSchedule
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan
-from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
+from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest
 from saguaro.ssd.speculator import Speculator
 from tests.tiny import PROMPTS, greedy_tokens
 
@@ -119,12 +119,26 @@ def test_speculator_answers_k_zero_without_drafting_or_building(pair):
     assert runner.blocks.num_free == runner.blocks.num_blocks
 
 
-def test_ssd_rounds_at_k_zero_cost_no_build(pair, ar_outputs):
+@pytest.mark.parametrize("transport", ["thread", "process"])
+def test_ssd_rounds_at_k_zero_cost_no_build_and_no_wait(pair, ar_outputs, transport):
+    """A round whose every K is 0 is posted to the speculator, which applies it and builds nothing; the verifier
+    does not wait for its (empty) answer. When K comes back the speculator has followed every AR step."""
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4,
-             fan_out=[2, 2, 2, 4], speculator_transport="thread") as llm:
+             fan_out=[2, 2, 2, 4], speculator_transport=transport) as llm:
         decoder = llm.engine.decoder
+        calls = {"post": 0, "exchange": 0}
+        for name in calls:
+            def counted(request, send=getattr(decoder.link, name), name=name):
+                calls[name] += request.command != CMD_PREFILL
+                return send(request)
+            setattr(decoder.link, name, counted)
         decoder.schedule = Scripted(3, [0])
         outs = llm.generate(PROMPTS[1], SamplingParams(max_tokens=TOKENS))
-        trace = decoder.trace
-    assert outs[0].token_ids == ar_outputs[1]
+        trace = list(decoder.trace)
+        assert calls == {"post": len(trace), "exchange": 0}
+        decoder.schedule = Scripted(3, [0, 0, 0, 3])  # quiet rounds, then one that waits for a speculation
+        again = llm.generate(PROMPTS[1], SamplingParams(max_tokens=TOKENS))
+        assert calls["exchange"] > 0 and decoder.failure is None
+    assert outs[0].token_ids == ar_outputs[1] == again[0].token_ids
     assert all(t.build_steps == 0 for t in trace)
+    assert 3 in again[0].spec_counts.k_per_round and again[0].spec_counts.drafted > 0

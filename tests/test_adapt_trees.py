@@ -156,10 +156,33 @@ def test_every_tree_is_scored_every_few_rounds_and_when_the_batch_changes(monkey
     monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None: scored.append(only) or real(seqs, costs, only))
     for _ in range(TREE_INTERVAL + 1):
         c.choose([a])
+        c.observe(a, K, 1, hit=True)  # a verified round: the next one's gains are new
     assert scored == [None] + [[c.tree]] * (TREE_INTERVAL - 1) + [None]
     scored.clear()
     c.choose([a, b])
     assert scored == [None]
+
+
+def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeypatch):
+    """Rounds at K = 0 (AR steps) teach the chooser nothing: it keeps the last gains for ``TREE_INTERVAL`` such
+    rounds instead of scoring again, so an AR step does not pay for it; it chooses what it would have chosen.
+    A verified draft, a new batch, or the interval's end score again."""
+    c, fresh, a, b = chooser([SHALLOW, DEEP]), chooser([SHALLOW, DEEP]), seq(), seq()
+    for x in (c, fresh):
+        x.settings = AdaptSettings(min_gain=100.0, probe_interval=3, max_probe_interval=3)  # K = 0, probes
+    scored, real = [], c.tree_gains
+    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None: scored.append(only) or real(seqs, costs, only))
+    ks, expected = [], []
+    for _ in range(2 * (TREE_INTERVAL + 1) + 1):
+        ks.append(c.choose([a])[0])
+        fresh._rest = None  # a chooser that scores every round
+        expected.append(fresh.choose([a])[0])
+    assert ks == expected and 0 in ks and max(ks) > 0  # the same K's, probes included
+    assert len(scored) == 3  # at rounds 0, TREE_INTERVAL + 1 and 2 * (TREE_INTERVAL + 1): none between
+    c.observe(a, 1, 0, hit=False)  # a probe verified: its gains move
+    c.choose([a])
+    c.choose([a, b])  # another batch
+    assert len(scored) == 5
 
 
 def test_a_shallow_build_of_a_wide_tapered_tree_costs_its_wide_steps():

@@ -3,7 +3,10 @@ import pytest
 
 generate_latest = pytest.importorskip("prometheus_client").generate_latest  # absent on the GPU machine
 
+import numpy as np  # noqa: E402
+
 from saguaro import LLM, SamplingParams  # noqa: E402
+from saguaro.adapt.tree_choice import branches_at  # noqa: E402
 from saguaro.adapt_settings import AdaptSettings  # noqa: E402
 from saguaro.server.metrics import RequestCounts, ServerMetrics  # noqa: E402
 from tests.tiny import PROMPTS, weak_pair  # noqa: E402
@@ -64,7 +67,9 @@ def test_ssd_reports_the_fan_out_chosen_per_round():
         spec = out.spec
         assert len(spec.fan_out_per_round) == len(spec.k_per_round)
         assert all((f > 0) == (k > 0) for f, k in zip(spec.fan_out_per_round, spec.k_per_round))
-        assert set(spec.fan_out_per_round) - {0} <= {sum(f) for f in plan.lists()}  # one of the plan's trees
+        # a K-draft speculation's branches in one of the plan's trees: its guesses at depths 0..K - 1 and F_K's
+        at_k = [{int(branches_at(np.array([f]))[0][k]) for f in plan.lists()} for k in range(4)]
+        assert all(f in at_k[k] for f, k in zip(spec.fan_out_per_round, spec.k_per_round) if k)
         built += [f for f in spec.fan_out_per_round if f]
     assert built and llm.spec_metrics(outs).mean_fan_out == pytest.approx(sum(built) / len(built))
     text = generate_latest(metrics.registry).decode()

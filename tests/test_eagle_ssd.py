@@ -140,7 +140,7 @@ def test_branches_are_the_heads_own_chains(target, head_dir):  # noqa: F811
                              threads=1, kv_cache_tokens=256, block_size=4, timeout_s=60)
     link = InProcessLink(draft, opts)
     try:
-        link.prefill(RoundRequest(admissions=[Admission(0, prompt, Params(), 0, features.rows[0], 0)],
+        link.post(RoundRequest(admissions=[Admission(0, prompt, Params(), 0, features.rows[0], 0)],
                                   command=CMD_PREFILL))
         link.exchange(RoundRequest(admissions=[Admission(0, prompt + [first], Params(), 0)], order=[0]))
         speculator: Speculator = link.speculator

@@ -62,5 +62,5 @@ def test_config_resolves_the_placement():
 
 def test_every_link_is_a_speculator_link():
     for link in (WorkerLink, ThreadLink, InProcessLink):
-        assert all(callable(getattr(link, m, None)) for m in ("prefill", "exchange", "stop", "kill")), link
+        assert all(callable(getattr(link, m, None)) for m in ("post", "exchange", "stop", "kill")), link
     assert not isinstance(object(), SpeculatorLink)

@@ -91,6 +91,8 @@ class AdaptiveK(KSchedule):
         self.build_scale: float | None = None  # measured build / the profile's for its tree (None: none measured)
         self.tree = 0
         self._tree_age, self._tree_batch = TREE_INTERVAL, frozenset()  # rounds since every tree was scored, for whom
+        # the last gains computed: (the batch and what it had verified, the gains, rounds they were reused)
+        self._rest: tuple[tuple, list[np.ndarray], int] | None = None
 
     def state(self, seq: Sequence) -> RequestState:
         state = self.states.get(seq.seq_id)
@@ -105,17 +107,31 @@ class AdaptiveK(KSchedule):
     def _choose(self, seqs: list[Sequence]) -> list[int]:
         if self.max_k == 0 or not seqs:
             return [0] * len(seqs)
-        seeded = [s.generator is not None and s.params.seed is not None for s in seqs]
+        ks = [self._one(seq, row) for seq, row in zip(seqs, self._round_gains(seqs))]
+        if self.ssd is not None and self.ssd.trees is not None:
+            # the branches asked of the build for each (none at K = 0); one call for the batch
+            branches = branches_at(self.ssd.trees.fan_outs(seqs, self.tree, len(seqs))) if any(ks) else None
+            for b, (seq, k) in enumerate(zip(seqs, ks)):
+                seq.spec.fan_out_per_round.append(int(branches[b][k]) if k else 0)
+        return ks
+
+    def _round_gains(self, seqs: list[Sequence]) -> list[np.ndarray]:
+        """Each sequence's gains at K = 0..max for this round. A batch that verified no draft last round (every
+        request at K = 0) has learnt nothing: only the slowly moving pass costs could change its gains, so they
+        are kept for up to ``TREE_INTERVAL`` such rounds. This keeps the chooser off an AR step's path."""
+        key = tuple((s.seq_id, st.estimate.rounds, st.hit_rate.rounds) for s, st in zip(seqs, map(self.state, seqs)))
+        if self._rest is not None and self._rest[0] == key and self._rest[2] < TREE_INTERVAL:
+            self._rest = (key, self._rest[1], self._rest[2] + 1)
+            if self.sent:  # the round is sent in the same tree, whose build is priced the same
+                self.sent.append(self.sent[-1])
+            return self._rest[1]
         live = self._live_gains(seqs, BatchCosts.at(self.costs, len(seqs), self.max_k))
-        group = [s for s, flag in zip(seqs, seeded) if flag]
+        group = [s for s in seqs if s.generator is not None and s.params.seed is not None]
         rows = dict(zip([s.seq_id for s in group],
                         self.gains(group, BatchCosts.at(self.profile, 1, self.max_k), True) if group else []))
-        ks = [self._one(seq, rows.get(seq.seq_id, row)) for seq, row in zip(seqs, live)]
-        if self.ssd is not None and self.ssd.trees is not None:
-            branches = branches_at(self.ssd.trees.fan_outs(seqs, self.tree, len(seqs)))  # one call for the batch
-            for seq, k, row in zip(seqs, ks, branches):  # the branches asked of the build for it (none at K = 0)
-                seq.spec.fan_out_per_round.append(int(row[k]) if k else 0)
-        return ks
+        gains = [rows.get(seq.seq_id, row) for seq, row in zip(seqs, live)]
+        self._rest = (key, gains, 0)
+        return gains
 
     def _live_gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
         """[B, max_k + 1] from everything measured, in the round's tree (SSD: chosen here, ``self.tree``)."""

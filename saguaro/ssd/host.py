@@ -6,7 +6,8 @@ in-process link (``in_process.py``) -- starts the speculator and serves it throu
 only in how requests reach it and responses leave it.
 
 Serving, per request: a stop ends it; a prefill is taken (its tokens are fed later) and gets no response; a
-round is answered (``respond``) and then the next cache is built until a request other than a prefill is
+round is answered (``respond``; a quiet round, whose every K is 0, is applied the same way and its empty
+answer is not sent) and then the next cache is built until a request other than a prefill is
 waiting (``Inbox.interrupted``: a prefill arriving meanwhile waits, and the build goes on). In the idle time
 after that -- the build done, no request waiting -- the pending prefill is fed a piece at a time
 (``prefill_work.py``), so a long prompt's prefill never delays a round's response nor cuts a build short.
@@ -25,7 +26,7 @@ from saguaro.drafts import SpeculatorDraft, as_draft
 from saguaro.loading import LoadedModel
 from saguaro.models.draft_format import DraftFormat
 from saguaro.ssd.plan import SpecPlan
-from saguaro.ssd.protocol import CMD_PREFILL, CMD_STOP, RoundRequest, RoundResponse
+from saguaro.ssd.protocol import CMD_PREFILL, CMD_QUIET, CMD_STOP, RoundRequest, RoundResponse
 from saguaro.ssd.ranks import RankRecorder, RecordingSpeculator
 from saguaro.ssd.speculator import Speculator
 
@@ -108,7 +109,9 @@ def handle(speculator: Speculator, request: RoundRequest, reply: Callable[[Round
     if request.command == CMD_PREFILL:
         speculator.prefill(request)  # taken only: fed while idle (``prefill_work.py``)
         return True
-    reply(speculator.respond(request))
+    response = speculator.respond(request)
+    if request.command != CMD_QUIET:
+        reply(response)
     speculator.build(interrupted=interrupted)
     return True
 

@@ -21,8 +21,8 @@ class InProcessLink:
         self.opts = opts
         self.speculator: Speculator | None = start_speculator(draft, opts, recorder)
 
-    def prefill(self, request: RoundRequest) -> None:
-        handle(self._live(), request, lambda response: None)  # a prefill gets no response
+    def post(self, request: RoundRequest) -> None:
+        handle(self._live(), request, lambda response: None)  # no response to it
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
         responses: list[RoundResponse] = []

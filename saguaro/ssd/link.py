@@ -25,8 +25,9 @@ from saguaro.ssd.protocol import RoundRequest, RoundResponse
 
 @runtime_checkable
 class SpeculatorLink(Protocol):
-    def prefill(self, request: RoundRequest) -> None:
-        """Hand over admissions to prefill ahead of their first round; no response. Raises ``ChannelClosed``."""
+    def post(self, request: RoundRequest) -> None:
+        """Send a request that gets no response (admissions to prefill ahead of their first round, or a round
+        whose every K is 0), without waiting. Raises ``ChannelClosed``."""
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
         """One round: send the outcomes, wait for the next speculations. Raises ``ChannelClosed``."""

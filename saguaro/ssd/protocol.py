@@ -49,6 +49,9 @@ CMD_ROUND, CMD_STOP = 1, 2
 # admissions only, sent before the target's own prefill: the speculator fills its draft cache with them
 # meanwhile (on its own device) and sends no response
 CMD_PREFILL = 3
+# a round whose every K is 0: the speculator applies it as any round, and sends no response, since every row of it
+# would be empty; the verifier goes on without waiting for it (an AR step costs the speculator's exchange nothing)
+CMD_QUIET = 4
 
 
 @dataclass

@@ -6,6 +6,8 @@ Per round, for the running batch:
   2. one request goes to the speculator: each verified sequence's outcome (k, t*), new
      sequences' tokens, finished sequences' ids;
   3. one response comes back: the next speculation for every sequence (a hit, or drafted after a miss).
+     A round whose every K is 0 is posted instead (``CMD_QUIET``): its rows would all be empty, so none is
+     awaited.
 If the speculator dies or stops answering, the decoder logs it and finishes every request
 with lossless n-gram SD in this process; nothing in flight is lost.
 """
@@ -30,7 +32,8 @@ from saguaro.ssd.channel import ChannelClosed
 from saguaro.ssd.link import SpeculatorLink
 from saguaro.ssd.plan import MissStrategyTracker, SpecPlan
 from saguaro.ssd_settings import MissStrategy
-from saguaro.ssd.protocol import CMD_PREFILL, Admission, Outcome, RoundRequest, SpecRow
+from saguaro.ssd.protocol import CMD_PREFILL, CMD_QUIET, CMD_ROUND, Admission, Outcome, RoundRequest, \
+    RoundResponse, SpecRow
 from saguaro.ssd.stream_priority import no_lane
 from saguaro.ssd.target_features import TargetFeatures
 
@@ -107,11 +110,17 @@ class SSDDecoder(Decoder):
         admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s.seq_id not in verified]
         # the next speculation's K, from the rounds verified so far (this one included): never from its own drafts
         ks = self.schedule.choose(seqs)
+        # every K is 0: every row of the answer would be empty, so the round is posted and not waited for
+        quiet = not any(ks)
         request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs], ks=ks,
-                               tree=self.schedule.tree)
+                               tree=self.schedule.tree, command=CMD_QUIET if quiet else CMD_ROUND)
         self.released = []
         try:
-            response = self.link.exchange(request)
+            if quiet:
+                self.link.post(request)
+                response = _quiet_answer(seqs)
+            else:
+                response = self.link.exchange(request)
         except ChannelClosed as e:
             self._fail(str(e))
             return [out[s.seq_id] for s in seqs]
@@ -141,7 +150,7 @@ class SSDDecoder(Decoder):
         if self.link is None:
             return
         try:
-            self.link.prefill(request)
+            self.link.post(request)
         except ChannelClosed as e:
             self._fail(str(e))
 
@@ -214,6 +223,12 @@ def _device_tokens(rows: list[SpecRow]) -> torch.Tensor:
     tokens = [r.device_tokens if r.tokens is None else to_device(torch.tensor(r.tokens, dtype=torch.long), device)
               for r in rows]
     return pad_sequence(tokens, batch_first=True)
+
+
+def _quiet_answer(seqs: list[Sequence]) -> RoundResponse:
+    """What the speculator answers a round whose every K is 0, and does not send: an empty row per sequence (its
+    hit flag is never read for a row asked at K = 0), and no build to report."""
+    return RoundResponse([SpecRow(False, [], None) for _ in seqs])
 
 
 def _seed(seq: Sequence) -> int:

@@ -97,7 +97,7 @@ class ThreadLink:
             raise RuntimeError(f"speculator thread failed during start-up: {e}") from e.__cause__
 
     # -- the target's side -------------------------------------------------------
-    def prefill(self, request: RoundRequest) -> None:
+    def post(self, request: RoundRequest) -> None:
         self._check_alive()
         request.fence = fence_features(request.feature_tensors())
         self.requests.put(request)

@@ -109,8 +109,8 @@ class WorkerLink:
             self.process.join(timeout=5)
             raise
 
-    def prefill(self, request: RoundRequest) -> None:
-        """Send admissions to prefill ahead of their first round (no response). Raises ``ChannelClosed``."""
+    def post(self, request: RoundRequest) -> None:
+        """Send a request that gets no response (``SpeculatorLink.post``). Raises ``ChannelClosed``."""
         self.channel.send(pack_request(request))
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
