@@ -18,7 +18,7 @@ from saguaro.theory.speedup import expected_tokens, sd_speedup
     (dict(max_k=-1), "max_k"), (dict(prior=1.5), "prior"), (dict(prior=-0.1), "prior"),
     (dict(decay=1.0), "decay"), (dict(probe_k=0), "probe_k"), (dict(probe_interval=0), "probe"),
     (dict(probe_interval=9, max_probe_interval=8), "probe"), (dict(prior_rounds=0), "prior_rounds"),
-    (dict(min_gain=0), "min_gain")])
+    (dict(min_gain=0), "min_gain"), (dict(stay_gain=0), "stay_gain"), (dict(stay_gain=1.1), "stay_gain")])
 def test_settings_out_of_range_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         AdaptSettings(**bad)
@@ -120,6 +120,23 @@ def test_chooser_falls_to_ar_probes_and_returns():
     assert c.states[s.seq_id].interval == 2
     c.release(s.seq_id)
     assert s.seq_id not in c.states
+
+
+def test_a_speculating_request_stays_until_its_gain_falls_below_stay_gain():
+    """Between ``stay_gain`` and ``min_gain``, a request that speculates keeps on (at K = 0 it would learn nothing)
+    and one at K = 0 does not start; below ``stay_gain`` it stops."""
+    c, s = chooser(prior=0.9, draft_ratio=0.3, probe_interval=64, max_probe_interval=64), seq()
+    gains = c.gains([s], BatchCosts.at(c.costs, 1, 5))[0]
+    c.settings = AdaptSettings(min_gain=gains[1:].max() + 0.01, stay_gain=gains[1:].max() - 0.01,
+                               probe_interval=64, max_probe_interval=64)
+    assert c.choose([s])[0] == 0  # not started: below min_gain
+    c.states[s.seq_id].speculated = True  # as if its last round had speculated
+    c.states[s.seq_id].at_zero = 0
+    assert c.choose([s])[0] == 1 + int(np.argmax(gains[1:]))  # above stay_gain: it stays
+    c.settings = AdaptSettings(min_gain=gains[1:].max() + 0.02, stay_gain=gains[1:].max() + 0.01,
+                               probe_interval=64, max_probe_interval=64)
+    assert c.choose([s])[0] == 0  # below stay_gain: it stops
+    assert c.choose([s])[0] == 0  # and at K = 0 it needs min_gain again
 
 
 def test_choices_depend_only_on_what_was_observed():

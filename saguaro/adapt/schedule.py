@@ -45,6 +45,7 @@ class RequestState:
     at_zero: int = 0  # rounds in a row at K = 0 since the last probe
     interval: int = 8  # rounds at K = 0 before the next probe
     probing: bool = False  # the last round was a probe
+    speculated: bool = False  # the last round was chosen at K > 0 (not a probe)
 
 
 @dataclass
@@ -60,7 +61,8 @@ class SSDModel:
 class AdaptiveK(KSchedule):
     """Per request: a running acceptance estimate by position (``AcceptanceEstimate``, prior from the profile),
     and each round the K in 0..max with the best predicted speedup (``speed.py``: Thm 2 with the live pass
-    costs). Speculation must be predicted to beat AR by ``settings.min_gain``; a request at K = 0 probes with
+    costs). Speculation must be predicted to beat AR by ``settings.min_gain`` to start, and a request that
+    speculates stops only below ``settings.stay_gain`` (at K = 0 it learns nothing); a request at K = 0 probes with
     ``probe_k`` drafts every ``interval`` rounds (doubling while probes do not pay), so it returns to
     speculation when its text becomes predictable.
 
@@ -196,12 +198,15 @@ class AdaptiveK(KSchedule):
     def _one(self, seq: Sequence, gains: np.ndarray) -> int:
         state, s = self.state(seq), self.settings
         best = 1 + int(np.argmax(gains[1:]))
-        if gains[best] >= s.min_gain:
+        speculating = state.at_zero == 0 and (state.probing or state.speculated)
+        if gains[best] >= (s.stay_gain if speculating else s.min_gain):
+            state.speculated = True
             state.at_zero, state.probing, state.interval = 0, False, s.probe_interval
             return best
         if state.probing:  # the probe did not pay: wait longer for the next one
             state.interval = min(2 * state.interval, s.max_probe_interval)
             state.probing = False
+        state.speculated = False
         state.at_zero += 1
         if state.at_zero > state.interval:
             state.at_zero, state.probing = 0, True
