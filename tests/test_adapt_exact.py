@@ -91,7 +91,7 @@ def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode):
 
 def test_speculator_answers_k_zero_without_drafting_or_building(pair):
     """K = 0: an empty answer, no just-in-time draft, no build; back at K = 3 the draft catches up on the tokens
-    it skipped, and every block comes back at release."""
+    it skipped; a build is as deep as the K last asked; every block comes back at release."""
     draft = pair[1]
     runner = ModelRunner(draft.model, 128, 4)
     spec = Speculator(runner, SpecPlan.fixed([2, 1, 1, 2]))
@@ -113,7 +113,11 @@ def test_speculator_answers_k_zero_without_drafting_or_building(pair):
     key = next(iter(spec.cache.keys()))
     rows = spec.respond(RoundRequest([Outcome(0, key[1], key[2])], [], [], [0], ks=[1])).rows
     assert rows[0].hit and len(rows[0].tokens) == 1  # a hit, cut to this round's K
-    spec.build()
+    assert spec.build().steps == 1  # and the build goes as deep as the K last asked, not the plan's 3
+    key = next(k for k in spec.cache.keys() if k[1] == 1)
+    rows = spec.respond(RoundRequest([Outcome(0, key[1], key[2])], [], [], [0], ks=[3])).rows
+    assert rows[0].hit and len(rows[0].tokens) == 1  # asked for 3, a hit carries the step made
+    assert spec.build().steps == 3
     spec.respond(RoundRequest([], [], [0], []))
     spec.build()
     assert runner.blocks.num_free == runner.blocks.num_blocks

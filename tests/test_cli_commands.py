@@ -229,6 +229,8 @@ def bench_cases(target: Path, draft: Path, head: str, out: Path) -> dict[str, tu
         "tp": ([*pair, "--modes", "ar", "--sizes", "1,2", "--max-tokens", "4", "--out", out], "bench_tp.json"),
         "adapt": ([*pair, *serve, "--modes", "ssd", "--ks", "2", "--max-k", "2", "--temperatures", "0",
                    "--warmup-tokens", "0"], "bench_adapt.json"),
+        "adapt_sim": ([*pair, "--max-k", "2", "--max-tokens", "8", "--requests", "2", "--acceptances", "0.5",
+                       "--variant", "stay_gain=1.0", "--out", out], "bench_adapt_sim.json"),
         "host_calls": ([*pair, "--batch", "1", "--k", "2", "--fixed-k", "--max-tokens", "4", "--reps", "1", "--out",
                         out], "bench_host_calls.json"),
         "serve_clients": (["--shape", "tiny", "--prompts", "1", "--max-tokens", "4", "--draft-weights", "bf16",

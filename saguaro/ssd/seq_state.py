@@ -31,6 +31,7 @@ class SeqState:
     scratch: list[int] = field(default_factory=list)  # blocks of the last build's branches, until the next respond
     ngram: NgramIndex = field(default_factory=NgramIndex)  # the n-gram backup's index of its tokens
     seed: int = 0  # the request's seed (``Admission.seed``): keys its build's counter uniforms (``counter_rng``)
+    asked: int | None = None  # the K the verifier last asked of it (``RoundRequest.ks``; None: the plan's)
 
     @property
     def sent_count(self) -> int:

@@ -235,6 +235,7 @@ class Speculator:
         rows = answer(hit_states, [hits[s.seq.seq_id] for s in hit_states], misses, limit)
         for state in order:
             row = rows[state.seq.seq_id]
+            state.asked = limit[state.seq.seq_id]
             state.sent = row.tokens  # None while on the device (``state.spoken``)
             state.drafted_by = DraftedBy.BACKUP if row.point_mass else DraftedBy.PRIMARY
         return RoundResponse([rows[i] for i in req.order], self.last_build.seconds, time.perf_counter() - start,
@@ -467,17 +468,18 @@ class Speculator:
         if not live:
             return BuildStats()
         seqs = [s.seq for s in states]
+        depth = self._depth([states[i] for i in live])
         for i in live:
-            size = layouts[i].scratch_size(self.k)
+            size = layouts[i].scratch_size(depth)
             self.runner.blocks.reserve(states[i].scratch, size)
             layouts[i].scratch_slots = self.runner.slots(states[i].scratch, 0, size)
         # greedy drafts need no distributions (greedy verification compares tokens): take the argmax
         greedy_only = all(seqs[i].params.greedy for i in live) and self.saguaro_sampling is None
-        widths = [[layouts[i].width(j) for i in live] for j in range(self.k)]  # [step][live sequence]
+        widths = [[layouts[i].width(j) for i in live] for j in range(depth)]  # [step][live sequence]
         starts = [list(accumulate(w, initial=0))[:-1] for w in widths]  # each one's first row in the step's pass
         steps: list[DraftStep] = []
         seeds = [states[i].seed for i in live]
-        for step in range(self.k):
+        for step in range(depth):
             if step > 0 and interrupted():
                 break
             steps.append(self._draft_step(step, live, layouts, seqs, widths, starts,
@@ -497,6 +499,13 @@ class Speculator:
             lay = layouts[i]
             self.cache.put(seqs[i].seq_id, list(zip(lay.fork_depths, lay.roots)), group)
         return BuildStats(steps=len(steps), branches=first_row)
+
+    def _depth(self, states: list[SeqState]) -> int:
+        """Build steps: the most K the verifier last asked of these sequences (the plan's K where it asks none).
+        The K of the speculation a hit will answer is chosen only after this build, and K moves slowly, so the
+        last one stands for it; a hit asked for more carries the steps made, as after a build cut short. Steps
+        past it would only slow the verification beside them (the bus they share) for drafts nobody asks."""
+        return max(self.k if s.asked is None else min(s.asked, self.k) for s in states)
 
     def _draft_step(self, step: int, live: list[int], layouts: list[BranchLayout], seqs: list[Sequence],
                     widths: list[list[int]], starts: list[list[int]], last: DraftStep | None,
