@@ -23,8 +23,9 @@ from tests.tiny import perturbed, tiny_model
 
 POSITIONS = [3, 4]
 PARAMS = SamplingParams(temperature=1.0)
-# drops to 0, probes every other round; SSD's trees offered though the tiny pair has no calibration profile
-MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True)
+# drops to 0 (as soon as speculation is not predicted to pay), probes every other round; SSD's trees offered though
+# the tiny pair has no calibration profile
+MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, stay_gain=1.02, trees_without_profile=True)
 TREES = AdaptSettings(trees_without_profile=True)
 
 
