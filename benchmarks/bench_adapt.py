@@ -1,9 +1,9 @@
 """Adaptive speculation against the best fixed configuration and AR, per dataset, temperature and batch size.
 
 Rows, on the same chat-templated prompts: AR; SD and SSD at each fixed K of ``--ks`` (``adaptive=False``); SD
-and SSD adaptive (the default: each request's K chosen every round, 0 to ``--max-k``, and SSD's cache tree --
-fan-outs and taper -- every round); and SSD adaptive with its plan's tree only (``PLAN_TREE``: K adapts, the
-fan-outs do not), so the tree's share of the gain shows. Per dataset and
+and SSD adaptive (the default: each request's K chosen every round, 0 to ``--max-k``, over SSD's plan's own
+cache tree); and SSD adaptive choosing each round's cache tree too (``TREE_OPTIONS``:
+fan-outs and taper, opt-in), so the trees' share of the gain shows. Per dataset and
 temperature and batch size: tok/s of every row (``--rate``: decode, the tokens after each request's first over
 the time after its batch's last first token, as bench peers; or total, all new tokens over the batch's wall
 time), median over batches, the best fixed configuration chosen after the fact (AR included), and the adaptive rows'
@@ -27,13 +27,13 @@ from benchmarks.bench_peers import cpu_description
 from benchmarks.common import (WEIGHT_FORMATS, Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, median, prepare_prompts, ratio, sampling_params, settings, str_list,
                                table, temp_key, write_results)
+from saguaro.adapt_settings import TREE_OPTIONS
 
 DATASETS = "humaneval,mtbench,mtbench-math,mtbench-writing"
 MIXED = "mixed"  # the batch of every dataset's prompts together
 RATES = {"decode": "the tokens after each request's first over the time after its batch's last first token "
                    "(prefill out, as bench peers)",
          "total": "every request's new tokens over its batch's wall time (prefill included)"}
-PLAN_TREE = dict(fan_out_scales=[], fan_out_shapes=[], taper=False)  # adaptive K over the plan's own tree only
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -68,8 +68,8 @@ def configs(args: argparse.Namespace) -> list[tuple[str, dict[str, Any]]]:
         out += [(f"{mode.upper()} K={k}", dict(spec, num_speculative_tokens=k, adaptive=False)) for k in args.ks]
         out.append((f"{mode.upper()} adaptive K<={args.max_k}", dict(spec, num_speculative_tokens=args.max_k)))
         if mode == "ssd":
-            out.append((f"SSD adaptive K<={args.max_k} plan tree",
-                        dict(spec, num_speculative_tokens=args.max_k, adapt=PLAN_TREE)))
+            out.append((f"SSD adaptive K<={args.max_k} trees",
+                        dict(spec, num_speculative_tokens=args.max_k, adapt=dict(TREE_OPTIONS))))
     return out
 
 

@@ -20,13 +20,15 @@ class AdaptSettings:
     pair's profile, acceptance 0.3-0.9 and a text that changes half way), this, the prior's weight of 3 rounds
     and probes after 4 to 8 rounds raised the worst ratio to the best fixed K from 0.91 to 0.96 (64 tokens).
 
-    SSD also chooses each round's cache tree among the plan's own and a few more fixed at start-up
+    SSD can also choose each round's cache tree among the plan's own and a few more fixed at start-up
     (``saguaro.adapt.trees``): the plan's fan-outs scaled by each of ``fan_out_scales``, Thm 12's geometric shape
     at the plan's budget for each acceptance in ``fan_out_shapes``, and with ``taper`` the plan's fan-outs under
-    the other taper (tapered if the plan's tree is full, full if it is tapered). All empty / False: the plan's.
-    The trees are scored with the profile's hit curves, so they are offered only with a calibrated profile
-    (``saguaro calibrate``), or with ``trees_without_profile``: the documented defaults' curves are a guess, and
-    trees chosen by it built slower than the plan's own (bench adapt, no profile: 7 cells of 8).
+    the other taper (tapered if the plan's tree is full, full if it is tapered). All empty / False, the default:
+    the plan's own tree every round. The choice is opt-in (``TREE_OPTIONS`` is the set measured) because it has
+    not paid: on int4 chat with the pair's profile the row choosing trees built more branches and ran below the
+    plan-tree row in 12 of 16 cells of four ``bench adapt`` runs (``results/bench_adapt_int4_chat.md``). The
+    trees are scored with the profile's hit curves, so they are offered only with a calibrated profile (``saguaro
+    calibrate``), or with ``trees_without_profile``: the documented defaults' curves are a guess.
     """
     max_k: int | None = None
     prior: float | None = None
@@ -37,9 +39,9 @@ class AdaptSettings:
     max_probe_interval: int = 8
     min_gain: float = 1.02
     stay_gain: float = 0.95
-    fan_out_scales: tuple[float, ...] = (0.5, 2.0)
-    fan_out_shapes: tuple[float, ...] = (0.3, 0.9)
-    taper: bool = True
+    fan_out_scales: tuple[float, ...] = ()
+    fan_out_shapes: tuple[float, ...] = ()
+    taper: bool = False
     trees_without_profile: bool = False
 
     def __post_init__(self) -> None:
@@ -70,3 +72,8 @@ class AdaptSettings:
     def cap(self, k: int) -> int:
         """The largest K a request may use when the engine speculates ``k`` tokens."""
         return k if self.max_k is None else min(k, self.max_k)
+
+
+# the cache trees ``bench adapt`` measured beside the plan's (opt in: ``AdaptSettings(**TREE_OPTIONS)``): the plan's
+# fan-outs at half and twice its budget, Thm 12's shapes for acceptance 0.3 and 0.9, and the other taper
+TREE_OPTIONS = dict(fan_out_scales=(0.5, 2.0), fan_out_shapes=(0.3, 0.9), taper=True)

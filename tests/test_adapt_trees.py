@@ -9,7 +9,7 @@ from saguaro.adapt.schedule import TREE_INTERVAL, AdaptiveK, Priors, SSDModel
 from saguaro.adapt.speed import BatchCosts
 from saguaro.adapt.tree_choice import TreeModel
 from saguaro.adapt.trees import geometric, scaled, tree_options
-from saguaro.adapt_settings import AdaptSettings
+from saguaro.adapt_settings import TREE_OPTIONS, AdaptSettings
 from saguaro.calibration.profile import DEFAULTS, default_profile
 from saguaro.config import Config
 from saguaro.engine.sequence import Sequence
@@ -28,7 +28,7 @@ def profile():
 
 def test_the_options_scale_reshape_and_taper_the_plans_tree():
     plan = SpecPlan.fixed([2, 2, 2, 4])
-    options = tree_options(plan, profile(), AdaptSettings())
+    options = tree_options(plan, profile(), AdaptSettings(**TREE_OPTIONS))
     lists = [o.primary[0][0] for o in options]
     assert lists[:2] == [[1, 1, 1, 2], [4, 4, 4, 8]]  # the plan's shape at half and twice its budget
     shallow, deep = (list(integer_geometric_fanout(a, DEFAULTS["r_p"], K, 10, 64)) for a in (0.3, 0.9))
@@ -36,10 +36,11 @@ def test_the_options_scale_reshape_and_taper_the_plans_tree():
     assert lists[4] == [2, 2, 2, 4] and options[4].branch_steps == [1]  # the plan's fan-outs, tapered
     assert all(o.backup[0][0] == o.primary[0][0] for o in options)  # the plan's backup lists were the same
     assert tree_options(plan, profile(), AdaptSettings(fan_out_scales=(), fan_out_shapes=(), taper=False)) == []
-    same = tree_options(plan, profile(), AdaptSettings(fan_out_scales=(1.0, 0.5, 0.5), fan_out_shapes=()))
+    assert tree_options(plan, profile(), AdaptSettings()) == []  # the default: the plan's own tree only
+    same = tree_options(plan, profile(), AdaptSettings(fan_out_scales=(1.0, 0.5, 0.5), taper=True))
     assert [o.primary[0][0] for o in same] == [[1, 1, 1, 2], [2, 2, 2, 4]]  # copies of a tree are left out
     tapered = SpecPlan.fixed([2, 2, 2, 4], branch_steps=2)
-    assert tree_options(tapered, profile(), AdaptSettings(fan_out_scales=(), fan_out_shapes=()))[0].branch_steps == [
+    assert tree_options(tapered, profile(), AdaptSettings(taper=True))[0].branch_steps == [
         None]  # the other taper of a tapered plan: the full tree
     assert scaled([1, 0, 0, 1], 0.1) == [1, 0, 0, 0] and geometric([0, 0, 0, 0], 0.5, 1.0) == [0, 0, 0, 0]
 
@@ -56,19 +57,22 @@ def test_tree_settings_out_of_range_are_refused(bad, message):
 
 
 def test_trees_are_offered_with_a_calibrated_profile_or_when_asked(monkeypatch):
-    """The trees are scored by the profile's hit curves: without a stored profile (the documented defaults, a
-    guess) the plan keeps its own tree only, unless ``trees_without_profile``; with one, it gains the options."""
+    """The trees are opt-in (``TREE_OPTIONS``), and scored by the profile's hit curves: without a stored profile
+    (the documented defaults, a guess) the plan keeps its own tree only, unless ``trees_without_profile``; with
+    one, it gains the options asked for."""
     from dataclasses import replace
 
     import saguaro.adapt.build as build
-    cfg = Config(target="t", draft="d", mode="ssd", dtype="bfloat16", num_speculative_tokens=K)
+    cfg = Config(target="t", draft="d", mode="ssd", dtype="bfloat16", num_speculative_tokens=K,
+                 adapt=AdaptSettings(**TREE_OPTIONS))
     plan = SpecPlan.fixed([1, 1, 1, 2])
     assert build.ssd_schedule(cfg, plan)[0].trees == 1
-    asked = replace(cfg, adapt=AdaptSettings(trees_without_profile=True))
+    asked = replace(cfg, adapt=AdaptSettings(trees_without_profile=True, **TREE_OPTIONS))
     assert build.ssd_schedule(asked, plan)[0].trees > 1
     monkeypatch.setattr(build, "_profile", lambda c: replace(default_profile("t", "d", "bfloat16", K),
                                                              default=False))  # as if calibrated
     assert build.ssd_schedule(cfg, plan)[0].trees > 1
+    assert build.ssd_schedule(replace(cfg, adapt=AdaptSettings()), plan)[0].trees == 1  # the default: not asked
 
 
 def test_the_plan_looks_up_every_tree():

@@ -4,7 +4,7 @@ adaptive default, in fp32; and a sequence at K = 0 beside a speculating one gets
 import pytest
 
 from saguaro import LLM, SamplingParams
-from saguaro.adapt_settings import AdaptSettings
+from saguaro.adapt_settings import TREE_OPTIONS, AdaptSettings
 from saguaro.engine.model_runner import ModelRunner
 from saguaro.ssd.plan import SpecPlan, TreeOption
 from saguaro.ssd.protocol import Admission, Outcome, RoundRequest
@@ -33,7 +33,7 @@ class CyclingTrees(Scripted):
 def test_every_tree_in_turn_equals_ar(pair, ar_outputs, transport):
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4,
              fan_out=[2, 2, 2, 4], speculator_transport=transport,
-             adapt=AdaptSettings(trees_without_profile=True)) as llm:  # no profile: trees asked for
+             adapt=AdaptSettings(trees_without_profile=True, **TREE_OPTIONS)) as llm:  # no profile: trees asked for
         decoder = llm.engine.decoder
         assert decoder.plan.trees > 3  # the adaptive default's options beside the plan's own tree
         decoder.schedule = schedule = CyclingTrees(3, [3, 3, 1, 0, 2], decoder.plan.trees)
@@ -45,7 +45,8 @@ def test_every_tree_in_turn_equals_ar(pair, ar_outputs, transport):
 
 
 def test_the_adaptive_trees_equal_ar_and_are_reported(pair, ar_outputs):
-    adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True)
+    adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True,
+                          **TREE_OPTIONS)
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4, adapt=adapt,
              speculator_transport="thread") as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))

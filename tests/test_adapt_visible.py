@@ -7,11 +7,11 @@ import numpy as np  # noqa: E402
 
 from saguaro import LLM, SamplingParams  # noqa: E402
 from saguaro.adapt.tree_choice import branches_at  # noqa: E402
-from saguaro.adapt_settings import AdaptSettings  # noqa: E402
+from saguaro.adapt_settings import TREE_OPTIONS, AdaptSettings  # noqa: E402
 from saguaro.server.metrics import RequestCounts, ServerMetrics  # noqa: E402
 from tests.tiny import PROMPTS, weak_pair  # noqa: E402
 
-MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True)
+MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True, **TREE_OPTIONS)
 
 
 def _value(text: str, name: str) -> float:

@@ -7,6 +7,7 @@ import pytest
 
 from benchmarks import bench_adapt as ba
 from benchmarks.common import Prompt
+from saguaro.adapt_settings import TREE_OPTIONS
 
 
 def _prompts():
@@ -30,11 +31,11 @@ def test_best_fixed_is_chosen_after_the_fact_and_the_adaptive_rows_compared():
     assert cell["SD adaptive K<=5 x best fixed"] == pytest.approx(1.1) == cell["SD adaptive K<=5 x AR"]
 
 
-def test_ssd_gets_a_row_with_the_plan_s_tree_only_and_the_branches_per_build():
+def test_ssd_gets_a_row_that_chooses_trees_and_the_branches_per_build():
     args = ba.parse_args(["--modes", "ssd", "--ks", "2", "--max-k", "3"])
     rows = dict(ba.configs(args))
-    assert list(rows) == ["AR", "SSD K=2", "SSD adaptive K<=3", "SSD adaptive K<=3 plan tree"]
-    assert rows["SSD adaptive K<=3 plan tree"]["adapt"] == ba.PLAN_TREE and "adapt" not in rows["SSD adaptive K<=3"]
+    assert list(rows) == ["AR", "SSD K=2", "SSD adaptive K<=3", "SSD adaptive K<=3 trees"]
+    assert rows["SSD adaptive K<=3 trees"]["adapt"] == TREE_OPTIONS and "adapt" not in rows["SSD adaptive K<=3"]
     runs = [{"config": "SSD adaptive K<=3", "dataset": "mtbench", "temperature": 0.0, "batch": 1, "tok_s": 5.0,
              "fan_out_per_round": [[4, 0, 2], [8]]}]
     cell, = ba.summarize(runs, ["SSD adaptive K<=3"])

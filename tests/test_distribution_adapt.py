@@ -16,7 +16,7 @@ import saguaro.ssd.ssd_decoder as ssd_module
 
 from saguaro import LLM, SamplingParams
 from saguaro.engine.k_schedule import KSchedule
-from saguaro.adapt_settings import AdaptSettings
+from saguaro.adapt_settings import TREE_OPTIONS, AdaptSettings
 from saguaro.sd.types import Proposal
 from tests.dist_harness import measure
 from tests.tiny import perturbed, tiny_model
@@ -25,8 +25,9 @@ POSITIONS = [3, 4]
 PARAMS = SamplingParams(temperature=1.0)
 # drops to 0 (as soon as speculation is not predicted to pay), probes every other round; SSD's trees offered though
 # the tiny pair has no calibration profile
-MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, stay_gain=1.02, trees_without_profile=True)
-TREES = AdaptSettings(trees_without_profile=True)
+MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, stay_gain=1.02, trees_without_profile=True,
+                       **TREE_OPTIONS)
+TREES = AdaptSettings(trees_without_profile=True, **TREE_OPTIONS)
 
 
 class FromHistory(KSchedule):

@@ -14,7 +14,7 @@ import random
 import pytest
 
 from saguaro import SamplingParams
-from saguaro.adapt_settings import AdaptSettings
+from saguaro.adapt_settings import TREE_OPTIONS, AdaptSettings
 from saguaro.ssd.graph_build import GraphBuild
 from saguaro.ssd.protocol import Admission, RoundRequest
 from tests.test_backends import ENGINE_PROMPTS, use_paged_backend
@@ -69,7 +69,7 @@ def test_every_cache_tree_is_captured_at_start_up_and_replayed(monkeypatch, capt
     expected = greedy_tokens(target, ENGINE_PROMPTS, 10)
     with LLM(target=target, mode="ssd", block_size=4, max_num_seqs=5, draft=truncated(target, 1),
              num_speculative_tokens=3, fan_out=[1, 1, 1, 2], speculator_transport="thread",
-             adapt=AdaptSettings(trees_without_profile=True)) as llm:  # no profile here: the trees asked for
+             adapt=AdaptSettings(trees_without_profile=True, **TREE_OPTIONS)) as llm:  # no profile: trees asked for
         at_start = list(captures)
         trees = llm.engine.decoder.plan.trees
         llm.engine.decoder.schedule = CyclingTrees(3, [3], trees)
