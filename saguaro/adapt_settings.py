@@ -18,7 +18,10 @@ class AdaptSettings:
     more. At K = 0 a request learns nothing, so one bad round near break-even must not end its speculation, and
     a text that turns predictable must be found again soon. In simulated requests (``bench adapt_sim``: the int4
     pair's profile, acceptance 0.3-0.9 and a text that changes half way), this, the prior's weight of 3 rounds
-    and probes after 4 to 8 rounds raised the worst ratio to the best fixed K from 0.91 to 0.96 (64 tokens).
+    and probes after 4 to 8 rounds raised the worst ratio to the best fixed K from 0.91 to 0.95 (64 tokens).
+    A K never drafts its next position, whose rate then stays the prior's guess: once a request knows the
+    positions before it, K + 1 is tried while that position is hardly tried and its predicted gain is within
+    ``explore_margin`` of the best (a seeded code request at T=1 otherwise stayed at K = 1 with 0.94 accepted).
 
     SSD can also choose each round's cache tree among the plan's own and a few more fixed at start-up
     (``saguaro.adapt.trees``): the plan's fan-outs scaled by each of ``fan_out_scales``, Thm 12's geometric shape
@@ -39,6 +42,7 @@ class AdaptSettings:
     max_probe_interval: int = 8
     min_gain: float = 1.02
     stay_gain: float = 0.95
+    explore_margin: float = 0.05
     fan_out_scales: tuple[float, ...] = ()
     fan_out_shapes: tuple[float, ...] = ()
     taper: bool = False
@@ -66,6 +70,8 @@ class AdaptSettings:
                              f"{self.probe_interval} and {self.max_probe_interval}")
         if self.min_gain <= 0:
             raise ValueError(f"adaptive min_gain must be > 0, got {self.min_gain}")
+        if not 0.0 <= self.explore_margin < 1.0:
+            raise ValueError(f"adaptive explore_margin must lie in [0, 1), got {self.explore_margin}")
         if not 0 < self.stay_gain <= self.min_gain:
             raise ValueError(f"adaptive stay_gain must lie in (0, min_gain = {self.min_gain}], got {self.stay_gain}")
 

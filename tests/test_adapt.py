@@ -18,7 +18,8 @@ from saguaro.theory.speedup import expected_tokens, sd_speedup
     (dict(max_k=-1), "max_k"), (dict(prior=1.5), "prior"), (dict(prior=-0.1), "prior"),
     (dict(decay=1.0), "decay"), (dict(probe_k=0), "probe_k"), (dict(probe_interval=0), "probe"),
     (dict(probe_interval=9, max_probe_interval=8), "probe"), (dict(prior_rounds=0), "prior_rounds"),
-    (dict(min_gain=0), "min_gain"), (dict(stay_gain=0), "stay_gain"), (dict(stay_gain=1.1), "stay_gain")])
+    (dict(min_gain=0), "min_gain"), (dict(stay_gain=0), "stay_gain"), (dict(stay_gain=1.1), "stay_gain"),
+    (dict(explore_margin=1.0), "explore_margin"), (dict(explore_margin=-0.1), "explore_margin")])
 def test_settings_out_of_range_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         AdaptSettings(**bad)
@@ -137,6 +138,30 @@ def test_a_speculating_request_stays_until_its_gain_falls_below_stay_gain():
                                probe_interval=64, max_probe_interval=64)
     assert c.choose([s])[0] == 0  # below stay_gain: it stops
     assert c.choose([s])[0] == 0  # and at K = 0 it needs min_gain again
+
+
+def test_a_position_the_request_has_not_tried_is_tried_when_its_gain_is_close():
+    """A request at K = 1 never drafts position 2, so its rate there stays the prior's guess: when K = 2 is
+    predicted within ``explore_margin`` of the best, K = 2 is tried; once tried, the estimate decides again."""
+    def at_k1(margin):
+        c, s = chooser(prior=0.9, draft_ratio=0.3, explore_margin=margin), seq()
+        state = c.state(s)
+        state.estimate.prior = [0.95, 0.3]  # a guess at position 2 that makes K = 1 the best
+        state.estimate.known.clear()
+        for _ in range(6):
+            c.observe(s, 1, 1)
+        gains = c.gains([s], BatchCosts.at(c.costs, 1, 5))[0]
+        return c, s, gains
+
+    c, s, gains = at_k1(0.0)
+    assert 1 + int(np.argmax(gains[1:])) == 1 and c.choose([s]) == [1]  # no exploring: K = 1 for ever
+    margin = 1.0 - gains[2] / gains[1] + 0.01  # K = 2 just within the margin
+    c, s, _ = at_k1(margin)
+    assert c.choose([s]) == [2]  # position 2 is tried
+    c.observe(s, 2, 2)
+    assert c.state(s).estimate.tried_at(1) >= 0.5 and c.choose([s])[0] in (1, 2)  # then the estimate decides
+    c, s, _ = at_k1(max(margin - 0.02, 0.0))
+    assert c.choose([s]) == [1]  # outside the margin: not tried
 
 
 def test_choices_depend_only_on_what_was_observed():

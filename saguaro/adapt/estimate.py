@@ -52,6 +52,10 @@ class AcceptanceEstimate:
             self.tried[j] += 1.0
             self.accepted[j] += float(j < kept)
 
+    def tried_at(self, j: int) -> float:
+        """The decayed trials of draft position j (0-based): how much of its rate is this request's own."""
+        return self.tried[j] if j < len(self.tried) else 0.0
+
     def rate(self, j: int) -> float:
         """a_{j+1}: the estimated acceptance of draft position j (0-based)."""
         return self.rates(j + 1)[j]

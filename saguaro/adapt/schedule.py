@@ -17,6 +17,7 @@ from saguaro.engine.k_schedule import KSchedule
 from saguaro.engine.sequence import Sequence
 
 
+EXPLORE_TRIED = 0.5  # decayed trials below which a draft position's rate is still mostly the prior's
 TREE_INTERVAL = 8  # rounds between two scorings of every cache tree (the same batch); the chosen one every round
 
 
@@ -200,6 +201,13 @@ class AdaptiveK(KSchedule):
         best = 1 + int(np.argmax(gains[1:]))
         speculating = state.at_zero == 0 and (state.probing or state.speculated)
         if gains[best] >= (s.stay_gain if speculating else s.min_gain):
+            # one position deeper is priced from the prior while this request, which knows the positions before
+            # it, has hardly tried it (a K that never drafts it never learns it): tried when its predicted gain
+            # comes within explore_margin
+            est = state.estimate
+            if (best < self.max_k and est.tried_at(best - 1) >= EXPLORE_TRIED > est.tried_at(best)
+                    and gains[best + 1] >= (1.0 - s.explore_margin) * gains[best]):
+                best += 1
             state.speculated = True
             state.at_zero, state.probing, state.interval = 0, False, s.probe_interval
             return best
