@@ -146,3 +146,28 @@ def test_ssd_rounds_at_k_zero_cost_no_build_and_no_wait(pair, ar_outputs, transp
     assert outs[0].token_ids == ar_outputs[1] == again[0].token_ids
     assert all(t.build_steps == 0 for t in trace)
     assert 3 in again[0].spec_counts.k_per_round and again[0].spec_counts.drafted > 0
+
+
+def test_sd_times_no_draft_step_that_first_catches_up_on_skipped_tokens(pair):
+    """After rounds at K = 0 the draft feeds the tokens it skipped before drafting: that round's proposal is a
+    prefill, and timing it as K steps made the draft look dear enough to keep every later request at K = 0."""
+    llm = LLM(target=pair[0], draft=pair[1], mode="sd", num_speculative_tokens=3, block_size=4)
+    decoder, proposer = llm.engine.decoder, llm.engine.decoder.proposer
+    decoder.schedule = Scripted(3, [0, 0, 3, 3, 3])
+    rounds = []  # per round: [backlog before it, drafts asked, draft steps timed]
+    decode, propose, observe = decoder.decode, proposer.propose, decoder.schedule.observe_draft
+
+    def drafting(seqs, num_tokens, read=True):
+        rounds[-1][1] = max(num_tokens)
+        return propose(seqs, num_tokens, read)
+
+    def timing(rows, steps, seconds):
+        rounds[-1][2] = steps
+        observe(rows, steps, seconds)
+
+    decoder.decode = lambda seqs: rounds.append([proposer.backlog(seqs[0]), 0, 0]) or decode(seqs)
+    proposer.propose, decoder.schedule.observe_draft = drafting, timing
+    llm.generate([PROMPTS[0]], SamplingParams(max_tokens=16))
+    caught_up = [r for r in rounds if r[0] > 1 and r[1]]  # drafted after rounds at K = 0
+    assert caught_up and all(r[2] == 0 for r in caught_up)  # not timed
+    assert any(r[0] <= 1 and r[1] and r[2] for r in rounds)  # a plain drafting round is

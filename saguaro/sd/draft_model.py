@@ -168,6 +168,9 @@ class DraftModelProposer(Proposer):
         if items:
             self.runner.forward(items)
 
+    def backlog(self, seq: Sequence) -> int:
+        return len(seq.tokens) - self._state(seq).num_cached
+
     def _state(self, seq: Sequence) -> DraftState:
         if self._state_of is not None:
             return self._state_of(seq)

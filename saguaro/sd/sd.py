@@ -110,6 +110,7 @@ class SDDecoder(Decoder):
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         ks = self.schedule.choose(seqs)  # from rounds verified before this one only
         budgets = [draft_budget(s, min(k, self.k), self.max_model_len) for s, k in zip(seqs, ks)]
+        backlog = max((self.proposer.backlog(s) for s, n in zip(seqs, budgets) if n), default=0)
         t0 = time.perf_counter()
         proposal = self.proposer.propose(seqs, budgets, read=False)  # drafts read with the outcome
         t1 = time.perf_counter()
@@ -119,7 +120,8 @@ class SDDecoder(Decoder):
         for seq, drafted, accepted in zip(seqs, counts, result.num_accepted):
             self.proposer.commit(seq, drafted, accepted)
             self.schedule.observe(seq, drafted, accepted)
-        self.schedule.observe_draft(sum(1 for n in counts if n), max(counts, default=0), t1 - t0)
+        if backlog <= 1:  # a draft that first caught up on tokens skipped at K = 0 ran a prefill, not K steps
+            self.schedule.observe_draft(sum(1 for n in counts if n), max(counts, default=0), t1 - t0)
         self.schedule.observe_verify(len(seqs) + sum(counts), t2 - t1)
         return result.output_tokens
 

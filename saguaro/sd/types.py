@@ -63,5 +63,10 @@ class Proposer(ABC):
     def commit(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """The verifier kept ``num_accepted`` drafts and appended a bonus token."""
 
+    def backlog(self, seq: Sequence) -> int:
+        """Tokens of ``seq`` its next proposal feeds before its first draft (1 after a round that drafted: the
+        bonus token; more after rounds at K = 0, whose tokens the draft skipped). 0: nothing to feed."""
+        return 0
+
     def release(self, seq: Sequence) -> None:
         """Forget a finished or preempted sequence."""
