@@ -131,8 +131,7 @@ def test_a_speculating_request_stays_until_its_gain_falls_below_stay_gain():
     c.settings = AdaptSettings(min_gain=gains[1:].max() + 0.01, stay_gain=gains[1:].max() - 0.01,
                                probe_interval=64, max_probe_interval=64)
     assert c.choose([s])[0] == 0  # not started: below min_gain
-    c.states[s.seq_id].speculated = True  # as if its last round had speculated
-    c.states[s.seq_id].at_zero = 0
+    s.spec.k_per_round[-1] = 1  # as if its last round had speculated
     assert c.choose([s])[0] == 1 + int(np.argmax(gains[1:]))  # above stay_gain: it stays
     c.settings = AdaptSettings(min_gain=gains[1:].max() + 0.02, stay_gain=gains[1:].max() + 0.01,
                                probe_interval=64, max_probe_interval=64)

@@ -172,6 +172,7 @@ def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeyp
     rounds instead of scoring again, so an AR step does not pay for it; it chooses what it would have chosen.
     A verified draft, a new batch, or the interval's end score again."""
     c, fresh, a, b = chooser([SHALLOW, DEEP]), chooser([SHALLOW, DEEP]), seq(), seq()
+    twin = seq()  # the same request for the other chooser (a request's K history is its own)
     for x in (c, fresh):
         x.settings = AdaptSettings(min_gain=100.0, probe_interval=3, max_probe_interval=3)  # K = 0, probes
     scored, real = [], c.tree_gains
@@ -180,7 +181,7 @@ def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeyp
     for _ in range(2 * (TREE_INTERVAL + 1) + 1):
         ks.append(c.choose([a])[0])
         fresh._rest = None  # a chooser that scores every round
-        expected.append(fresh.choose([a])[0])
+        expected.append(fresh.choose([twin])[0])
     assert ks == expected and 0 in ks and max(ks) > 0  # the same K's, probes included
     assert len(scored) == 3  # at rounds 0, TREE_INTERVAL + 1 and 2 * (TREE_INTERVAL + 1): none between
     c.observe(a, 1, 0, hit=False)  # a probe verified: its gains move

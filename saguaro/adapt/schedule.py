@@ -46,7 +46,6 @@ class RequestState:
     at_zero: int = 0  # rounds in a row at K = 0 since the last probe
     interval: int = 8  # rounds at K = 0 before the next probe
     probing: bool = False  # the last round was a probe
-    speculated: bool = False  # the last round was chosen at K > 0 (not a probe)
 
 
 @dataclass
@@ -199,7 +198,7 @@ class AdaptiveK(KSchedule):
     def _one(self, seq: Sequence, gains: np.ndarray) -> int:
         state, s = self.state(seq), self.settings
         best = 1 + int(np.argmax(gains[1:]))
-        speculating = state.at_zero == 0 and (state.probing or state.speculated)
+        speculating = bool(seq.spec.k_per_round) and seq.spec.k_per_round[-1] > 0  # last round: K > 0 or a probe
         if gains[best] >= (s.stay_gain if speculating else s.min_gain):
             # one position deeper is priced from the prior while this request, which knows the positions before
             # it, has hardly tried it (a K that never drafts it never learns it): tried when its predicted gain
@@ -208,13 +207,11 @@ class AdaptiveK(KSchedule):
             if (best < self.max_k and est.tried_at(best - 1) >= EXPLORE_TRIED > est.tried_at(best)
                     and gains[best + 1] >= (1.0 - s.explore_margin) * gains[best]):
                 best += 1
-            state.speculated = True
             state.at_zero, state.probing, state.interval = 0, False, s.probe_interval
             return best
         if state.probing:  # the probe did not pay: wait longer for the next one
             state.interval = min(2 * state.interval, s.max_probe_interval)
             state.probing = False
-        state.speculated = False
         state.at_zero += 1
         if state.at_zero > state.interval:
             state.at_zero, state.probing = 0, True
