@@ -73,15 +73,25 @@ def test_ssd_scripted_k_equals_ar(pair, ar_outputs, script, transport):
     _no_leaks(llm)
 
 
-@pytest.mark.parametrize("mode", ["sd", "ssd"])
-def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode):
+@pytest.mark.parametrize("mode, transport", [("sd", "thread"), ("ssd", "thread"), ("ssd", "process")])
+def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode, transport):
     """The adaptive default with settings that make it move: a weak draft drives requests to K = 0, probes
-    bring them back for a round, and the output is AR's."""
+    bring them back for a round (SSD: their speculation built beside the AR step before), and the output is
+    AR's."""
     adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2)
+    prepared = []
     with LLM(target=pair[0], draft=pair[1], mode=mode, num_speculative_tokens=3, block_size=4, adapt=adapt,
-             speculator_transport="thread") as llm:
+             speculator_transport=transport) as llm:
+        link = getattr(llm.engine.decoder, "link", None)
+        for name in ("post", "exchange") if mode == "ssd" else ():
+            def sent(request, send=getattr(link, name)):
+                prepared.append(request.prepare is not None)
+                return send(request)
+            setattr(link, name, sent)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))
+        assert getattr(llm.engine.decoder, "failure", None) is None
     assert [o.token_ids for o in outs] == ar_outputs
+    assert any(prepared) == (mode == "ssd")
     ks = [o.spec_counts.k_per_round for o in outs]
     assert any(len(set(k)) > 1 for k in ks), ks
     assert any(0 in k and k.index(0) < len(k) - 1 and max(k[k.index(0):]) > 0 for k in ks), ks  # 0, then back
@@ -118,6 +128,36 @@ def test_speculator_answers_k_zero_without_drafting_or_building(pair):
     rows = spec.respond(RoundRequest([Outcome(0, key[1], key[2])], [], [], [0], ks=[3])).rows
     assert rows[0].hit and len(rows[0].tokens) == 1  # asked for 3, a hit carries the step made
     assert spec.build().steps == 3
+    spec.respond(RoundRequest([], [], [0], []))
+    spec.build()
+    assert runner.blocks.num_free == runner.blocks.num_blocks
+
+
+def test_a_probe_s_speculation_is_built_beside_the_ar_step_before_it(pair):
+    """A round at K = 0 whose next round probes (``RoundRequest.prepare``): the build beside it catches the draft
+    up and prepares the probe for the AR step's outcome (its fork at depth 0), so the probe is a hit at once
+    with the drafts asked; where nothing is prepared, no build."""
+    draft = pair[1]
+    runner = ModelRunner(draft.model, 128, 4)
+    spec = Speculator(runner, SpecPlan.fixed([2, 1, 1, 2]))
+    fed: list[int] = []
+    forward = runner.forward
+    runner.forward = lambda items: fed.extend(len(i.token_ids) for i in items) or forward(items)
+    prompt, bonus = [3, 7, 1, 9], 5
+    spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(), 0)], [], [0], ks=[0]))
+    assert spec.build().steps == 0
+    for _ in range(2):  # AR steps, nothing prepared
+        spec.respond(RoundRequest([Outcome(0, 0, bonus)], [], [], [0], ks=[0], prepare=[0]))
+        assert spec.build().steps == 0 and fed == []
+    rows = spec.respond(RoundRequest([Outcome(0, 0, bonus)], [], [], [0], ks=[0], prepare=[1])).rows
+    assert rows[0].tokens == []  # this round is still an AR step
+    assert spec.build().steps == 1 and fed[0] == len(prompt) + 3  # the catch-up, in the build
+    keys = set(spec.cache.keys())
+    assert keys and all(k[1] == 0 for k in keys)  # every branch guesses the AR step's token
+    _, _, guessed = next(iter(keys))
+    fed.clear()
+    rows = spec.respond(RoundRequest([Outcome(0, 0, guessed)], [], [], [0], ks=[1])).rows
+    assert rows[0].hit and len(rows[0].tokens) == 1 and fed == []  # the probe: a hit, nothing drafted now
     spec.respond(RoundRequest([], [], [0], []))
     spec.build()
     assert runner.blocks.num_free == runner.blocks.num_blocks

@@ -218,6 +218,13 @@ class AdaptiveK(KSchedule):
             return min(s.probe_k, self.max_k)
         return 0
 
+    def ahead(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
+        # a request at K = 0 probes once its interval is out (``_one``): its probe's speculation is built beside
+        # the AR step before it, from what that step verifies, so the probe is answered as a round is
+        probe = min(self.settings.probe_k, self.max_k)
+        return [probe if k == 0 and (st := self.states.get(seq.seq_id)) is not None and st.at_zero >= st.interval
+                else k for seq, k in zip(seqs, ks)]
+
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         state = self.state(seq)
         state.estimate.observe(drafted, kept)

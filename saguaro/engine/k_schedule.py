@@ -34,6 +34,12 @@ class KSchedule(ABC):
     def _choose(self, seqs: list[Sequence]) -> list[int]:
         """K for each sequence's next round, from its rounds verified so far."""
 
+    def ahead(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
+        """SSD: the K each sequence's round after the coming one is expected to ask, which the speculator's build
+        beside the coming round prepares for (``ks``, the coming round's, stands for it unless a chooser knows
+        better). It changes what is prepared, never what is verified."""
+        return ks
+
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         """``seq``'s round was verified: ``drafted`` drafts, ``kept`` accepted (and, in SSD, whether it was a
         cache hit)."""

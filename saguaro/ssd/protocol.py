@@ -83,11 +83,15 @@ class RoundRequest:
     order: list[int] = field(default_factory=list)  # sequence ids to answer, in response order
     command: int = CMD_ROUND
     # per ``order`` entry: the most drafts its answer may hold (the verifier's K for it, saguaro.adapt; 0: none,
-    # and no build for it); None: K for every sequence
+    # and no build for it unless ``prepare`` asks one); None: K for every sequence
     ks: list[int] | None = None
     # the plan's tree (fan-outs and taper, ``SpecPlan.trees``) the build this request starts uses: one for the
     # round, chosen by the verifier's schedule (saguaro.adapt); 0: the plan's own
     tree: int = 0
+    # per ``order`` entry: the K the build this request starts prepares for, where it differs from ``ks``: a
+    # request at K = 0 whose next round probes has its probe's speculation built beside this AR step, so the
+    # probe is answered like any round (a hit at once) and not drafted just in time behind a catch-up; None: ks
+    prepare: list[int] | None = None
     # in a thread: a GPU event after the target's pass that wrote its features (``eagle.features.fence_features``)
     fence: Any = None
 
@@ -165,11 +169,11 @@ def _float(bits: int) -> float:
 
 
 # -- request ------------------------------------------------------------------------
-# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width, #ks, tree]
+# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width, #ks, tree, #prepare]
 #               + per outcome [seq_id, k, bonus, #feature rows]
 #               + per admission [seq_id, #tokens, temperature bits, top_k, top_p bits, seed, #feature rows,
 #                                features_start, tokens...]
-#               + releases + order + ks
+#               + releases + order + ks + prepare
 # features (a second frame, only when some are sent; the target's dtype): every outcome's rows, then every
 #               admission's, [rows * width]
 
@@ -180,9 +184,9 @@ def _rows(features: torch.Tensor | None) -> int:
 def pack_request(req: RoundRequest) -> list[torch.Tensor]:
     sent = [f for f in [o.features for o in req.outcomes] + [a.features for a in req.admissions] if f is not None]
     width = sent[0].shape[-1] if sent else 0
-    ks = req.ks or []
+    ks, prepare = req.ks or [], req.prepare or []
     out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order), width, len(ks),
-           req.tree]
+           req.tree, len(prepare)]
     for o in req.outcomes:
         out += [o.seq_id, o.num_accepted, o.bonus, _rows(o.features)]
     for a in req.admissions:
@@ -192,6 +196,7 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
     out += req.releases
     out += req.order
     out += ks
+    out += prepare
     fields = torch.tensor(out, dtype=torch.int64)
     # the features stay on the target's device: the NCCL link carries them from there (``channel.py``)
     return [fields, torch.cat([f.reshape(-1) for f in sent])] if sent else [fields]
@@ -199,7 +204,7 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
 
 def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
     v = frames[0].tolist()
-    command, n_out, n_adm, n_rel, n_ord, width, n_ks, tree = v[:8]
+    command, n_out, n_adm, n_rel, n_ord, width, n_ks, tree, n_prepare = v[:9]
     flat = frames[1].view(-1, width) if len(frames) > 1 else None
     taken = 0
 
@@ -210,7 +215,7 @@ def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
         taken += rows
         return flat[taken - rows:taken]
 
-    i = 8
+    i = 9
     outcomes = []
     for _ in range(n_out):
         seq_id, k, bonus, rows = v[i:i + 4]
@@ -224,13 +229,14 @@ def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
         i += 8 + n_tok
     releases = v[i:i + n_rel]
     order = v[i + n_rel:i + n_rel + n_ord]
-    end = i + n_rel + n_ord + n_ks
-    ks = v[i + n_rel + n_ord:end] or None
+    i += n_rel + n_ord
+    ks, prepare = v[i:i + n_ks] or None, v[i + n_ks:i + n_ks + n_prepare] or None
+    end = i + n_ks + n_prepare
     if end != len(v):
         raise ValueError(f"request holds {len(v)} fields, its counts describe {end}")
     if flat is not None and taken != len(flat):
         raise ValueError(f"request carries {len(flat)} feature rows, its counts describe {taken}")
-    return RoundRequest(outcomes, admissions, releases, order, command, ks, tree)
+    return RoundRequest(outcomes, admissions, releases, order, command, ks, tree, prepare)
 
 
 # -- response -----------------------------------------------------------------------

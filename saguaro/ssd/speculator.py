@@ -230,12 +230,13 @@ class Speculator:
         order = [self.states[i] for i in req.order]
         hit_states = [s for s in order if s.seq.seq_id in hits]
         limit = dict(zip(req.order, req.ks or [self.k] * len(order)))  # K per sequence (0: answer with nothing)
+        prepare = dict(zip(req.order, req.prepare)) if req.prepare is not None else limit  # and for the build
         misses = [s for s in order if s.seq.seq_id not in hits]
         answer = self._answer_on_device if self.on_device else self._answer
         rows = answer(hit_states, [hits[s.seq.seq_id] for s in hit_states], misses, limit)
         for state in order:
             row = rows[state.seq.seq_id]
-            state.asked = limit[state.seq.seq_id]
+            state.asked = prepare[state.seq.seq_id]
             state.sent = row.tokens  # None while on the device (``state.spoken``)
             state.drafted_by = DraftedBy.BACKUP if row.point_mass else DraftedBy.PRIMARY
         return RoundResponse([rows[i] for i in req.order], self.last_build.seconds, time.perf_counter() - start,
@@ -391,7 +392,9 @@ class Speculator:
         start = time.perf_counter()
         stats = BuildStats()
         self._free_scratch()
-        states = [s for s in self.states.values() if s.sent_count and s.seq is not None]
+        # a sequence asked for drafts, or whose next round will ask (a probe after K = 0 rounds: built for the
+        # outcome of the AR step now verifying, its fork at depth 0)
+        states = [s for s in self.states.values() if s.seq is not None and (s.sent_count or s.asked)]
         if states and not interrupted():
             try:  # the scratch is kept until the next respond: a hit adopts its branch's k/v from there
                 staged = graph_staging.stage(self, states, seq_temperature) if self.graph is not None else None

@@ -7,7 +7,8 @@ Per round, for the running batch:
      sequences' tokens, finished sequences' ids;
   3. one response comes back: the next speculation for every sequence (a hit, or drafted after a miss).
      A round whose every K is 0 is posted instead (``CMD_QUIET``): its rows would all be empty, so none is
-     awaited.
+     awaited. The speculator builds for the round after it only where the schedule expects that round to ask
+     for drafts (``KSchedule.ahead``: a probe after K = 0 rounds).
 If the speculator dies or stops answering, the decoder logs it and finishes every request
 with lossless n-gram SD in this process; nothing in flight is lost.
 """
@@ -77,6 +78,7 @@ class SSDDecoder(Decoder):
         self.miss_strategies = MissStrategyTracker(plan)  # the speculator's, followed here for trace and log
         # each sequence's K for its next speculation (0: an AR step, and no build for it in the speculator)
         self.schedule = schedule if schedule is not None else FixedK(self.k)
+        self.building = False  # the last request started a build: the verification after it ran beside one
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
@@ -105,15 +107,18 @@ class SSDDecoder(Decoder):
         t1 = time.perf_counter()
         if ready:
             drafted = sum(drafts)  # none: the speculator had nothing to build meanwhile
-            self.schedule.observe_verify(len(ready) + drafted, t1 - t0, beside_build=drafted > 0)
+            self.schedule.observe_verify(len(ready) + drafted, t1 - t0, beside_build=self.building)
         verified = {s.seq_id for s in ready}
         admissions = [Admission(s.seq_id, s.tokens, s.params, _seed(s)) for s in seqs if s.seq_id not in verified]
         # the next speculation's K, from the rounds verified so far (this one included): never from its own drafts
         ks = self.schedule.choose(seqs)
         # every K is 0: every row of the answer would be empty, so the round is posted and not waited for
         quiet = not any(ks)
+        ahead = self.schedule.ahead(seqs, ks)  # what the build beside the coming verification prepares for
+        self.building = any(ahead)
         request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs], ks=ks,
-                               tree=self.schedule.tree, command=CMD_QUIET if quiet else CMD_ROUND)
+                               prepare=None if ahead == ks else ahead, tree=self.schedule.tree,
+                               command=CMD_QUIET if quiet else CMD_ROUND)
         self.released = []
         try:
             if quiet:
