@@ -99,15 +99,20 @@ def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode, tr
     _no_leaks(llm)
 
 
-def test_speculator_answers_k_zero_without_drafting_or_building(pair):
-    """K = 0: an empty answer, no just-in-time draft, no build; back at K = 3 the draft catches up on the tokens
-    it skipped; a build is as deep as the K last asked; every block comes back at release."""
-    draft = pair[1]
+def _counted_speculator(draft):
+    """A speculator over ``draft`` (plan K = 3) and the list of each draft pass's row count, as it runs."""
     runner = ModelRunner(draft.model, 128, 4)
     spec = Speculator(runner, SpecPlan.fixed([2, 1, 1, 2]))
     fed: list[int] = []
     forward = runner.forward
     runner.forward = lambda items: fed.extend(len(i.token_ids) for i in items) or forward(items)
+    return runner, spec, fed
+
+
+def test_speculator_answers_k_zero_without_drafting_or_building(pair):
+    """K = 0: an empty answer, no just-in-time draft, no build; back at K = 3 the draft catches up on the tokens
+    it skipped; a build is as deep as the K last asked; every block comes back at release."""
+    runner, spec, fed = _counted_speculator(pair[1])
     prompt = [3, 7, 1, 9]
     rows = spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(), 0)], [], [0], ks=[0])).rows
     assert rows[0].tokens == [] and fed == []
@@ -137,12 +142,7 @@ def test_a_probe_s_speculation_is_built_beside_the_ar_step_before_it(pair):
     """A round at K = 0 whose next round probes (``RoundRequest.prepare``): the build beside it catches the draft
     up and prepares the probe for the AR step's outcome (its fork at depth 0), so the probe is a hit at once
     with the drafts asked; where nothing is prepared, no build."""
-    draft = pair[1]
-    runner = ModelRunner(draft.model, 128, 4)
-    spec = Speculator(runner, SpecPlan.fixed([2, 1, 1, 2]))
-    fed: list[int] = []
-    forward = runner.forward
-    runner.forward = lambda items: fed.extend(len(i.token_ids) for i in items) or forward(items)
+    runner, spec, fed = _counted_speculator(pair[1])
     prompt, bonus = [3, 7, 1, 9], 5
     spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(), 0)], [], [0], ks=[0]))
     assert spec.build().steps == 0
