@@ -47,6 +47,10 @@ class RequestState:
     interval: int = 8  # rounds at K = 0 before the next probe
     probing: bool = False  # the last round was a probe
 
+    def probe_due(self) -> bool:
+        """Its next round at K = 0 would be its probe (the interval is out)."""
+        return self.at_zero >= self.interval
+
 
 @dataclass
 class SSDModel:
@@ -212,17 +216,20 @@ class AdaptiveK(KSchedule):
         if state.probing:  # the probe did not pay: wait longer for the next one
             state.interval = min(2 * state.interval, s.max_probe_interval)
             state.probing = False
-        state.at_zero += 1
-        if state.at_zero > state.interval:
+        if state.probe_due():
             state.at_zero, state.probing = 0, True
-            return min(s.probe_k, self.max_k)
+            return self._probe_k
+        state.at_zero += 1
         return 0
+
+    @property
+    def _probe_k(self) -> int:
+        return min(self.settings.probe_k, self.max_k)
 
     def ahead(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
         # a request at K = 0 probes once its interval is out (``_one``): its probe's speculation is built beside
         # the AR step before it, from what that step verifies, so the probe is answered as a round is
-        probe = min(self.settings.probe_k, self.max_k)
-        return [probe if k == 0 and (st := self.states.get(seq.seq_id)) is not None and st.at_zero >= st.interval
+        return [self._probe_k if k == 0 and (st := self.states.get(seq.seq_id)) is not None and st.probe_due()
                 else k for seq, k in zip(seqs, ks)]
 
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
