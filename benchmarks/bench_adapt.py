@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from contextlib import ExitStack
 from typing import Any
 
 from benchmarks.bench_peers import cpu_description
@@ -48,6 +49,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=1, help="threads of the target (default 1)")
     p.add_argument("--target-weights", choices=WEIGHT_FORMATS, default="bf16",
                    help="the target's weight format in every row, AR's included (default bf16)")
+    p.add_argument("--sequential", action="store_true",
+                   help="one row's engine at a time, all its batches, instead of every batch through every engine in "
+                        "turn (less memory; rows then meet different load)")
     p.add_argument("--rate", choices=list(RATES), default="decode",
                    help="what the table compares: decode tok/s, prefill out (default), or total, prefill included")
     args = p.parse_args(argv)
@@ -84,38 +88,65 @@ def batches(prompts: list[Prompt], size: int, mixed: bool) -> list[tuple[str, li
     return out
 
 
-def run_config(name: str, options: dict[str, Any], prompts: list[Prompt], args: argparse.Namespace
-               ) -> list[dict[str, Any]]:
-    """Every batch at every temperature and batch size through one engine: a measurement per batch."""
+def work(prompts: list[Prompt], args: argparse.Namespace) -> list[tuple[float, int, str, list[Prompt]]]:
+    """(temperature, batch size, dataset or MIXED, prompts): every batch measured, in order."""
+    return [(t, size, group, batch) for t in args.temperatures for size in args.batch
+            for group, batch in batches(prompts, size, args.mixed and size == args.batch[-1])]
+
+
+def measure(name: str, llm, item: tuple[float, int, str, list[Prompt]], args: argparse.Namespace) -> dict[str, Any]:
+    """One batch through one engine: its rates, outputs and K per round."""
+    temperature, size, group, batch = item
+    params = [sampling_params(temperature, args.max_tokens, args.seed + p.index) for p in batch]
+    start = time.perf_counter()
+    outs = llm.generate([p.ids for p in batch], params)
+    wall = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    # decode: the tokens after each request's first over the time after the batch's last first token (bench
+    # peers' rate; prefill out), total: every new token over the batch's wall time
+    decode_s = wall - max(o.timings.ttft_s for o in outs)
+    decode = (tokens - len(outs)) / decode_s if decode_s > 0 else 0.0
+    run = {"config": name, "dataset": group, "temperature": temperature,
+           "batch": len(batch) if group == MIXED else size,
+           "tok_s": decode if args.rate == "decode" else tokens / wall,
+           "decode_tok_s": decode, "total_tok_s": tokens / wall,
+           "tokens": tokens, "wall_s": wall, "token_ids": [o.token_ids for o in outs],
+           "datasets": [p.dataset for p in batch], "prompts": [p.index for p in batch],
+           "k_per_round": [o.spec.k_per_round if o.spec else [] for o in outs],
+           "fan_out_per_round": [o.spec.fan_out_per_round if o.spec else [] for o in outs],
+           "acceptance": [o.spec.acceptance_rate if o.spec else None for o in outs]}
+    log(f"  {name} | {group} T={temperature:g} b={run['batch']}: {tokens} tokens, {run['tok_s']:.2f} tok/s")
+    return run
+
+
+def open_engine(stack: ExitStack, name: str, options: dict[str, Any], prompts: list[Prompt],
+                args: argparse.Namespace):
     from saguaro import LLM
     log(f"{name}: loading")
-    runs = []
-    with LLM(target=args.target, **options) as llm:
-        if args.warmup_tokens:
-            llm.generate([prompts[0].ids], sampling_params(0, args.warmup_tokens, None))
-        for temperature in args.temperatures:
-            for size in args.batch:
-                for group, batch in batches(prompts, size, args.mixed and size == args.batch[-1]):
-                    params = [sampling_params(temperature, args.max_tokens, args.seed + p.index) for p in batch]
-                    start = time.perf_counter()
-                    outs = llm.generate([p.ids for p in batch], params)
-                    wall = time.perf_counter() - start
-                    tokens = sum(len(o.token_ids) for o in outs)
-                    # decode: the tokens after each request's first over the time after the batch's last first
-                    # token (bench peers' rate; prefill out), total: every new token over the batch's wall time
-                    decode_s = wall - max(o.timings.ttft_s for o in outs)
-                    decode = (tokens - len(outs)) / decode_s if decode_s > 0 else 0.0
-                    runs.append({"config": name, "dataset": group, "temperature": temperature,
-                                 "batch": len(batch) if group == MIXED else size,
-                                 "tok_s": decode if args.rate == "decode" else tokens / wall,
-                                 "decode_tok_s": decode, "total_tok_s": tokens / wall,
-                                 "tokens": tokens, "wall_s": wall, "token_ids": [o.token_ids for o in outs],
-                                 "datasets": [p.dataset for p in batch], "prompts": [p.index for p in batch],
-                                 "k_per_round": [o.spec.k_per_round if o.spec else [] for o in outs],
-                                 "fan_out_per_round": [o.spec.fan_out_per_round if o.spec else [] for o in outs],
-                                 "acceptance": [o.spec.acceptance_rate if o.spec else None for o in outs]})
-                    log(f"  {name} | {group} T={temperature:g} b={runs[-1]['batch']}: {tokens} tokens, "
-                        f"{runs[-1]['tok_s']:.2f} tok/s")
+    llm = stack.enter_context(LLM(target=args.target, **options))
+    if args.warmup_tokens:
+        llm.generate([prompts[0].ids], sampling_params(0, args.warmup_tokens, None))
+    return llm
+
+
+def run_rows(rows: list[tuple[str, dict[str, Any]]], prompts: list[Prompt], args: argparse.Namespace
+             ) -> list[dict[str, Any]]:
+    """Every batch through every row's engine. Interleaved (the default): every engine open at once, each batch
+    run through all of them in turn, the order rotated batch by batch, so that every row meets the same load of
+    a shared machine (a row's minutes apart from the others' can differ by half); ``--sequential``: one engine
+    at a time, all its batches (one engine's memory)."""
+    items, runs = work(prompts, args), []
+    if args.sequential:
+        for name, options in rows:
+            with ExitStack() as stack:
+                llm = open_engine(stack, name, options, prompts, args)
+                runs += [measure(name, llm, item, args) for item in items]
+        return runs
+    with ExitStack() as stack:
+        engines = [(name, open_engine(stack, name, options, prompts, args)) for name, options in rows]
+        for i, item in enumerate(items):
+            shift = i % len(engines)
+            runs += [measure(name, llm, item, args) for name, llm in engines[shift:] + engines[:shift]]
     return runs
 
 
@@ -181,6 +212,9 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
              f"CPU: {cpu['summary']}.",
              f"{args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
              f"the speculator on the next core. tok/s: {RATES[args.rate]}, median over batches. "
+             + ("Rows ran one after another (each meets its own minutes' load). " if args.sequential else
+                "Every engine open at once, each batch through all rows in turn (the order rotated per batch). ")
+             + 
              f"Load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in env['loadavg'] or [])} on {env['cpus']} cores.", "",
              table(headers, rows), "",
@@ -230,9 +264,7 @@ def main(argv: list[str] | None = None) -> int:
     from saguaro.loading import load_tokenizer
     prompts = prepare_prompts(load_tokenizer(args.target, progress=False), args.datasets, args.prompts)
     rows = configs(args)
-    runs: list[dict[str, Any]] = []
-    for name, options in rows:
-        runs += run_config(name, options, prompts, args)
+    runs = run_rows(rows, prompts, args)
     names = [n for n, _ in rows]
     cells = summarize(runs, names)
     payload, markdown = report(args, names, runs, cells)

@@ -221,3 +221,32 @@ def test_a_build_that_outlasts_the_verification_is_cut_and_its_hits_carry_the_st
     assert build.cut_s[1] == pytest.approx(build.cost[1]) and (build.cut_s[2:] < build.cost[2:]).all()
     gains = c.tree_gains([seq()], BatchCosts.at(c.costs, 1, K))[0, 0]
     assert gains[2] < gains[1] and gains[3] < gains[1]  # the same tokens and build, a dearer verification
+
+
+def test_a_seeded_request_s_hit_rate_is_the_model_s_at_its_own_acceptance():
+    """A seeded sampled request chooses from the profile alone, so that its K, and so its draws, do not depend on a
+    clock, a batch or a build's timing (which decides a measured hit). Its hit rate still follows how far it
+    accepts, through the profile's hit curves at its outcome law in the plan's tree: the prior's flat rate would
+    price a request that accepts everything like one that accepts nothing."""
+    def run(prior_hit: float, hit, verify_s: float, batch: int):
+        plan, prof = SpecPlan.fixed([2, 2, 2, 4]), profile()
+        trees = TreeModel(plan, prof.timing, [prof.temperatures["0.0"].primary])
+        c = AdaptiveK(K, AdaptSettings(), LiveCosts.from_timing(prof.timing),
+                      Priors([0.0], [[0.75]], [0.3], [prior_hit]), SSDModel(lambda b: True, 0.5, 1.0, trees))
+        high, low = (Sequence([1, 2, 3], SamplingParams(temperature=1.0, seed=s, max_tokens=100)) for s in (7, 8))
+        for i in range(12):
+            c.observe_verify(K + 1, verify_s)  # the machine's measured speed differs between the runs
+            c.observe(high, K, K, hit=hit(i))
+            c.observe(low, K, 0, hit=hit(i))
+        return c, (high, low), c.choose([high, low] + [seq() for _ in range(batch - 2)])[:2], c._rest[1][:2]
+
+    c, seqs, ks, gains = run(0.5, lambda i: True, 0.01, 2)
+    for prior_hit, hit, verify_s, batch in [(0.0, lambda i: False, 0.5, 8), (1.0, lambda i: i % 2 == 0, 0.02, 3)]:
+        _, _, other_ks, other = run(prior_hit, hit, verify_s, batch)
+        assert other_ks == ks and np.allclose(other, gains)  # neither prior, measured hits, clock nor batch
+    weights = np.array([c.states[s.seq_id].estimate.outcome_pmf(K) for s in seqs])
+    model = c.ssd.trees.model_hits(c.ssd.trees.fan_outs(list(seqs), 0, 1), weights, [0, 0])
+    assert model[0] != pytest.approx(model[1], abs=0.05)  # the two requests' own hit rates
+    flat = [c.gains(list(seqs), BatchCosts.at(c.profile, 1, K), True) for c.priors.p_hit[0] in (0.0, 1.0)]
+    assert not np.allclose(flat[0], flat[1])  # the flat prior would have moved them
+    assert ks[0] > 0 and ks[1] == 0  # all accepted: speculate; nothing accepted: AR

@@ -54,6 +54,41 @@ def test_greedy_outputs_are_compared_prompt_by_prompt():
                                         "first_difference": 1}]
 
 
+def test_every_batch_runs_through_every_row_in_turn(monkeypatch):
+    """Interleaved (the default): every engine open at once, each batch through all rows, the order rotated per
+    batch, so that the rows meet the same load; ``--sequential``: a row's batches together, one engine open."""
+    from types import SimpleNamespace
+    opened, log = [], []
+
+    class Engine:
+        def __init__(self, name):
+            self.name, self.closed = name, False
+            opened.append(self)
+
+        def generate(self, ids, params):
+            assert not any(e.closed for e in opened if e is not self) or self.sequential
+            log.append(self.name)
+            return [SimpleNamespace(token_ids=[1, 2, 3], timings=SimpleNamespace(ttft_s=0.0), spec=None) for _ in ids]
+
+    def open_engine(stack, name, options, prompts, args):
+        engine = Engine(name)
+        engine.sequential = args.sequential
+        stack.callback(lambda: setattr(engine, "closed", True))
+        return engine
+
+    monkeypatch.setattr(ba, "open_engine", open_engine)
+    argv = ["--modes", "sd", "--ks", "2", "--max-k", "2", "--temperatures", "0", "--prompts", "2"]
+    args = ba.parse_args(argv)
+    names = [n for n, _ in ba.configs(args)]
+    runs = ba.run_rows(ba.configs(args), _prompts()[:2], args)  # two batches of one humaneval prompt
+    assert log == names + names[1:] + names[:1] and [r["config"] for r in runs] == log
+    assert len(opened) == 3 and all(e.closed for e in opened)
+    log.clear()
+    args = ba.parse_args(argv + ["--sequential"])
+    ba.run_rows(ba.configs(args), _prompts()[:2], args)
+    assert log == [n for n in names for _ in range(2)]
+
+
 @pytest.mark.slow
 def test_bench_adapt_end_to_end(tmp_path):
     cmd = [sys.executable, "-m", "saguaro.cli", "bench", "adapt", "--target", "smollm2-135m", "--draft",

@@ -70,9 +70,10 @@ class AdaptiveK(KSchedule):
     ``probe_k`` drafts every ``interval`` rounds (doubling while probes do not pay), so it returns to
     speculation when its text becomes predictable.
 
-    A sampled request with a seed chooses from its own verified rounds only: the profile's costs at batch 1,
-    its prior hit rate, never a clock or its neighbours. Its K, and so its draws, are then the same alone or
-    in any batch, run after run, as at a fixed K; requests without a seed use everything measured.
+    A sampled request with a seed chooses from its own verified rounds only: the profile's costs at batch 1 and
+    (SSD) the hit rate the profile's hit curves give at its own acceptance, never a clock, a measured hit or its
+    neighbours. Its K, and so its draws, are then the same alone or in any batch, run after run, as at a fixed
+    K; requests without a seed use everything measured.
 
     SSD with ``ssd.trees``: each round also picks the cache tree the speculator builds (``self.tree``, one for
     the batch, as the GPU build captures one shape per tree): every tree's gains come from ``tree_choice``'s
@@ -133,8 +134,7 @@ class AdaptiveK(KSchedule):
             return self._rest[1]
         live = self._live_gains(seqs, BatchCosts.at(self.costs, len(seqs), self.max_k))
         group = [s for s in seqs if s.generator is not None and s.params.seed is not None]
-        rows = dict(zip([s.seq_id for s in group],
-                        self.gains(group, BatchCosts.at(self.profile, 1, self.max_k), True) if group else []))
+        rows = dict(zip([s.seq_id for s in group], self._reproducible_gains(group) if group else []))
         gains = [rows.get(seq.seq_id, row) for seq, row in zip(seqs, live)]
         self._rest = (key, gains, 0)
         return gains
@@ -158,18 +158,33 @@ class AdaptiveK(KSchedule):
         self.sent.append((self.tree, self.ssd.trees.build(seqs, self.tree, len(seqs), self.max_k).cost))
         return gains
 
-    def tree_gains(self, seqs: list[Sequence], costs: BatchCosts, only: list[int] | None = None) -> np.ndarray:
+    def _reproducible_gains(self, seqs: list[Sequence]) -> np.ndarray:
+        """[B, max_k + 1] for seeded requests: from their verified rounds and the profile alone, at batch 1. With
+        the plan's trees, a request's hit rate is the model's at its own outcome law in the plan's tree (a hit
+        rests on how far it accepts, which its rounds show: the prior's flat rate would price a request that
+        accepts everything like an average one); a measured hit is left out, as it depends on the build's
+        timing."""
+        costs = BatchCosts.at(self.profile, 1, self.max_k)
+        if self.ssd is None or self.ssd.trees is None:
+            return self.gains(seqs, costs, True)
+        return self.tree_gains(seqs, costs, [0], reproducible=True)[0]
+
+    def tree_gains(self, seqs: list[Sequence], costs: BatchCosts, only: list[int] | None = None,
+                   reproducible: bool = False) -> np.ndarray:
         """[trees, B, max_k + 1]: ``gains`` in each of the plan's trees (see the class docstring), or in ``only``
-        those."""
+        those. ``reproducible``: the model's hit rate and the profile's build time, nothing measured."""
         trees, states = self.ssd.trees, [self.state(seq) for seq in seqs]
         tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
         weights = np.array([state.estimate.outcome_pmf(self.max_k) for state in states])
         sources = [state.prior_index for state in states]
-        observed = np.array([state.hit_rate.rate(0) for state in states])
-        built_in = self.sent[0][0] if self.sent else 0  # the tree the last verified speculations' cache was
-        reference = trees.model_hits(trees.fan_outs(seqs, built_in, costs.batch), weights, sources)
+        if reproducible:
+            observed, reference, scale = 0.0, 0.0, 1.0
+        else:
+            observed = np.array([state.hit_rate.rate(0) for state in states])
+            built_in = self.sent[0][0] if self.sent else 0  # the tree the last verified speculations' cache was
+            reference = trees.model_hits(trees.fan_outs(seqs, built_in, costs.batch), weights, sources)
+            scale = self.build_scale if self.build_scale is not None else self.costs.target_scale
         backup = _column([self.priors.backup_acceptance[state.prior_index] for state in states])
-        scale = self.build_scale if self.build_scale is not None else self.costs.target_scale
         out = []
         for tree in range(trees.trees) if only is None else only:
             fan_outs = trees.fan_outs(seqs, tree, costs.batch)
