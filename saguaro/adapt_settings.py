@@ -29,8 +29,8 @@ class AdaptSettings:
     the other taper (tapered if the plan's tree is full, full if it is tapered). All empty / False, the default:
     the plan's own tree every round. The choice is opt-in (``TREE_OPTIONS`` is the set measured) because it has
     not paid reliably: with the int4 pair's profile the row choosing trees built more branches and ran below the
-    plan-tree row in 21 of 32 cells of six ``bench adapt`` runs, though above it in 19 of 24 cells of the three
-    since (``results/bench_adapt_int4.md``). The
+    plan-tree row in 21 of 32 cells of six ``bench adapt`` runs, above it in 19 of 24 cells of the three after
+    those, and in 3 of 8 of the first run with the rows interleaved (``results/bench_adapt_int4.md``). The
     trees are scored with the profile's hit curves, so they are offered only with a calibrated profile (``saguaro
     calibrate``), or with ``trees_without_profile``: the documented defaults' curves are a guess.
     """

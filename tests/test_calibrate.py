@@ -242,3 +242,36 @@ def test_a_few_mtbench_prompts_mix_categories_and_share_none_with_the_category_d
     writing = datasets.mtbench(4, ("writing", "roleplay"))
     assert len(set(mixed)) == 4 and not set(mixed) & (set(math) | set(writing))
     assert sorted(datasets.mtbench()) == sorted(datasets.mtbench(80)) and len(set(datasets.mtbench())) == 80
+
+
+def test_a_profile_timed_on_another_kernel_tier_takes_this_tier_s_row_curves(monkeypatch, caplog):
+    """Its one-row times, contention probe and rates stay; what extra rows cost is the running tier's curve
+    (an int4 target's 3-row verification: 1.3x a decode step on avx512, 2.2x on avx2 on one Zen 4 core)."""
+    from saguaro.backends.cpu_kernels import build
+    from saguaro.calibration import pair_cost, resolve
+    from saguaro.calibration.profile import ROW_GRID, PairCosts
+    from saguaro.config import Config
+    cfg = Config(target="t", draft="d", mode="ssd", dtype="bfloat16")
+    curve = {n: 1.0 + 0.6 * (n - 1) for n in ROW_GRID}
+    draft_curve = {n: 1.0 + 0.1 * (n - 1) for n in ROW_GRID}
+    monkeypatch.setattr(pair_cost, "pair_costs", lambda c: PairCosts(0.2, curve, draft_curve))
+    monkeypatch.setattr(build, "best_tier", lambda: "avx512")
+    timed = replace(default_profile("t", "d", "bfloat16", 4), default=False, enforce_eager=False, kernels="avx512")
+    monkeypatch.setattr(build, "chosen_tier", lambda: "avx512")
+    assert resolve.on_these_kernels(timed, cfg) is timed
+    assert resolve.on_these_kernels(replace(timed, kernels=""), cfg).kernels == ""  # unrecorded: the best tier's
+    monkeypatch.setattr(build, "chosen_tier", lambda: "avx2")
+    resolve._warn_other_tier.cache_clear()  # logged once per pair and tiers
+    with caplog.at_level("WARNING", logger="saguaro.ssd"):
+        moved = resolve.on_these_kernels(timed, cfg)
+    assert "avx512 kernels" in caplog.text and moved.kernels == "avx2"
+    one, old = timed.timing.target_rows["1"], timed.timing
+    assert moved.timing.target_rows["1"] == one and moved.timing.target_rows["3"] == pytest.approx(one * 2.2)
+    assert moved.timing.draft_rows["3"] == pytest.approx(old.draft_rows["1"] * 1.2)
+    assert moved.timing.verify_s == pytest.approx(one * 3.4)  # K + 1 = 5 rows
+    assert moved.timing.T_p == pytest.approx(4 * old.draft_step_s / moved.timing.verify_s)
+    assert moved.temperatures == timed.temperatures and moved.timing.contention == old.contention
+    assert resolve.on_these_kernels(replace(timed, kernels=""), cfg).kernels == "avx2"  # calibrated on avx512
+    for unchanged in (replace(timed, enforce_eager=True), replace(timed, default=True)):
+        assert resolve.on_these_kernels(unchanged, cfg) is unchanged  # eager timings, or the defaults' own curves
+    assert resolve.on_these_kernels(timed, replace(cfg, enforce_eager=True)) is timed

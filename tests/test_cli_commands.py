@@ -168,13 +168,21 @@ def test_calibrate_an_int4_target_for_the_engine_that_runs_it(dirs, tmp_path):
     assert str(saved) in out.stdout
     profile = json.loads(saved.read_text())
     assert profile["target_weights"] == "int4" and profile["draft_format"] == "int4"
+    tier = profile["kernels"]  # the kernel tier its timings ran on
+    assert tier in ("avx512", "avx2", "portable")
+    saguaro("calibrate", "--target", target, "--draft", draft, "--target-weights", "int4", "--draft-weights", "int4",
+            "--timing-only", "--max-rows", "8", "--core", "-1", "--no-contention", env=env)
+    assert json.loads(saved.read_text())["kernels"] == tier
     code = ("import sys; from saguaro.config import Config; from saguaro.calibration.resolve import pair_profile; "
             "cfg = Config(target=sys.argv[1], draft=sys.argv[2], mode='sd', num_speculative_tokens=2, "
             "target_weights=sys.argv[3], draft_weights='int4', dtype='bfloat16'); p = pair_profile(cfg, 2); "
-            "print(p.default, p.target_weights)")
-    for weights, expected in (("int4", "False int4"), ("bf16", "True bf16")):
+            "print(p.default, p.target_weights, p.kernels or '-')")
+    # an engine on another tier reads the profile with its own tier's row curves
+    other = {} if tier == "portable" else {"SAGUARO_CPU_TIER": "portable"}
+    for weights, tiers, expected in (("int4", {}, f"False int4 {tier}"), ("bf16", {}, "True bf16 -"),
+                                     ("int4", other, f"False int4 {'portable' if other else tier}")):
         read = subprocess.run([sys.executable, "-c", code, target, draft, weights], capture_output=True, text=True,
-                              env={**os.environ, **env}, timeout=300)
+                              env={**os.environ, **env, **tiers}, timeout=300)
         assert read.stdout.split() == expected.split(), read.stderr
     refused = saguaro("calibrate", "--target", target, "--draft", draft, "--target-weights", "int4", "--dtype",
                       "float32", "--no-save", check=False)

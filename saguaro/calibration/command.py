@@ -57,7 +57,7 @@ def _floats(text: str) -> list[float]:
 
 def run(args: argparse.Namespace) -> int:
     # the measuring and planning code loads only for `saguaro calibrate`, not with every command's parser
-    from saguaro.calibration.measure import calibrate, measure_timing
+    from saguaro.calibration.measure import calibrate, kernel_tier, measure_timing
     from saguaro.calibration.policy import make_plan, recommended_k
     from saguaro.ssd_settings import MissStrategy, SSDSettings
     weights = args.target_weights
@@ -83,6 +83,7 @@ def run(args: argparse.Namespace) -> int:
         profile.timing = measure_timing(target, draft, args.k, context, args.max_rows, enforce_eager=eager,
                                         draft_format=fmt, contention=not args.no_contention, target_weights=weights)
         profile.enforce_eager = eager
+        profile.kernels = kernel_tier(target, args.dtype, eager)
         timing = profile.timing
         print(f"timing: verify(K+1) {timing.verify_s * 1e3:.1f} ms, draft step {timing.draft_step_s * 1e3:.1f} ms, "
               f"T_p {timing.T_p:.2f}")

@@ -278,6 +278,18 @@ def _source_run(target, draft, prompts, temperature, k, source: str, max_tokens,
     return summary
 
 
+def kernel_tier(target, dtype, enforce_eager: bool) -> str:
+    """The CPU kernel tier the fast path runs (and so is timed on) here; "" off the CPU kernels."""
+    weight = next(target.model.parameters(), None)
+    if enforce_eager or dtype_name(dtype) != "bfloat16" or (weight is not None and weight.device.type != "cpu"):
+        return ""
+    from saguaro.backends.cpu_kernels import build
+    try:
+        return build.chosen_tier()
+    except build.KernelsUnavailable:
+        return ""
+
+
 def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0, 1.0), c_values=(),
               prompts: int = 8, max_tokens: int = 64, batch: int = 8, max_rows: int = 64,
               prompt_ids: list[list[int]] | None = None, log: Callable[[str], None] = print,
@@ -304,6 +316,7 @@ def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0,
     profile = Profile(target=target.name, draft=draft.name, draft_format=draft_format.tag, workload=workload,
                       target_weights=target_weights,
                       dtype=dtype_name(dtype), enforce_eager=bool(enforce_eager), k=k,
+                      kernels=kernel_tier(target, dtype, enforce_eager),
                       created=time.strftime("%Y-%m-%dT%H:%M:%S"),
                       settings={"prompts": len(prompt_ids), "max_tokens": max_tokens, "batch": batch,
                                 "temperatures": list(temperatures), "c_values": list(c_values),

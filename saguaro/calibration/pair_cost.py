@@ -20,10 +20,12 @@ its format, plus the overhead's share, flat (``pass_curve``).
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
+import numpy as np
 import torch
 
-from saguaro.calibration.profile import DEFAULTS, ROW_GRID, PairCosts
+from saguaro.calibration.profile import DEFAULTS, ROW_GRID, PairCosts, Timing
 from saguaro.config import Config
 
 log = logging.getLogger("saguaro.calibration")
@@ -88,3 +90,16 @@ def _row_curves():
     except build.KernelsUnavailable:
         return None
     return lambda weights: row_costs.curve(ops, weights, ROW_GRID)
+
+
+def reshaped(timing: Timing, costs: PairCosts, k: int) -> Timing:
+    """``timing`` with each model's row table its one-row time times ``costs``' row curve (a model without a curve
+    keeps its table): a profile timed on another kernel tier, whose one-row times (the bus's) still hold but
+    whose extra rows cost what that tier's kernels made of them. ``k``: the profile's K (its verification)."""
+    def table(rows: dict[str, float], curve: dict[int, float] | None) -> dict[str, float]:
+        return rows if curve is None else {str(n): rows["1"] * curve[n] for n in ROW_GRID}
+
+    target, draft = table(timing.target_rows, costs.target_rows), table(timing.draft_rows, costs.draft_rows)
+    verify = float(np.interp(k + 1, ROW_GRID, [target[str(n)] for n in ROW_GRID]))
+    return replace(timing, target_rows=target, draft_rows=draft, verify_s=verify, T_p=k * timing.draft_step_s / verify,
+                   T_b=timing.ngram_s / verify, raw=None)

@@ -178,6 +178,7 @@ class Profile:
     target_weights: str = "bf16"  # the target's packed weights (Config.target_weights): its costs follow them
     workload: str = "mixed"  # the held-out prompts (config.WORKLOADS)
     enforce_eager: bool = True  # False: timed on the bf16 fast path (Config.enforce_eager)
+    kernels: str = ""  # the CPU kernel tier the fast path timed ("": not recorded, or not on the CPU kernels)
     created: str = ""
     settings: dict[str, Any] = field(default_factory=dict)  # how calibrate ran: prompts, tokens, batch, ...
 

@@ -9,6 +9,7 @@ Without a stored profile both use the documented defaults (``profile.default_pro
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 
 import torch
@@ -33,9 +34,38 @@ def _timed_eager(cfg: Config) -> bool:
 def pair_profile(cfg: Config, k: int, no_draft: str | None = None) -> Profile:
     """``cfg``'s pair's calibration profile, or the documented defaults with what is known of the pair's passes
     (``pair_cost``); ``no_draft`` names the draft where ``cfg.draft`` is None (the n-gram matcher)."""
-    return resolve_profile(cfg.target, cfg.draft or no_draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
-                           draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload,
-                           costs=lambda: pair_cost.pair_costs(cfg), target_weights=cfg.target_weights)
+    profile = resolve_profile(cfg.target, cfg.draft or no_draft, cfg.dtype, k, enforce_eager=_timed_eager(cfg),
+                              draft_format=cfg.draft_format.tag, workload=cfg.calibration_workload,
+                              costs=lambda: pair_cost.pair_costs(cfg), target_weights=cfg.target_weights)
+    return on_these_kernels(profile, cfg)
+
+
+def on_these_kernels(profile: Profile, cfg: Config) -> Profile:
+    """``profile``, its row tables reshaped to the CPU kernel tier the engine runs where it was timed on another
+    (``pair_cost.reshaped``). The tiers' row curves differ most: on one Zen 4 core an int4 target verifies 3
+    rows at 1.3x a decode step with the avx512 kernels and at 2.2x with the avx2 ones, so an engine forced to
+    avx2 priced by an avx512 profile speculated on chat at 0.8x AR. A profile that does not say its tier was
+    calibrated before tiers were recorded, on this machine's default: the best tier it executes."""
+    if profile.default or profile.enforce_eager or _timed_eager(cfg) or cfg.device != "cpu":
+        return profile
+    from saguaro.backends.cpu_kernels import build
+    try:
+        running = build.chosen_tier()
+    except build.KernelsUnavailable:
+        return profile
+    timed_on = profile.kernels or build.best_tier()
+    costs = pair_cost.pair_costs(cfg) if timed_on != running else None
+    if costs is None or costs.target_rows is None:
+        return profile
+    _warn_other_tier(str(cfg.target), str(cfg.draft), timed_on, running)
+    return dataclasses.replace(profile, timing=pair_cost.reshaped(profile.timing, costs, profile.k), kernels=running)
+
+
+@functools.cache  # once per pair and tiers: an engine resolves its profile for K, the plan and the chooser
+def _warn_other_tier(target: str, draft: str, timed_on: str, running: str) -> None:
+    log.warning("calibration profile for %s / %s timed on the %s kernels, the engine runs the %s ones: its row "
+                "tables take this tier's row curves (run `saguaro calibrate` on this tier for its own)",
+                target, draft, timed_on, running)
 
 
 def resolve_k(cfg: Config) -> Config:
