@@ -32,6 +32,8 @@ from saguaro.adapt_settings import TREE_OPTIONS
 
 DATASETS = "humaneval,mtbench,mtbench-math,mtbench-writing"
 MIXED = "mixed"  # the batch of every dataset's prompts together
+ORDERS = {False: "Every engine open at once, each batch through all rows in turn (the order rotated per batch).",
+          True: "Rows ran one after another (each meets its own minutes' load)."}  # by --sequential
 RATES = {"decode": "the tokens after each request's first over the time after its batch's last first token "
                    "(prefill out, as bench peers)",
          "total": "every request's new tokens over its batch's wall time (prefill included)"}
@@ -212,10 +214,7 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
              f"CPU: {cpu['summary']}.",
              f"{args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
              f"the speculator on the next core. tok/s: {RATES[args.rate]}, median over batches. "
-             + ("Rows ran one after another (each meets its own minutes' load). " if args.sequential else
-                "Every engine open at once, each batch through all rows in turn (the order rotated per batch). ")
-             + 
-             f"Load average at the end: "
+             f"{ORDERS[args.sequential]} Load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in env['loadavg'] or [])} on {env['cpus']} cores.", "",
              table(headers, rows), "",
              f"Greedy speculative outputs equal to AR's: {equal}/{compared}" + (

@@ -257,10 +257,10 @@ def test_a_profile_timed_on_another_kernel_tier_takes_this_tier_s_row_curves(mon
     monkeypatch.setattr(pair_cost, "pair_costs", lambda c: PairCosts(0.2, curve, draft_curve))
     monkeypatch.setattr(build, "best_tier", lambda: "avx512")
     timed = replace(default_profile("t", "d", "bfloat16", 4), default=False, enforce_eager=False, kernels="avx512")
-    monkeypatch.setattr(build, "chosen_tier", lambda: "avx512")
+    monkeypatch.setattr(build, "running_tier", lambda: "avx512")
     assert resolve.on_these_kernels(timed, cfg) is timed
     assert resolve.on_these_kernels(replace(timed, kernels=""), cfg).kernels == ""  # unrecorded: the best tier's
-    monkeypatch.setattr(build, "chosen_tier", lambda: "avx2")
+    monkeypatch.setattr(build, "running_tier", lambda: "avx2")
     resolve._warn_other_tier.cache_clear()  # logged once per pair and tiers
     with caplog.at_level("WARNING", logger="saguaro.ssd"):
         moved = resolve.on_these_kernels(timed, cfg)
@@ -275,3 +275,5 @@ def test_a_profile_timed_on_another_kernel_tier_takes_this_tier_s_row_curves(mon
     for unchanged in (replace(timed, enforce_eager=True), replace(timed, default=True)):
         assert resolve.on_these_kernels(unchanged, cfg) is unchanged  # eager timings, or the defaults' own curves
     assert resolve.on_these_kernels(timed, replace(cfg, enforce_eager=True)) is timed
+    monkeypatch.setattr(build, "running_tier", lambda: None)  # no kernels load: the engine runs eager
+    assert resolve.on_these_kernels(timed, cfg) is timed

@@ -284,10 +284,7 @@ def kernel_tier(target, dtype, enforce_eager: bool) -> str:
     if enforce_eager or dtype_name(dtype) != "bfloat16" or (weight is not None and weight.device.type != "cpu"):
         return ""
     from saguaro.backends.cpu_kernels import build
-    try:
-        return build.chosen_tier()
-    except build.KernelsUnavailable:
-        return ""
+    return build.running_tier() or ""
 
 
 def calibrate(target, draft, *, dtype="bfloat16", k: int = 4, temperatures=(0.0, 1.0), c_values=(),

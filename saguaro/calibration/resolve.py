@@ -49,12 +49,9 @@ def on_these_kernels(profile: Profile, cfg: Config) -> Profile:
     if profile.default or profile.enforce_eager or _timed_eager(cfg) or cfg.device != "cpu":
         return profile
     from saguaro.backends.cpu_kernels import build
-    try:
-        running = build.chosen_tier()
-    except build.KernelsUnavailable:
-        return profile
+    running = build.running_tier()
     timed_on = profile.kernels or build.best_tier()
-    costs = pair_cost.pair_costs(cfg) if timed_on != running else None
+    costs = pair_cost.pair_costs(cfg) if running is not None and timed_on != running else None
     if costs is None or costs.target_rows is None:
         return profile
     _warn_other_tier(str(cfg.target), str(cfg.draft), timed_on, running)

@@ -138,6 +138,14 @@ def source_digest() -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in [SOURCE, *sorted(CSRC.glob("*.h"))])).hexdigest()[:16]
 
 
+def running_tier() -> str | None:
+    """The tier whose kernels load here (``chosen_tier()``'s), None where none can: the engine then runs eager."""
+    try:
+        return load().TIER
+    except KernelsUnavailable:
+        return None
+
+
 def available(tier: str | None = None) -> bool:
     try:
         load(tier)
