@@ -114,13 +114,16 @@ def test_chooser_falls_to_ar_probes_and_returns():
         c.observe(s, 5, 0)
     assert [c.choose([s])[0] for _ in range(3)] == [0, 0, 1]  # a probe of probe_k drafts after 2 rounds at 0
     c.observe(s, 1, 0)  # it fails: the interval doubles
-    ks, ahead = [], []
+    ks, ahead, catch_up = [], [], []
     for _ in range(5):
         ks.append(c.choose([s])[0])
         ahead.append(c.ahead([s], ks[-1:])[0])
+        catch_up.append(c.catch_up([s], ks[-1:]))
     assert ks == [0, 0, 0, 0, 1]
-    # the round before the probe has its speculation prepared (SSD's build beside that AR step), no other
+    # the round before the probe has its speculation prepared (SSD's build beside that AR step), no other; the
+    # round before that has the draft cache catch up in the speculator's idle time, so that build glues one token
     assert ahead == [0, 0, 0, 1, 1]
+    assert catch_up == [[], [], [s.seq_id], [], []]
     for _ in range(6):  # the text became predictable: the probe's successes bring speculation back
         c.observe(s, 1, 1)
     assert c.choose([s])[0] > 1

@@ -76,22 +76,23 @@ def test_ssd_scripted_k_equals_ar(pair, ar_outputs, script, transport):
 @pytest.mark.parametrize("mode, transport", [("sd", "thread"), ("ssd", "thread"), ("ssd", "process")])
 def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode, transport):
     """The adaptive default with settings that make it move: a weak draft drives requests to K = 0, probes
-    bring them back for a round (SSD: their speculation built beside the AR step before), and the output is
-    AR's."""
-    adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2)
-    prepared = []
+    bring them back for a round (SSD: their speculation built beside the AR step before, their draft cache fed
+    in the speculator's idle time a round before that), and the output is AR's."""
+    adapt = AdaptSettings(prior=0.9, probe_interval=2, max_probe_interval=4)
+    prepared, caught_up = [], []
     with LLM(target=pair[0], draft=pair[1], mode=mode, num_speculative_tokens=3, block_size=4, adapt=adapt,
              speculator_transport=transport) as llm:
         link = getattr(llm.engine.decoder, "link", None)
         for name in ("post", "exchange") if mode == "ssd" else ():
             def sent(request, send=getattr(link, name)):
                 prepared.append(request.prepare is not None)
+                caught_up.append(bool(request.catch_up))
                 return send(request)
             setattr(link, name, sent)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))
         assert getattr(llm.engine.decoder, "failure", None) is None
     assert [o.token_ids for o in outs] == ar_outputs
-    assert any(prepared) == (mode == "ssd")
+    assert any(prepared) == any(caught_up) == (mode == "ssd")
     ks = [o.spec_counts.k_per_round for o in outs]
     assert any(len(set(k)) > 1 for k in ks), ks
     assert any(0 in k and k.index(0) < len(k) - 1 and max(k[k.index(0):]) > 0 for k in ks), ks  # 0, then back
@@ -161,6 +162,37 @@ def test_a_probe_s_speculation_is_built_beside_the_ar_step_before_it(pair):
     spec.respond(RoundRequest([], [], [0], []))
     spec.build()
     assert runner.blocks.num_free == runner.blocks.num_blocks
+
+
+def test_a_k_zero_sequence_catches_up_in_idle_time_before_its_probe(pair):
+    """``RoundRequest.catch_up``: the draft cache of a sequence at K = 0 takes its verified tokens as idle-time
+    work (no build); the build that prepares its probe a round later then feeds two tokens, not all it skipped,
+    and the probe's speculation is the one a speculator that never caught up answers."""
+    prompt, bonus, answers = [3, 7, 1, 9], 5, []
+    for catch_up in ([0], []):
+        runner, spec, fed = _counted_speculator(pair[1])
+        spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(), 0)], [], [0], ks=[0]))
+        for _ in range(3):  # AR steps
+            spec.respond(RoundRequest([Outcome(0, 0, bonus)], [], [], [0], ks=[0]))
+            spec.build()
+        spec.respond(RoundRequest([Outcome(0, 0, bonus)], [], [], [0], ks=[0], catch_up=catch_up))
+        assert spec.build().steps == 0 and fed == []  # queued only: fed in idle time
+        while spec.prefill_piece():
+            pass
+        cached = spec.states[0].draft.num_cached
+        assert cached == (len(prompt) + 3 if catch_up else 0)  # every verified token but the last
+        fed.clear()
+        spec.respond(RoundRequest([Outcome(0, 0, bonus)], [], [], [0], ks=[0], prepare=[1]))
+        assert spec.build().steps == 1
+        assert fed[0] == (2 if catch_up else len(prompt) + 5)  # the glue: the last two tokens, or all of them
+        _, _, guessed = next(iter(spec.cache.keys()))
+        rows = spec.respond(RoundRequest([Outcome(0, 0, guessed)], [], [], [0], ks=[1])).rows
+        assert rows[0].hit
+        answers.append((guessed, rows[0].tokens))
+        spec.respond(RoundRequest([], [], [0], []))
+        spec.build()
+        assert runner.blocks.num_free == runner.blocks.num_blocks  # the catch-up's blocks come back too
+    assert answers[0] == answers[1]
 
 
 @pytest.mark.parametrize("transport", ["thread", "process"])

@@ -91,10 +91,10 @@ def test_the_plan_looks_up_every_tree():
 
 
 def test_the_round_s_tree_crosses_the_wire():
-    back = unpack_request(pack_request(RoundRequest(order=[4, 2], ks=[3, 0], tree=5, prepare=[3, 1])))
-    assert (back.order, back.ks, back.tree, back.prepare) == ([4, 2], [3, 0], 5, [3, 1])
+    back = unpack_request(pack_request(RoundRequest(order=[4, 2], ks=[3, 0], tree=5, prepare=[3, 1], catch_up=[2])))
+    assert (back.order, back.ks, back.tree, back.prepare, back.catch_up) == ([4, 2], [3, 0], 5, [3, 1], [2])
     plain = unpack_request(pack_request(RoundRequest()))
-    assert plain.tree == 0 and plain.prepare is None
+    assert plain.tree == 0 and plain.prepare is None and plain.catch_up == []
 
 
 def chooser(options: list[TreeOption]) -> AdaptiveK:

@@ -10,6 +10,7 @@ import torch
 from saguaro import SamplingParams
 from saguaro.calibration import default_profile, load_profile, profile_path, save_profile
 from saguaro.calibration.measure import calibrate, run_ranked, summarize_source
+from saguaro.calibration.profile import BusyDraft, ContentionProbe
 from saguaro.ssd.plan import SpecPlan
 from saguaro.ssd.ranks import RankRecorder
 from tests.tiny import perturbed, tiny_model
@@ -245,8 +246,9 @@ def test_a_few_mtbench_prompts_mix_categories_and_share_none_with_the_category_d
 
 
 def test_a_profile_timed_on_another_kernel_tier_takes_this_tier_s_row_curves(monkeypatch, caplog):
-    """Its one-row times, contention probe and rates stay; what extra rows cost is the running tier's curve
-    (an int4 target's 3-row verification: 1.3x a decode step on avx512, 2.2x on avx2 on one Zen 4 core)."""
+    """Its one-row times and rates stay; what extra rows cost is the running tier's curve (an int4 target's 3-row
+    verification: 1.3x a decode step on avx512, 2.2x on avx2 on one Zen 4 core), and its contention probe moves
+    with them."""
     from saguaro.backends.cpu_kernels import build
     from saguaro.calibration import pair_cost, resolve
     from saguaro.calibration.profile import ROW_GRID, PairCosts
@@ -257,6 +259,8 @@ def test_a_profile_timed_on_another_kernel_tier_takes_this_tier_s_row_curves(mon
     monkeypatch.setattr(pair_cost, "pair_costs", lambda c: PairCosts(0.2, curve, draft_curve))
     monkeypatch.setattr(build, "best_tier", lambda: "avx512")
     timed = replace(default_profile("t", "d", "bfloat16", 4), default=False, enforce_eager=False, kernels="avx512")
+    draft_alone = timed.timing.draft_rows["4"]
+    timed.timing.contention = ContentionProbe(busy=[BusyDraft(4, 1.3, 1 / (1.1 * draft_alone))], rows=5)
     monkeypatch.setattr(build, "running_tier", lambda: "avx512")
     assert resolve.on_these_kernels(timed, cfg) is timed
     assert resolve.on_these_kernels(replace(timed, kernels=""), cfg).kernels == ""  # unrecorded: the best tier's
@@ -270,7 +274,17 @@ def test_a_profile_timed_on_another_kernel_tier_takes_this_tier_s_row_curves(mon
     assert moved.timing.draft_rows["3"] == pytest.approx(old.draft_rows["1"] * 1.2)
     assert moved.timing.verify_s == pytest.approx(one * 3.4)  # K + 1 = 5 rows
     assert moved.timing.T_p == pytest.approx(4 * old.draft_step_s / moved.timing.verify_s)
-    assert moved.temperatures == timed.temperatures and moved.timing.contention == old.contention
+    assert moved.temperatures == timed.temperatures
+    # the probe moves too: the busy draft's and the verification's passes take longer for the same bytes, so
+    # each pulls less of the bus: extra slowdowns scale by both time ratios (a 4-row draft pass 1.3x, 5 rows 3.4x)
+    (busy,) = moved.timing.contention.busy
+    draft_ratio = draft_alone / moved.timing.draft_rows["4"]
+    verify_ratio = old.target_rows["5"] / moved.timing.target_rows["5"]
+    assert draft_ratio == pytest.approx(old.draft_rows["4"] / (old.draft_rows["1"] * 1.3))
+    assert verify_ratio == pytest.approx(old.target_rows["5"] / (one * 3.4))
+    assert busy.slowdown == pytest.approx(1.0 + 0.3 * draft_ratio * verify_ratio)
+    assert busy.draft_passes_per_s == pytest.approx(1 / (moved.timing.draft_rows["4"] * (1.0 + 0.1 * verify_ratio)))
+    assert old.contention.busy[0].slowdown == 1.3  # the stored profile is left as it was
     assert resolve.on_these_kernels(replace(timed, kernels=""), cfg).kernels == "avx2"  # calibrated on avx512
     for unchanged in (replace(timed, enforce_eager=True), replace(timed, default=True)):
         assert resolve.on_these_kernels(unchanged, cfg) is unchanged  # eager timings, or the defaults' own curves

@@ -51,6 +51,10 @@ class RequestState:
         """Its next round at K = 0 would be its probe (the interval is out)."""
         return self.at_zero >= self.interval
 
+    def probe_next_but_one(self) -> bool:
+        """Its round after the next would be its probe, if it stays at K = 0 (the interval is out a round on)."""
+        return self.at_zero == self.interval - 1
+
 
 @dataclass
 class SSDModel:
@@ -246,6 +250,13 @@ class AdaptiveK(KSchedule):
         # the AR step before it, from what that step verifies, so the probe is answered as a round is
         return [self._probe_k if k == 0 and (st := self.states.get(seq.seq_id)) is not None and st.probe_due()
                 else k for seq, k in zip(seqs, ks)]
+
+    def catch_up(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
+        # a round earlier still, its draft cache takes the tokens of its rounds at K = 0 in the speculator's idle
+        # time: else the build that prepares the probe glues them all first, and on a CPU outlasted the AR step
+        # beside it, so the probe's request waited for it (a third of a step per probe on avx2)
+        return [seq.seq_id for seq, k in zip(seqs, ks)
+                if k == 0 and (st := self.states.get(seq.seq_id)) is not None and st.probe_next_but_one()]
 
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         state = self.state(seq)

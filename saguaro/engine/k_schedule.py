@@ -40,6 +40,11 @@ class KSchedule(ABC):
         better). It changes what is prepared, never what is verified."""
         return ks
 
+    def catch_up(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
+        """SSD: the ids of the sequences at K = 0 whose draft caches the speculator should bring up to date in its
+        idle time beside the coming round, ahead of a speculation (none unless a chooser knows one is coming)."""
+        return []
+
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         """``seq``'s round was verified: ``drafted`` drafts, ``kept`` accepted (and, in SSD, whether it was a
         cache hit)."""

@@ -84,5 +84,5 @@ class PrefillWork:
 
 
 def _left(state: SeqState) -> int:
-    """Prefill tokens of ``state`` not yet in its draft cache."""
-    return len(state.prefilled) - state.draft.num_cached if state.prefilled is not None else 0
+    """Prefill tokens of ``state`` not yet in its draft cache (none once a build's glue fed them, and more)."""
+    return max(len(state.prefilled) - state.draft.num_cached, 0) if state.prefilled is not None else 0

@@ -92,6 +92,10 @@ class RoundRequest:
     # request at K = 0 whose next round probes has its probe's speculation built beside this AR step, so the
     # probe is answered like any round (a hit at once) and not drafted just in time behind a catch-up; None: ks
     prepare: list[int] | None = None
+    # sequence ids at K = 0 whose probe is two rounds away: the speculator feeds their draft caches the tokens
+    # verified since they last speculated, in its idle time beside the coming AR step, so that the build that
+    # prepares the probe a round later glues one token, not all of them (on one core: not the probe's wait)
+    catch_up: list[int] = field(default_factory=list)
     # in a thread: a GPU event after the target's pass that wrote its features (``eagle.features.fence_features``)
     fence: Any = None
 
@@ -169,13 +173,17 @@ def _float(bits: int) -> float:
 
 
 # -- request ------------------------------------------------------------------------
-# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width, #ks, tree, #prepare]
+# int64 fields: [command, #outcomes, #admissions, #releases, #order, feature width, #ks, tree, #prepare,
+#               #catch_up]
 #               + per outcome [seq_id, k, bonus, #feature rows]
 #               + per admission [seq_id, #tokens, temperature bits, top_k, top_p bits, seed, #feature rows,
 #                                features_start, tokens...]
-#               + releases + order + ks + prepare
+#               + releases + order + ks + prepare + catch_up
 # features (a second frame, only when some are sent; the target's dtype): every outcome's rows, then every
 #               admission's, [rows * width]
+
+HEADER = 10  # the int64 fields before the first outcome
+
 
 def _rows(features: torch.Tensor | None) -> int:
     return 0 if features is None else len(features)
@@ -186,7 +194,7 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
     width = sent[0].shape[-1] if sent else 0
     ks, prepare = req.ks or [], req.prepare or []
     out = [req.command, len(req.outcomes), len(req.admissions), len(req.releases), len(req.order), width, len(ks),
-           req.tree, len(prepare)]
+           req.tree, len(prepare), len(req.catch_up)]
     for o in req.outcomes:
         out += [o.seq_id, o.num_accepted, o.bonus, _rows(o.features)]
     for a in req.admissions:
@@ -197,6 +205,7 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
     out += req.order
     out += ks
     out += prepare
+    out += req.catch_up
     fields = torch.tensor(out, dtype=torch.int64)
     # the features stay on the target's device: the NCCL link carries them from there (``channel.py``)
     return [fields, torch.cat([f.reshape(-1) for f in sent])] if sent else [fields]
@@ -204,7 +213,7 @@ def pack_request(req: RoundRequest) -> list[torch.Tensor]:
 
 def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
     v = frames[0].tolist()
-    command, n_out, n_adm, n_rel, n_ord, width, n_ks, tree, n_prepare = v[:9]
+    command, n_out, n_adm, n_rel, n_ord, width, n_ks, tree, n_prepare, n_catch = v[:HEADER]
     flat = frames[1].view(-1, width) if len(frames) > 1 else None
     taken = 0
 
@@ -215,7 +224,7 @@ def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
         taken += rows
         return flat[taken - rows:taken]
 
-    i = 9
+    i = HEADER
     outcomes = []
     for _ in range(n_out):
         seq_id, k, bonus, rows = v[i:i + 4]
@@ -231,12 +240,13 @@ def unpack_request(frames: list[torch.Tensor]) -> RoundRequest:
     order = v[i + n_rel:i + n_rel + n_ord]
     i += n_rel + n_ord
     ks, prepare = v[i:i + n_ks] or None, v[i + n_ks:i + n_ks + n_prepare] or None
-    end = i + n_ks + n_prepare
+    i += n_ks + n_prepare
+    catch_up, end = v[i:i + n_catch], i + n_catch
     if end != len(v):
         raise ValueError(f"request holds {len(v)} fields, its counts describe {end}")
     if flat is not None and taken != len(flat):
         raise ValueError(f"request carries {len(flat)} feature rows, its counts describe {taken}")
-    return RoundRequest(outcomes, admissions, releases, order, command, ks, tree, prepare)
+    return RoundRequest(outcomes, admissions, releases, order, command, ks, tree, prepare, catch_up)
 
 
 # -- response -----------------------------------------------------------------------

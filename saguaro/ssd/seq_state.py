@@ -23,7 +23,9 @@ from saguaro.ssd_settings import DraftedBy
 class SeqState:
     seq: Sequence | None = None  # the speculator's copy of the sequence; None while it is only prefilled
     draft: DraftState = field(default_factory=DraftState)  # its draft KV cache: block table, tokens cached
-    prefilled: list[int] | None = None  # the tokens a prefill put in the draft cache, until its admission
+    # the tokens a prefill puts in the draft cache, until its admission; after it, those a sequence at K = 0
+    # catches up on before its probe (``Speculator._catch_up``); fed in idle time either way
+    prefilled: list[int] | None = None
     sent: list[int] | None = field(default_factory=list)  # the speculation under verification; None: in ``spoken``
     drafted_by: DraftedBy = DraftedBy.PRIMARY  # the primary draft, or the point-mass backup (n-gram / random)
     ranked: list[Ranked] | None = None  # the draft's ranked ids at each position of it (primary only)

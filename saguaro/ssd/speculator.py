@@ -239,8 +239,21 @@ class Speculator:
             state.asked = prepare[state.seq.seq_id]
             state.sent = row.tokens  # None while on the device (``state.spoken``)
             state.drafted_by = DraftedBy.BACKUP if row.point_mass else DraftedBy.PRIMARY
+        self._catch_up(req.catch_up)
         return RoundResponse([rows[i] for i in req.order], self.last_build.seconds, time.perf_counter() - start,
                              self.last_build.steps)
+
+    def _catch_up(self, seq_ids: list[int]) -> None:
+        """Queue the verified tokens these sequences' draft caches lack (all but the last, which drafting starts
+        by feeding) as idle-time work, like a prefill's (``prefill_work.py``): a sequence at K = 0 two rounds
+        before its probe. What is left unfed when a build comes is glued then. A draft head conditioned on the
+        target's features catches up in its glue only."""
+        for seq_id in seq_ids:
+            state = self.states.get(seq_id)
+            if state is None or state.seq is None or self.conditioned:
+                continue
+            state.prefilled = state.seq.tokens[:-1]
+            self.prefills.add(seq_id, state)
 
     def _look_up(self, outcomes: list[Outcome]) -> None:
         """The graph-build path's one read of a round: which branch of the build hit for each sequence (looked up

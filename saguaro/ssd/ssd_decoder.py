@@ -118,7 +118,7 @@ class SSDDecoder(Decoder):
         self.building = any(ahead)
         request = RoundRequest(outcomes, admissions, self.released, [s.seq_id for s in seqs], ks=ks,
                                prepare=None if ahead == ks else ahead, tree=self.schedule.tree,
-                               command=CMD_QUIET if quiet else CMD_ROUND)
+                               catch_up=self.schedule.catch_up(seqs, ks), command=CMD_QUIET if quiet else CMD_ROUND)
         self.released = []
         try:
             if quiet:
