@@ -114,22 +114,36 @@ def test_chooser_falls_to_ar_probes_and_returns():
         c.observe(s, 5, 0)
     assert [c.choose([s])[0] for _ in range(3)] == [0, 0, 1]  # a probe of probe_k drafts after 2 rounds at 0
     c.observe(s, 1, 0)  # it fails: the interval doubles
-    ks, ahead, catch_up = [], [], []
+    ks, ahead = [], []
     for _ in range(5):
         ks.append(c.choose([s])[0])
         ahead.append(c.ahead([s], ks[-1:])[0])
-        catch_up.append(c.catch_up([s], ks[-1:]))
     assert ks == [0, 0, 0, 0, 1]
-    # the round before the probe has its speculation prepared (SSD's build beside that AR step), no other; the
-    # round before that has the draft cache catch up in the speculator's idle time, so that build glues one token
+    # the round before the probe has its speculation prepared (SSD's build beside that AR step), no other
     assert ahead == [0, 0, 0, 1, 1]
-    assert catch_up == [[], [], [s.seq_id], [], []]
     for _ in range(6):  # the text became predictable: the probe's successes bring speculation back
         c.observe(s, 1, 1)
     assert c.choose([s])[0] > 1
     assert c.states[s.seq_id].interval == 2
     c.release(s.seq_id)
     assert s.seq_id not in c.states
+
+
+@pytest.mark.parametrize("draft_ratio, catches_up", [(0.6, True), (0.3, False)])
+def test_a_request_catches_up_before_its_probe_where_the_glue_would_outlast_the_ar_step(draft_ratio, catches_up):
+    """Two rounds before its probe a request at K = 0 has its draft cache fed in the speculator's idle time, if
+    the build that prepares the probe, its glue of the skipped tokens and a step, would outlast the AR step
+    (a draft step 0.6 of a verification: 0.67 + 0.6 > 1); a cheap draft (0.3: 0.34 + 0.3) glues them there."""
+    c, s = chooser(prior=0.9, draft_ratio=draft_ratio, probe_interval=4, max_probe_interval=4), seq()
+    c.choose([s])
+    for _ in range(10):
+        c.observe(s, 5, 0)
+    ks, catch_up = [], []
+    for _ in range(6):
+        ks.append(c.choose([s])[0])
+        catch_up.append(c.catch_up([s], ks[-1:]))
+    assert ks == [0, 0, 0, 0, 1, 0]
+    assert catch_up == [[], [], [s.seq_id] if catches_up else [], [], [], []]
 
 
 def test_a_speculating_request_stays_until_its_gain_falls_below_stay_gain():

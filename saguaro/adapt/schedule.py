@@ -253,10 +253,19 @@ class AdaptiveK(KSchedule):
 
     def catch_up(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
         # a round earlier still, its draft cache takes the tokens of its rounds at K = 0 in the speculator's idle
-        # time: else the build that prepares the probe glues them all first, and on a CPU outlasted the AR step
-        # beside it, so the probe's request waited for it (a third of a step per probe on avx2)
-        return [seq.seq_id for seq, k in zip(seqs, ks)
-                if k == 0 and (st := self.states.get(seq.seq_id)) is not None and st.probe_next_but_one()]
+        # time, where the build that prepares the probe would otherwise outlast the verification beside it: its
+        # glue of every skipped token and one step over the batch's branches, priced by the draft's table, against
+        # the coming round's verification. On avx2 that build took 63-97 ms beside a 45 ms AR step and the probe's
+        # request waited for it. Elsewhere the tokens ride along in the build's one glue pass: fed in idle time they
+        # are passes of their own beside the verification (8 requests on avx512: 0.83x AR where 0.95x without)
+        due = [(seq, st) for seq, k in zip(seqs, ks)
+               if k == 0 and (st := self.states.get(seq.seq_id)) is not None and st.probe_next_but_one()]
+        if not due:
+            return []
+        verify = self.costs.verify(sum(k + 1 for k in ks))
+        step = self.costs.draft_step(len(seqs))
+        # by the build, it will have skipped this round's token and the next one's as well
+        return [seq.seq_id for seq, st in due if self.costs.draft_step(st.at_zero + 2) + step > verify]
 
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         state = self.state(seq)
