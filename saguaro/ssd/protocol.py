@@ -92,9 +92,9 @@ class RoundRequest:
     # request at K = 0 whose next round probes has its probe's speculation built beside this AR step, so the
     # probe is answered like any round (a hit at once) and not drafted just in time behind a catch-up; None: ks
     prepare: list[int] | None = None
-    # sequence ids at K = 0 whose probe is two rounds away: the speculator feeds their draft caches the tokens
-    # verified since they last speculated, in its idle time beside the coming AR step, so that the build that
-    # prepares the probe a round later glues one token, not all of them (on one core: not the probe's wait)
+    # sequence ids at K = 0 whose probe is two rounds away and whose skipped tokens would make the build that
+    # prepares it outlast the verification (``KSchedule.catch_up``): the speculator feeds their draft caches the
+    # tokens verified since they last speculated in its idle time, so that build glues two tokens, not all
     catch_up: list[int] = field(default_factory=list)
     # in a thread: a GPU event after the target's pass that wrote its features (``eagle.features.fence_features``)
     fence: Any = None
