@@ -10,7 +10,9 @@ time), median over batches, the best fixed configuration chosen after the fact (
 ratio to it and to AR. Batches hold ``--batch`` requests of one dataset, and with ``--mixed`` also one batch
 of every dataset's prompts together (code and chat in one batch). The K chosen per round by the adaptive rows
 is kept for every request (and SSD's branches per build), and one request per dataset is drawn
-(``results/bench_adapt_k.png``); the table gives the adaptive SSD rows' mean branches per build.
+(``results/bench_adapt_k.png``); the table gives the adaptive SSD rows' mean branches per build. At batch 1 a
+second table sets the chooser's predicted gain per K against what the adaptive SSD rows' rounds gave
+(``chooser_prices``).
 
     saguaro bench adapt                                    # Qwen pair, 4 datasets, T=0 and 1, batch 1
     saguaro bench adapt --target smollm2-135m --draft smollm2-135m --draft-weights int4 --prompts 1 \\
@@ -25,6 +27,7 @@ from contextlib import ExitStack
 from typing import Any
 
 from benchmarks.bench_peers import cpu_description
+from benchmarks.chooser_prices import as_dicts, decoder_trace, price_table, round_prices
 from benchmarks.common import (WEIGHT_FORMATS, Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, median, prepare_prompts, ratio, sampling_params, settings, str_list,
                                table, temp_key, write_results)
@@ -100,6 +103,8 @@ def measure(name: str, llm, item: tuple[float, int, str, list[Prompt]], args: ar
     """One batch through one engine: its rates, outputs and K per round."""
     temperature, size, group, batch = item
     params = [sampling_params(temperature, args.max_tokens, args.seed + p.index) for p in batch]
+    trace = decoder_trace(llm)  # SSD's rounds, timed
+    first = len(trace) if trace is not None else 0
     start = time.perf_counter()
     outs = llm.generate([p.ids for p in batch], params)
     wall = time.perf_counter() - start
@@ -117,6 +122,9 @@ def measure(name: str, llm, item: tuple[float, int, str, list[Prompt]], args: ar
            "k_per_round": [o.spec.k_per_round if o.spec else [] for o in outs],
            "fan_out_per_round": [o.spec.fan_out_per_round if o.spec else [] for o in outs],
            "acceptance": [o.spec.acceptance_rate if o.spec else None for o in outs]}
+    if trace is not None and len(outs) == 1 and outs[0].spec and outs[0].spec.gain_per_round:
+        spec = outs[0].spec  # alone, its rounds are the trace's since it was sent
+        run["round_prices"] = as_dicts(round_prices(trace[first:], spec.k_per_round, spec.gain_per_round))
     log(f"  {name} | {group} T={temperature:g} b={run['batch']}: {tokens} tokens, {run['tok_s']:.2f} tok/s")
     return run
 
@@ -198,6 +206,21 @@ def greedy_pairs(runs: list[dict[str, Any]]) -> list[tuple[dict[str, Any], list[
             for d, p, ids in zip(r["datasets"], r["prompts"], r["token_ids"]) if (d, p, r["batch"]) in ar]
 
 
+def chooser_prices(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per temperature, dataset and adaptive SSD row at batch 1: the chooser's predicted gain per K against what
+    the rounds gave, each request's in steps of AR's on its prompt (``chooser_prices``)."""
+    ar = {(r["temperature"], r["dataset"], r["prompts"][0]): 1 / r["decode_tok_s"] for r in runs
+          if r["config"] == "AR" and r["batch"] == 1 and r["decode_tok_s"] > 0}
+    out = []
+    keys = dict.fromkeys((r["temperature"], r["dataset"], r["config"]) for r in runs if "round_prices" in r)
+    for t, dataset, config in keys:
+        requests = [(r["round_prices"], ar[(t, dataset, r["prompts"][0])]) for r in runs
+                    if (r["temperature"], r["dataset"], r["config"]) == (t, dataset, config) and "round_prices" in r
+                    and (t, dataset, r["prompts"][0]) in ar]
+        out += [dict(temperature=t, dataset=dataset, config=config, **row) for row in price_table(requests)]
+    return out
+
+
 def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
     adaptive = [n for n in names if "adaptive" in n]
     trees = [n for n in adaptive if n.startswith("SSD")]
@@ -222,9 +245,17 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
                  " (the others, and where they part from AR's, are in the JSON's greedy_unequal: in bf16 a verification"
                  " of K + 1 rows may round a near-tie otherwise than AR's one row; exactness is checked in fp32)")
              + "."]
+    prices = chooser_prices(runs)
+    if prices:
+        lines += ["", "The chooser's prices against its rounds (batch 1, SSD; `benchmarks/chooser_prices.py`): per K "
+                  "verified, the speedup over AR predicted when it was chosen, and the rounds' tokens over their "
+                  "time in AR steps (the AR row's on the same prompt).", "",
+                  table(["T", "dataset", "row", "K", "rounds", "predicted", "realized"],
+                        [[temp_key(p["temperature"]), p["dataset"], p["config"], p["k"], p["rounds"],
+                          fmt(p["predicted"]), fmt(p["realized"])] for p in prices])]
     payload = {"benchmark": "adapt", "description": __doc__.split("\n\n")[0], "settings": settings(args),
                "environment": env, "cpu": cpu, "rows": names, "cells": cells, "greedy_equal_ar": [equal, compared],
-               "greedy_unequal": greedy_unequal(runs),
+               "greedy_unequal": greedy_unequal(runs), "chooser_prices": prices,
                "runs": [{k: v for k, v in r.items() if k != "token_ids"} for r in runs]}
     return payload, "\n".join(lines)
 

@@ -97,6 +97,7 @@ def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode, tr
     assert any(len(set(k)) > 1 for k in ks), ks
     assert any(0 in k and k.index(0) < len(k) - 1 and max(k[k.index(0):]) > 0 for k in ks), ks  # 0, then back
     assert all(len(o.spec_counts.acceptance_estimate) == 3 for o in outs)
+    assert all(len(o.spec_counts.gain_per_round) == len(o.spec_counts.k_per_round) for o in outs)
     _no_leaks(llm)
 
 

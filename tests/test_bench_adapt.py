@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from benchmarks import bench_adapt as ba
+from benchmarks.chooser_prices import RoundPrice, as_dicts, decoder_trace, price_table, round_prices
 from benchmarks.common import Prompt
 from saguaro.adapt_settings import TREE_OPTIONS
 
@@ -87,6 +88,37 @@ def test_every_batch_runs_through_every_row_in_turn(monkeypatch):
     args = ba.parse_args(argv + ["--sequential"])
     ba.run_rows(ba.configs(args), _prompts()[:2], args)
     assert log == [n for n in names for _ in range(2)]
+
+
+def test_the_chooser_s_prices_are_set_beside_the_rounds_it_chose(pair):
+    """One request alone through adaptive SSD: each round that verified is priced by the K chosen a round before
+    and its predicted gain, its tokens are what the request got after its first, and its time runs to the next
+    round's start."""
+    from saguaro import LLM, SamplingParams
+    from saguaro.adapt_settings import AdaptSettings
+    adapt = AdaptSettings(prior=0.9, probe_interval=2, max_probe_interval=4)
+    with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4, adapt=adapt) as llm:
+        out, = llm.generate([[3, 7, 1, 9, 2]], SamplingParams(max_tokens=24))
+        trace = list(decoder_trace(llm))
+    spec = out.spec
+    assert len(spec.gain_per_round) == len(spec.k_per_round) == len(trace)  # one choice a round, the last unverified
+    prices = round_prices(trace, spec.k_per_round, spec.gain_per_round)
+    assert [p.k for p in prices] == spec.k_per_round[:-1] and [p.predicted for p in prices] == spec.gain_per_round[:-1]
+    assert sum(p.tokens for p in prices) == len(out.token_ids) - 1  # the first came with the prompt
+    assert [p.seconds for p in prices[:-1]] == [b.start - a.start for a, b in zip(trace[1:], trace[2:])]
+    assert 0 in spec.k_per_round and max(spec.k_per_round) > 0
+
+
+def test_a_price_table_counts_each_request_s_rounds_in_its_own_ar_steps():
+    fast = as_dicts([RoundPrice(1, 1.2, 2, 0.10), RoundPrice(0, 1.0, 1, 0.05)])  # an AR step of 0.05 s
+    slow = as_dicts([RoundPrice(1, 1.4, 1, 0.20)])  # an AR step of 0.1 s
+    assert price_table([(fast, 0.05), (slow, 0.1)]) == [
+        {"k": 0, "rounds": 1, "predicted": 1.0, "realized": pytest.approx(1.0)},
+        {"k": 1, "rounds": 2, "predicted": pytest.approx(1.3), "realized": pytest.approx(3 / 4)}]
+    where = {"temperature": 0.0, "dataset": "mtbench", "batch": 1, "prompts": [0]}
+    runs = [dict(where, config="AR", decode_tok_s=20.0), dict(where, config="SSD adaptive K<=3", round_prices=fast)]
+    row, _ = ba.chooser_prices(runs)  # paired with AR's run on the same prompt
+    assert row["config"] == "SSD adaptive K<=3" and row["k"] == 0 and row["realized"] == pytest.approx(1.0)
 
 
 @pytest.mark.slow

@@ -118,7 +118,10 @@ class AdaptiveK(KSchedule):
     def _choose(self, seqs: list[Sequence]) -> list[int]:
         if self.max_k == 0 or not seqs:
             return [0] * len(seqs)
-        ks = [self._one(seq, row) for seq, row in zip(seqs, self._round_gains(seqs))]
+        gains = self._round_gains(seqs)
+        ks = [self._one(seq, row) for seq, row in zip(seqs, gains)]
+        for seq, row, k in zip(seqs, gains, ks):
+            seq.spec.gain_per_round.append(float(row[k]))
         if self.ssd is not None and self.ssd.trees is not None:
             # the branches asked of the build for each (none at K = 0); one call for the batch
             branches = branches_at(self.ssd.trees.fan_outs(seqs, self.tree, len(seqs))) if any(ks) else None

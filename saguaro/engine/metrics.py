@@ -45,6 +45,7 @@ def summarize(stats: list[SpeculationCounts], with_cache: bool = False) -> Specu
         metrics.k_per_round = list(stats[0].k_per_round)
         metrics.acceptance_estimate = list(stats[0].acceptance_estimate)
         metrics.fan_out_per_round = list(stats[0].fan_out_per_round)
+        metrics.gain_per_round = list(stats[0].gain_per_round)
     if with_cache:
         metrics.cache_hit_rate = _ratio(total.cache_hits, total.rounds)
         metrics.hit_rate_after_hit = _ratio(total.hits_after_hit, total.rounds_after_hit)

@@ -36,6 +36,9 @@ class SpeculationMetrics:
     # speculating rounds
     fan_out_per_round: list[int] = field(default_factory=list)
     mean_fan_out: float = 0.0
+    # adaptive: the speedup over AR the chooser predicted for the K it chose each round (one request's), which
+    # ``bench adapt`` sets beside what each round gave
+    gain_per_round: list[float] = field(default_factory=list)
 
 
 @dataclass

@@ -37,6 +37,7 @@ class SpeculationCounts:
     rounds_at_k0: int = 0  # rounds chosen at K = 0: AR steps, in none of the counters above
     acceptance_estimate: list[float] = field(default_factory=list)  # the adaptive estimate's a_j, last round
     fan_out_per_round: list[int] = field(default_factory=list)  # SSD, adaptive: branches asked of each round's build
+    gain_per_round: list[float] = field(default_factory=list)  # adaptive: the speedup predicted for each K chosen
 
     def chose(self, k: int) -> None:
         self.k_per_round.append(k)
