@@ -27,10 +27,11 @@ from contextlib import ExitStack
 from typing import Any
 
 from benchmarks.bench_peers import cpu_description
-from benchmarks.chooser_prices import as_dicts, decoder_trace, price_table, round_prices
+from benchmarks.chooser_prices import as_dicts, price_table, round_prices
 from benchmarks.common import (WEIGHT_FORMATS, Prompt, add_common_args, draft_options, engine_options, environment,
                                fmt, int_list, log, median, prepare_prompts, ratio, sampling_params, settings, str_list,
                                table, temp_key, write_results)
+from benchmarks.rounds import SSDRounds
 from saguaro.adapt_settings import TREE_OPTIONS
 
 DATASETS = "humaneval,mtbench,mtbench-math,mtbench-writing"
@@ -103,8 +104,9 @@ def measure(name: str, llm, item: tuple[float, int, str, list[Prompt]], args: ar
     """One batch through one engine: its rates, outputs and K per round."""
     temperature, size, group, batch = item
     params = [sampling_params(temperature, args.max_tokens, args.seed + p.index) for p in batch]
-    trace = decoder_trace(llm)  # SSD's rounds, timed
-    first = len(trace) if trace is not None else 0
+    decoder = getattr(getattr(llm, "engine", None), "decoder", None)
+    rounds = SSDRounds(decoder) if hasattr(decoder, "trace") else None  # SSD's rounds, timed
+    first = len(rounds) if rounds is not None else 0
     start = time.perf_counter()
     outs = llm.generate([p.ids for p in batch], params)
     wall = time.perf_counter() - start
@@ -122,9 +124,10 @@ def measure(name: str, llm, item: tuple[float, int, str, list[Prompt]], args: ar
            "k_per_round": [o.spec.k_per_round if o.spec else [] for o in outs],
            "fan_out_per_round": [o.spec.fan_out_per_round if o.spec else [] for o in outs],
            "acceptance": [o.spec.acceptance_rate if o.spec else None for o in outs]}
-    if trace is not None and len(outs) == 1 and outs[0].spec and outs[0].spec.gain_per_round:
+    if rounds is not None and len(outs) == 1 and outs[0].spec and outs[0].spec.gain_per_round:
         spec = outs[0].spec  # alone, its rounds are the trace's since it was sent
-        run["round_prices"] = as_dicts(round_prices(trace[first:], spec.k_per_round, spec.gain_per_round))
+        run["round_prices"] = as_dicts(round_prices(rounds.slice(first, len(rounds)), spec.k_per_round,
+                                                    spec.gain_per_round))
     log(f"  {name} | {group} T={temperature:g} b={run['batch']}: {tokens} tokens, {run['tok_s']:.2f} tok/s")
     return run
 

@@ -1,7 +1,7 @@
 """The adaptive chooser's prices against the rounds it chose: per K verified, the speedup over AR it predicted
 when it chose that K, and what those rounds gave (their tokens over their time counted in AR steps).
 
-Read from one request run alone through SSD, whose decoder times every round (``SSDDecoder.trace``). The K
+Read from one request run alone through SSD, whose decoder times every round (``rounds.SSDRounds``). The K
 chosen in a round is verified in the next one; a request's first round admits it and verifies nothing; a round
 lasts until the next one starts (the request's last: its verification and wait). The AR step is the AR row's
 on the same prompt (``bench adapt``), so a round at K = 0 that gives less than 1 costs more than AR's step.
@@ -10,7 +10,6 @@ on the same prompt (``bench adapt``), so a round at K = 0 that gives less than 1
 """
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -23,21 +22,16 @@ class RoundPrice:
     seconds: float  # from the round's start to the next one's
 
 
-def decoder_trace(llm: Any) -> list | None:
-    """The SSD decoder's round trace of an ``LLM`` (None: its decoder keeps none)."""
-    return getattr(getattr(getattr(llm, "engine", None), "decoder", None), "trace", None)
-
-
-def round_prices(trace: Sequence[Any], k_per_round: list[int], gain_per_round: list[float]) -> list[RoundPrice]:
-    """One request's rounds (``trace``: its slice of ``SSDDecoder.trace``, from its admission), those that
-    verified a K the chooser priced."""
+def round_prices(rounds: list[dict[str, Any]], k_per_round: list[int], gain_per_round: list[float]
+                 ) -> list[RoundPrice]:
+    """One request's rounds (``rounds.SSDRounds`` dicts, from its admission), those that verified a K the
+    chooser priced."""
     out = []
-    for j in range(1, len(trace)):
-        r = trace[j]
-        if not r.emitted or j > min(len(k_per_round), len(gain_per_round)):
+    for j, r in enumerate(rounds):
+        if j == 0 or r["emitted"] is None or j > min(len(k_per_round), len(gain_per_round)):
             continue
-        end = trace[j + 1].start if j + 1 < len(trace) else r.start + r.verify_s + r.wait_s
-        out.append(RoundPrice(k_per_round[j - 1], gain_per_round[j - 1], r.emitted[0], end - r.start))
+        end = rounds[j + 1]["start"] if j + 1 < len(rounds) else r["start"] + (r["verify_ms"] + r["wait_ms"]) / 1e3
+        out.append(RoundPrice(k_per_round[j - 1], gain_per_round[j - 1], r["emitted"], end - r["start"]))
     return out
 
 

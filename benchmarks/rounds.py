@@ -67,7 +67,8 @@ class SSDRounds:
     (start + verify + wait of round r-1) as its start, ignoring the transfer latency. The
     first round of a request verifies nothing (the sequence was just admitted and its
     speculation is drafted on the spot); its build time belongs to the previous request's
-    tail and is dropped, and its wait is reported separately as ``admit_wait_ms``.
+    tail and is dropped, and its wait is reported separately as ``admit_wait_ms``. A round
+    verified at K = 0 (an AR step, adaptive K) emitted a token but neither hit nor missed.
     """
 
     def __init__(self, decoder: Any):
@@ -80,7 +81,7 @@ class SSDRounds:
         rounds = []
         for j in range(i0, i1):
             r = self.trace[j]
-            verified = bool(r.hits)
+            verified = bool(r.emitted)
             prev = self.trace[j - 1] if j > i0 else None
             rounds.append({
                 "start": r.start,
@@ -90,7 +91,7 @@ class SSDRounds:
                 "build_ms": 1e3 * r.build_s if prev is not None else None,
                 "build_start": prev.start + prev.verify_s + prev.wait_s if prev is not None else None,
                 "build_steps": r.build_steps if prev is not None else None,
-                "hit": r.hits[0] if verified else None,
+                "hit": r.hits[0] if r.hits else None,
                 "emitted": r.emitted[0] if verified and r.emitted else None,
             })
         return rounds

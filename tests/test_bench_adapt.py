@@ -6,7 +6,8 @@ import sys
 import pytest
 
 from benchmarks import bench_adapt as ba
-from benchmarks.chooser_prices import RoundPrice, as_dicts, decoder_trace, price_table, round_prices
+from benchmarks.chooser_prices import RoundPrice, as_dicts, price_table, round_prices
+from benchmarks.rounds import SSDRounds
 from benchmarks.common import Prompt
 from saguaro.adapt_settings import TREE_OPTIONS
 
@@ -99,13 +100,14 @@ def test_the_chooser_s_prices_are_set_beside_the_rounds_it_chose(pair):
     adapt = AdaptSettings(prior=0.9, probe_interval=2, max_probe_interval=4)
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4, adapt=adapt) as llm:
         out, = llm.generate([[3, 7, 1, 9, 2]], SamplingParams(max_tokens=24))
-        trace = list(decoder_trace(llm))
+        trace = SSDRounds(llm.engine.decoder).slice(0, len(llm.engine.decoder.trace))
     spec = out.spec
     assert len(spec.gain_per_round) == len(spec.k_per_round) == len(trace)  # one choice a round, the last unverified
+    assert all(r["verify_ms"] is not None for r in trace[1:])  # rounds at K = 0 verified too (no hit, no miss)
     prices = round_prices(trace, spec.k_per_round, spec.gain_per_round)
     assert [p.k for p in prices] == spec.k_per_round[:-1] and [p.predicted for p in prices] == spec.gain_per_round[:-1]
     assert sum(p.tokens for p in prices) == len(out.token_ids) - 1  # the first came with the prompt
-    assert [p.seconds for p in prices[:-1]] == [b.start - a.start for a, b in zip(trace[1:], trace[2:])]
+    assert [p.seconds for p in prices[:-1]] == [b["start"] - a["start"] for a, b in zip(trace[1:], trace[2:])]
     assert 0 in spec.k_per_round and max(spec.k_per_round) > 0
 
 
