@@ -13,14 +13,15 @@ class AdaptSettings:
     position), weighed as ``prior_rounds`` observed rounds. ``decay``: each new round's observation keeps this
     share of the older evidence (0.8: roughly the last 5 rounds count). A request at K = 0 probes with
     ``probe_k`` drafts after ``probe_interval`` rounds, the interval doubling after each probe that does not
-    pay, up to ``max_probe_interval``. Speculation must beat AR by ``min_gain`` (predicted speedup) to be chosen;
-    a request that speculated last round (or probed) keeps on while its best K is predicted at ``stay_gain`` or
-    more. At K = 0 a request learns nothing, so one bad round near break-even must not end its speculation, and
-    a text that turns predictable must be found again soon. In simulated requests (``bench adapt_sim``: the int4
-    pair's profile, acceptance 0.3-0.9 and a text that changes half way), this, the prior's weight of 3 rounds
-    and probes after 4 to 8 rounds raised the worst ratio to the best fixed K from 0.91 to 0.95 (64 tokens).
-    A K never drafts its next position, whose rate then stays the prior's guess: once a request knows the
-    positions before it, K + 1 is tried while that position is hardly tried and its predicted gain is within
+    pay, up to ``max_probe_interval``. Speculation must beat K = 0 by ``min_gain`` (predicted speedup; K = 0 runs
+    at AR's speed, or in SSD at what its rounds measure, with a probe's parts beside them) to be chosen; a
+    request that speculated last round (or probed) keeps on while its best K is predicted at ``stay_gain``
+    times K = 0's or more. At K = 0 a request learns nothing, so one bad round near break-even must not end its
+    speculation, and a text that turns predictable must be found again soon. In simulated requests (``bench
+    adapt_sim``: the int4 pair's profile, acceptance 0.3-0.9 and a text that changes half way), this, the prior's
+    weight of 3 rounds and probes after 4 to 8 rounds raised the worst ratio to the best fixed K from 0.91 to 0.95
+    (64 tokens). A K never drafts its next position, whose rate then stays the prior's guess: once a request knows
+    the positions before it, K + 1 is tried while that position is hardly tried and its predicted gain is within
     ``explore_margin`` of the best (a seeded code request at T=1 otherwise stayed at K = 1 with 0.94 accepted).
 
     SSD can also choose each round's cache tree among the plan's own and a few more fixed at start-up

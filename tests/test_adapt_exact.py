@@ -214,8 +214,15 @@ def test_ssd_rounds_at_k_zero_cost_no_build_and_no_wait(pair, ar_outputs, transp
         trace = list(decoder.trace)
         assert calls == {"post": len(trace), "exchange": 0}
         decoder.schedule = Scripted(3, [0, 0, 0, 3])  # quiet rounds, then one that waits for a speculation
+        timed = []  # what the schedule is told of each round: the Ks it verified, its time
+        decoder.schedule.observe_round = lambda ks, seconds: timed.append((ks, seconds))
+        start = len(decoder.trace)
         again = llm.generate(PROMPTS[1], SamplingParams(max_tokens=TOKENS))
         assert calls["exchange"] > 0 and decoder.failure is None
+        rounds, chosen = decoder.trace[start:], again[0].spec_counts.k_per_round
+        assert [s for _, s in timed] == pytest.approx([t.verify_s + t.wait_s for t in rounds], abs=1e-3)
+        verified = [ks for ks, _ in timed if ks]  # the first round admits the request: it verifies nothing
+        assert len(verified) == len(chosen) - 1 and verified == [[k] for k in chosen[:-1]]
     assert outs[0].token_ids == ar_outputs[1] == again[0].token_ids
     assert all(t.build_steps == 0 for t in trace)
     assert 3 in again[0].spec_counts.k_per_round and again[0].spec_counts.drafted > 0

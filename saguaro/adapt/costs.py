@@ -5,10 +5,13 @@
 timed pass moves its table's scale toward (seconds taken / the table's prediction), an exponential average, so
 the tables follow a machine that gets busier or quieter within a few rounds, and a profile in other units (the
 documented defaults are relative to a verification) or from another machine is brought to this one's seconds.
-One scale per table, so that the level follows at once whatever row count was timed. The target's shape is
-corrected too, per row count, by the share of the level that row count's verifications take (``shape``): a
-profile's guess at what an extra row costs (the documented defaults say 2%; the int4 kernels pay far more) gives
-way to what the rounds measure, a bounded step a pass, so that one pass timed in a burst of load barely bends it.
+One scale per table, so that the level follows at once whatever row count was timed. The shape in the row count
+is the table's alone, measured for this CPU (the calibration's timed passes, or the default profile's row
+curves), and never learnt from the rounds: one row count's timings cannot tell a change of load from what its
+rows cost, and the rounds that time a second row count beside the first are those whose contention is priced
+least well (a probe's build beside the AR step before it). Learnt per row count, it took those in: with an
+int4 pair on avx2 it priced an AR step 16-30% above its time while a request speculated, and kept requests
+speculating where AR was faster; the table's ratios were within 3% of the timed passes.
 The first timing sets the scale outright (the target's sets the draft's too, until the
 draft is timed itself: SD times its draft steps; SSD's drafts run in the speculator, whose builds, against their
 prediction from the same table, give the draft's scale). ``build_pass_s``: one pass of an SSD round's cache build
@@ -25,9 +28,6 @@ from saguaro.calibration.profile import RowTimes, Timing
 from saguaro.calibration.timeline import RowCurve
 
 
-SHAPE_CLIP = 3.0  # the most one verification moves its row count's shape: x or / this, times the weight
-
-
 @dataclass
 class LiveCosts:
     target: RowTimes  # one target forward over n rows (a verification of K + 1 rows per sequence)
@@ -37,9 +37,6 @@ class LiveCosts:
     build_pass_s: float | None = None  # SSD: one pass of the speculator's build (None: not yet measured)
     weight: float = 0.2  # share of a new observation in the averages
     timed: set[str] = field(default_factory=set)  # the scales set from a measurement: "target", "draft"
-    # rows -> the verification measured at that row count over the scaled table's (1: the table's shape holds);
-    # between measured row counts interpolated, beyond them the nearest one's
-    shape: dict[int, float] = field(default_factory=dict)
     curves: dict[str, RowCurve] = field(default_factory=dict, repr=False, compare=False)  # read every round
 
     @classmethod
@@ -48,19 +45,7 @@ class LiveCosts:
 
     def verify(self, rows: int) -> float:
         rows = max(rows, 1)
-        return self.target_scale * self._rows_time("target", rows) * self._shape(rows)
-
-    def _shape(self, rows: int) -> float:
-        if not self.shape:
-            return 1.0
-        if rows in self.shape:
-            return self.shape[rows]
-        below = max((r for r in self.shape if r < rows), default=None)
-        above = min((r for r in self.shape if r > rows), default=None)
-        if below is None or above is None:
-            return self.shape[above if below is None else below]
-        t = (rows - below) / (above - below)
-        return (1 - t) * self.shape[below] + t * self.shape[above]
+        return self.target_scale * self._rows_time("target", rows)
 
     def draft_step(self, rows: int) -> float:
         return self.draft_scale * self._rows_time("draft", max(rows, 1))
@@ -81,14 +66,10 @@ class LiveCosts:
         self.timed.add(name)
 
     def observe_verify(self, rows: int, seconds: float) -> None:
-        """The level from every verification, past its row count's shape; that shape from its share of the level (each
-        observation clipped to SHAPE_CLIP either way, from the table's 1: a pass timed in a burst of load bends it
-        a bounded step)."""
+        """The level from every verification; the shape stays the table's (see the module's docstring)."""
         predicted = self._rows_time("target", rows) if rows > 0 else 0.0
         if seconds > 0 and predicted > 0:
-            self._scale("target", seconds / (predicted * self.shape.get(rows, 1.0)))  # what the shape leaves
-            ratio = min(max(seconds / (self.target_scale * predicted), 1 / SHAPE_CLIP), SHAPE_CLIP)
-            self.shape[rows] = (1 - self.weight) * self.shape.get(rows, 1.0) + self.weight * ratio
+            self._scale("target", seconds / predicted)
 
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         """``steps`` draft passes, the widest over ``rows`` rows, took ``seconds`` in all."""

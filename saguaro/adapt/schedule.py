@@ -19,6 +19,9 @@ from saguaro.engine.sequence import Sequence
 
 EXPLORE_TRIED = 0.5  # decayed trials below which a draft position's rate is still mostly the prior's
 TREE_INTERVAL = 8  # rounds between two scorings of every cache tree (the same batch); the chosen one every round
+# share of one round in the average cost of a round at K = 0: small, as a probe's parts come once in its interval
+# (4 to 8 rounds) and the average must span a cycle or two of them, not swing with each
+ZERO_WEIGHT = 0.05
 
 
 def _column(values: list[float]) -> np.ndarray:
@@ -74,6 +77,15 @@ class AdaptiveK(KSchedule):
     ``probe_k`` drafts every ``interval`` rounds (doubling while probes do not pay), so it returns to
     speculation when its text becomes predictable.
 
+    In SSD a round at K = 0 is not quite an AR step: the probes it waits for have parts beside the rounds before
+    them (the catch-up of the draft cache in the speculator's idle time, the probe's build) that share the memory
+    bus with the verification and are waited for. So K = 0 is priced as it runs: the time of the rounds that
+    verified every request at K = 0 over the AR step they stand for, an average per batch size
+    (``zero_cost``), and its inverse is K = 0's gain (at most 1), against which ``min_gain`` and ``stay_gain``
+    are read. With an int4 pair on avx2 (chat, T = 0) a round beside a probe's catch-up took 1.25 AR steps and one
+    beside its build 1.4, so K = 0's rounds averaged 1.05-1.11; priced at 1, K = 0 had held requests at 0.9x AR
+    where speculating at K = 1, predicted at 0.93, gave 0.99.
+
     A sampled request with a seed chooses from its own verified rounds only: the profile's costs at batch 1 and
     (SSD) the hit rate the profile's hit curves give at its own acceptance, never a clock, a measured hit or its
     neighbours. Its K, and so its draws, are then the same alone or in any batch, run after run, as at a fixed
@@ -104,6 +116,7 @@ class AdaptiveK(KSchedule):
         self._tree_age, self._tree_batch = TREE_INTERVAL, frozenset()  # rounds since every tree was scored, for whom
         # the last gains computed: (the batch and what it had verified, the gains, rounds they were reused)
         self._rest: tuple[tuple, list[np.ndarray], int] | None = None
+        self.zero_cost: dict[int, float] = {}  # batch size -> a round at K = 0 over the AR step it replaces
 
     def state(self, seq: Sequence) -> RequestState:
         state = self.states.get(seq.seq_id)
@@ -142,6 +155,7 @@ class AdaptiveK(KSchedule):
         live = self._live_gains(seqs, BatchCosts.at(self.costs, len(seqs), self.max_k))
         group = [s for s in seqs if s.generator is not None and s.params.seed is not None]
         rows = dict(zip([s.seq_id for s in group], self._reproducible_gains(group) if group else []))
+        live[:, 0] = self.zero_gain(len(seqs))
         gains = [rows.get(seq.seq_id, row) for seq, row in zip(seqs, live)]
         self._rest = (key, gains, 0)
         return gains
@@ -221,11 +235,17 @@ class AdaptiveK(KSchedule):
                           self.ssd.slowdown)
         return ssd_gains(tokens, costs, round_)
 
+    def zero_gain(self, batch: int) -> float:
+        """K = 0's speedup over AR at ``batch`` as measured (1 until a round at K = 0 is timed; never above 1: a
+        round timed below its price is the level's lag, not a faster AR step)."""
+        return 1.0 / max(self.zero_cost.get(batch, 1.0), 1.0)
+
     def _one(self, seq: Sequence, gains: np.ndarray) -> int:
         state, s = self.state(seq), self.settings
         best = 1 + int(np.argmax(gains[1:]))
         speculating = bool(seq.spec.k_per_round) and seq.spec.k_per_round[-1] > 0  # last round: K > 0 or a probe
-        if gains[best] >= (s.stay_gain if speculating else s.min_gain):
+        # against what staying at K = 0 gives (``gains[0]``: 1 for a seeded request, whose choice reads no clock)
+        if gains[best] >= (s.stay_gain if speculating else s.min_gain) * gains[0]:
             # one position deeper is priced from the prior while this request, which knows the positions before
             # it, has hardly tried it (a K that never drafts it never learns it): tried when its predicted gain
             # comes within explore_margin
@@ -284,6 +304,13 @@ class AdaptiveK(KSchedule):
 
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         self.costs.observe_draft(rows, steps, seconds)
+
+    def observe_round(self, ks: list[int], seconds: float) -> None:
+        # only rounds with every request at K = 0: a mixed round's time is its speculations' as much
+        if not ks or any(ks) or seconds <= 0:
+            return
+        batch, ratio = len(ks), seconds / self.costs.verify(len(ks))
+        self.zero_cost[batch] = (1 - ZERO_WEIGHT) * self.zero_cost.get(batch, 1.0) + ZERO_WEIGHT * ratio
 
     def observe_build(self, seconds: float, steps: int) -> None:
         self.costs.observe_build(seconds, steps)

@@ -105,6 +105,7 @@ class SSDDecoder(Decoder):
                     hits.append(self._record_hit(seq, hit))
                 self.schedule.observe(seq, drafts[b], k, hit)
         t1 = time.perf_counter()
+        verified_ks = [s.spec.k_per_round[-1] for s in ready]  # before ``choose`` appends the next round's
         if ready:
             drafted = sum(drafts)  # none: the speculator had nothing to build meanwhile
             self.schedule.observe_verify(len(ready) + drafted, t1 - t0, beside_build=self.building)
@@ -133,7 +134,9 @@ class SSDDecoder(Decoder):
             self.pending[seq.seq_id] = row
         if response.build_steps:
             self.schedule.observe_build(response.build_s, response.build_steps)
-        self.trace.append(RoundTrace(t0, t1 - t0, time.perf_counter() - t1, response.build_s,
+        t2 = time.perf_counter()
+        self.schedule.observe_round(verified_ks, t2 - t0)
+        self.trace.append(RoundTrace(t0, t1 - t0, t2 - t1, response.build_s,
                                      response.build_steps, hits, self.miss_strategies.at(len(seqs)),
                                      [len(out[s.seq_id]) for s in ready]))
         return [out[s.seq_id] for s in seqs]
