@@ -169,8 +169,9 @@ class AdaptiveK(KSchedule):
         if self._tree_age >= TREE_INTERVAL or batch != self._tree_batch:
             # every tree scored (milliseconds of numpy at batch 1); between times only the chosen one, which the
             # estimates move slowly away from
-            gains = self.tree_gains(seqs, costs)
-            best = np.where(gains[..., 1:].max(axis=-1) >= self.settings.min_gain, gains[..., 1:].max(axis=-1), 1.0)
+            gains, zero = self.tree_gains(seqs, costs), self.zero_gain(costs.batch)
+            top = gains[..., 1:].max(axis=-1)  # a sequence that would not speculate in a tree counts K = 0's there
+            best = np.where(top >= self.settings.min_gain * zero, top, zero)
             self.tree = int(np.argmax(best.sum(axis=1)))  # the first of equals: the plan's own tree first
             self._tree_age, self._tree_batch, gains = 0, batch, gains[self.tree]
         else:
