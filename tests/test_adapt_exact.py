@@ -1,9 +1,12 @@
 """Adaptive K stays exact: greedy SD and SSD equal AR token for token while K changes mid-request (scripted
 schedules and the adaptive one), fp32; a request that drops to K = 0 and comes back loses nothing, costs the
 speculator no build meanwhile, and leaks no KV block."""
+from types import SimpleNamespace
+
 import pytest
 
 from saguaro import LLM, SamplingParams
+from saguaro.adapt.schedule import AdaptiveK
 from saguaro.engine.k_schedule import KSchedule
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.engine.model_runner import ModelRunner
@@ -79,20 +82,34 @@ def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode, tr
     bring them back for a round (SSD: their speculation built beside the AR step before, their draft cache fed
     in the speculator's idle time a round before that), and the output is AR's."""
     adapt = AdaptSettings(prior=0.9, probe_interval=2, max_probe_interval=4)
-    prepared, caught_up = [], []
+    prepared, caught_up, parts, beside = [], [], [], []
     with LLM(target=pair[0], draft=pair[1], mode=mode, num_speculative_tokens=3, block_size=4, adapt=adapt,
              speculator_transport=transport) as llm:
-        link = getattr(llm.engine.decoder, "link", None)
+        decoder = llm.engine.decoder
+        link = getattr(decoder, "link", None)
         for name in ("post", "exchange") if mode == "ssd" else ():
             def sent(request, send=getattr(link, name)):
-                prepared.append(request.prepare is not None)
-                caught_up.append(bool(request.catch_up))
+                if request.command != CMD_PREFILL:
+                    prepared.append(request.prepare is not None)
+                    caught_up.append(bool(request.catch_up))
+                    # whether the speculator works beside the next verification: a build or a catch-up
+                    parts.append(any(request.prepare if request.prepare is not None else request.ks)
+                                 or bool(request.catch_up))
                 return send(request)
             setattr(link, name, sent)
+        if mode == "ssd":
+            # every probe catches up: whether its glue would outlast the verification is this machine's timing
+            schedule = decoder.schedule
+            dear = SimpleNamespace(verify=schedule.costs.verify, draft_step=lambda rows: 1.0)
+            schedule.catch_up = lambda seqs, ks: AdaptiveK.catch_up(
+                SimpleNamespace(states=schedule.states, costs=dear), seqs, ks)
+            observe_round = decoder.schedule.observe_round
+            decoder.schedule.observe_round = lambda ks, s, b: beside.append(b) or observe_round(ks, s, b)
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))
-        assert getattr(llm.engine.decoder, "failure", None) is None
+        assert getattr(decoder, "failure", None) is None
     assert [o.token_ids for o in outs] == ar_outputs
     assert any(prepared) == any(caught_up) == (mode == "ssd")
+    assert beside == ([False] + parts[:-1] if mode == "ssd" else [])  # what the request before each round set going
     ks = [o.spec_counts.k_per_round for o in outs]
     assert any(len(set(k)) > 1 for k in ks), ks
     assert any(0 in k and k.index(0) < len(k) - 1 and max(k[k.index(0):]) > 0 for k in ks), ks  # 0, then back
@@ -214,15 +231,17 @@ def test_ssd_rounds_at_k_zero_cost_no_build_and_no_wait(pair, ar_outputs, transp
         trace = list(decoder.trace)
         assert calls == {"post": len(trace), "exchange": 0}
         decoder.schedule = Scripted(3, [0, 0, 0, 3])  # quiet rounds, then one that waits for a speculation
-        timed = []  # what the schedule is told of each round: the Ks it verified, its time
-        decoder.schedule.observe_round = lambda ks, seconds: timed.append((ks, seconds))
+        timed = []  # what the schedule is told of each round: the Ks it verified, its time, what ran beside it
+        decoder.schedule.observe_round = lambda ks, seconds, beside: timed.append((ks, seconds, beside))
         start = len(decoder.trace)
         again = llm.generate(PROMPTS[1], SamplingParams(max_tokens=TOKENS))
         assert calls["exchange"] > 0 and decoder.failure is None
         rounds, chosen = decoder.trace[start:], again[0].spec_counts.k_per_round
-        assert [s for _, s in timed] == pytest.approx([t.verify_s + t.wait_s for t in rounds], abs=1e-3)
-        verified = [ks for ks, _ in timed if ks]  # the first round admits the request: it verifies nothing
+        assert [s for _, s, _ in timed] == pytest.approx([t.verify_s + t.wait_s for t in rounds], abs=1e-3)
+        verified = [ks for ks, _, _ in timed if ks]  # the first round admits the request: it verifies nothing
         assert len(verified) == len(chosen) - 1 and verified == [[k] for k in chosen[:-1]]
+        # a verification runs beside the build the round before asked for (its K > 0)
+        assert [b for _, _, b in timed] == [False] + [k > 0 for k in chosen[:-1]]
     assert outs[0].token_ids == ar_outputs[1] == again[0].token_ids
     assert all(t.build_steps == 0 for t in trace)
     assert 3 in again[0].spec_counts.k_per_round and again[0].spec_counts.drafted > 0

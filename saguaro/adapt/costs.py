@@ -100,3 +100,34 @@ class LiveCosts:
 def build_passes(k):
     """The passes of an SSD build of K = ``k`` steps (an int, or an array of Ks): its glue and K steps."""
     return np.maximum(k, 0) + 1.0
+
+
+ZERO_WEIGHT = 0.05  # a round's share in ``ZeroRounds``' averages: they must span a probe's cycle (4-8 rounds) or two
+
+
+@dataclass
+class ZeroRounds:
+    """SSD's rounds at K = 0 at one batch size, as they run: the mean time of them all, and of the plain ones (no
+    probe's part beside them: no catch-up of a draft cache, no build for the probe after them), exponential
+    averages. Their ratio is what a probe's parts add to a round at K = 0 (``cost``). It is taken against the
+    plain rounds, not the AR step's price, as what every round of SSD pays (the post to the speculator, the
+    chooser) is paid by a speculating round as well and is not K = 0's: on a tiny model the post alone is a
+    verification's time."""
+    all_s: float | None = None
+    plain_s: float | None = None
+
+    def observe(self, seconds: float, beside_parts: bool) -> None:
+        self.all_s = _average(self.all_s, seconds)
+        if not beside_parts:
+            self.plain_s = _average(self.plain_s, seconds)
+
+    def cost(self) -> float:
+        """A round at K = 0 over a plain one (at least 1; 1 until both are timed)."""
+        if self.all_s is None or self.plain_s is None:
+            return 1.0
+        return max(self.all_s / self.plain_s, 1.0)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else (1 - ZERO_WEIGHT) * old + ZERO_WEIGHT * new
+

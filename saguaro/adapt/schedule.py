@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saguaro.adapt.costs import LiveCosts
+from saguaro.adapt.costs import LiveCosts, ZeroRounds
 from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
@@ -19,9 +19,6 @@ from saguaro.engine.sequence import Sequence
 
 EXPLORE_TRIED = 0.5  # decayed trials below which a draft position's rate is still mostly the prior's
 TREE_INTERVAL = 8  # rounds between two scorings of every cache tree (the same batch); the chosen one every round
-# share of one round in the average cost of a round at K = 0: small, as a probe's parts come once in its interval
-# (4 to 8 rounds) and the average must span a cycle or two of them, not swing with each
-ZERO_WEIGHT = 0.05
 
 
 def _column(values: list[float]) -> np.ndarray:
@@ -79,12 +76,12 @@ class AdaptiveK(KSchedule):
 
     In SSD a round at K = 0 is not quite an AR step: the probes it waits for have parts beside the rounds before
     them (the catch-up of the draft cache in the speculator's idle time, the probe's build) that share the memory
-    bus with the verification and are waited for. So K = 0 is priced as it runs: the time of the rounds that
-    verified every request at K = 0 over the AR step they stand for, an average per batch size
-    (``zero_cost``), and its inverse is K = 0's gain (at most 1), against which ``min_gain`` and ``stay_gain``
-    are read. With an int4 pair on avx2 (chat, T = 0) a round beside a probe's catch-up took 1.25 AR steps and one
-    beside its build 1.4, so K = 0's rounds averaged 1.05-1.11; priced at 1, K = 0 had held requests at 0.9x AR
-    where speculating at K = 1, predicted at 0.93, gave 0.99.
+    bus with the verification and are waited for. So K = 0 is priced as it runs: the mean time of the rounds
+    that verified every request at K = 0 over that of the plain ones among them, per batch size (``zero``,
+    ``costs.ZeroRounds``), and its inverse is K = 0's gain (at most 1), against which ``min_gain`` and
+    ``stay_gain`` are read. With an int4 pair on avx2 (chat, T = 0) a round beside a probe's catch-up took 1.25
+    AR steps and one beside its build 1.4; priced at 1, K = 0 had held requests at 0.9x AR where speculating at
+    K = 1, predicted at 0.93, gave 0.99.
 
     A sampled request with a seed chooses from its own verified rounds only: the profile's costs at batch 1 and
     (SSD) the hit rate the profile's hit curves give at its own acceptance, never a clock, a measured hit or its
@@ -116,7 +113,7 @@ class AdaptiveK(KSchedule):
         self._tree_age, self._tree_batch = TREE_INTERVAL, frozenset()  # rounds since every tree was scored, for whom
         # the last gains computed: (the batch and what it had verified, the gains, rounds they were reused)
         self._rest: tuple[tuple, list[np.ndarray], int] | None = None
-        self.zero_cost: dict[int, float] = {}  # batch size -> a round at K = 0 over the AR step it replaces
+        self.zero: dict[int, ZeroRounds] = {}  # batch size -> its rounds at K = 0 (SSD)
 
     def state(self, seq: Sequence) -> RequestState:
         state = self.states.get(seq.seq_id)
@@ -237,9 +234,9 @@ class AdaptiveK(KSchedule):
         return ssd_gains(tokens, costs, round_)
 
     def zero_gain(self, batch: int) -> float:
-        """K = 0's speedup over AR at ``batch`` as measured (1 until a round at K = 0 is timed; never above 1: a
-        round timed below its price is the level's lag, not a faster AR step)."""
-        return 1.0 / max(self.zero_cost.get(batch, 1.0), 1.0)
+        """K = 0's speedup over AR at ``batch`` as measured (1 until its rounds are timed)."""
+        rounds = self.zero.get(batch)
+        return 1.0 if rounds is None else 1.0 / rounds.cost()
 
     def _one(self, seq: Sequence, gains: np.ndarray) -> int:
         state, s = self.state(seq), self.settings
@@ -306,12 +303,10 @@ class AdaptiveK(KSchedule):
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         self.costs.observe_draft(rows, steps, seconds)
 
-    def observe_round(self, ks: list[int], seconds: float) -> None:
+    def observe_round(self, ks: list[int], seconds: float, beside_parts: bool = False) -> None:
         # only rounds with every request at K = 0: a mixed round's time is its speculations' as much
-        if not ks or any(ks) or seconds <= 0:
-            return
-        batch, ratio = len(ks), seconds / self.costs.verify(len(ks))
-        self.zero_cost[batch] = (1 - ZERO_WEIGHT) * self.zero_cost.get(batch, 1.0) + ZERO_WEIGHT * ratio
+        if ks and not any(ks) and seconds > 0:
+            self.zero.setdefault(len(ks), ZeroRounds()).observe(seconds, beside_parts)
 
     def observe_build(self, seconds: float, steps: int) -> None:
         self.costs.observe_build(seconds, steps)

@@ -59,9 +59,9 @@ class KSchedule(ABC):
     def observe_build(self, seconds: float, steps: int) -> None:
         """The SSD speculator's last cache build took ``seconds`` for ``steps`` branch steps after its glue."""
 
-    def observe_round(self, ks: list[int], seconds: float) -> None:
+    def observe_round(self, ks: list[int], seconds: float, beside_parts: bool = False) -> None:
         """SSD: a round that verified its requests at ``ks`` took ``seconds``, from its verification to holding the
-        next speculation."""
+        next speculation; ``beside_parts``: its verification ran beside a build or a catch-up of draft caches."""
 
     def release(self, seq_id: int) -> None:
         """Forget a finished or preempted sequence."""

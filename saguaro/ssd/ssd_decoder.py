@@ -79,6 +79,7 @@ class SSDDecoder(Decoder):
         # each sequence's K for its next speculation (0: an AR step, and no build for it in the speculator)
         self.schedule = schedule if schedule is not None else FixedK(self.k)
         self.building = False  # the last request started a build: the verification after it ran beside one
+        self.catching_up = False  # the last request named draft caches to catch up (beside the next verification)
 
     def decode(self, seqs: list[Sequence]) -> list[list[int]]:
         if self.link is None:
@@ -89,6 +90,7 @@ class SSDDecoder(Decoder):
     def _round(self, seqs: list[Sequence]) -> list[list[int]]:
         """Verify what is pending, then send the outcomes and take the next speculations."""
         t0 = time.perf_counter()
+        beside_parts = self.building or self.catching_up  # what the speculator does beside this verification
         out: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         ready = [s for s in seqs if s.seq_id in self.pending]
         outcomes, hits = [], []
@@ -121,6 +123,7 @@ class SSDDecoder(Decoder):
                                prepare=None if ahead == ks else ahead, tree=self.schedule.tree,
                                catch_up=self.schedule.catch_up(seqs, ks), command=CMD_QUIET if quiet else CMD_ROUND)
         self.released = []
+        self.catching_up = bool(request.catch_up)
         try:
             if quiet:
                 self.link.post(request)
@@ -135,7 +138,7 @@ class SSDDecoder(Decoder):
         if response.build_steps:
             self.schedule.observe_build(response.build_s, response.build_steps)
         t2 = time.perf_counter()
-        self.schedule.observe_round(verified_ks, t2 - t0)
+        self.schedule.observe_round(verified_ks, t2 - t0, beside_parts)
         self.trace.append(RoundTrace(t0, t1 - t0, t2 - t1, response.build_s,
                                      response.build_steps, hits, self.miss_strategies.at(len(seqs)),
                                      [len(out[s.seq_id]) for s in ready]))
