@@ -130,4 +130,3 @@ class ZeroRounds:
 
 def _average(old: float | None, new: float) -> float:
     return new if old is None else (1 - ZERO_WEIGHT) * old + ZERO_WEIGHT * new
-
