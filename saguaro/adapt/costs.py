@@ -60,7 +60,7 @@ class LiveCosts:
     def _scale(self, name: str, ratio: float) -> None:
         attr = f"{name}_scale"
         old = getattr(self, attr)
-        setattr(self, attr, ratio if name not in self.timed else (1 - self.weight) * old + self.weight * ratio)
+        setattr(self, attr, average(old if name in self.timed else None, ratio, self.weight))
         if name == "target" and "draft" not in self.timed:
             self.draft_scale = self.target_scale
         self.timed.add(name)
@@ -87,8 +87,7 @@ class LiveCosts:
         """An SSD build of ``steps`` branch steps (after its glue) took ``seconds``."""
         if seconds > 0:
             per_pass = seconds / build_passes(steps)
-            old = self.build_pass_s
-            self.build_pass_s = per_pass if old is None else (1 - self.weight) * old + self.weight * per_pass
+            self.build_pass_s = average(self.build_pass_s, per_pass, self.weight)
 
     def build_s(self, max_k: int, prior_pass_s: float) -> np.ndarray:
         """[max_k + 1]: seconds of a build at K = 0..max_k (K + 1 passes; ``prior_pass_s`` a pass until one is
@@ -117,9 +116,9 @@ class ZeroRounds:
     plain_s: float | None = None
 
     def observe(self, seconds: float, beside_parts: bool) -> None:
-        self.all_s = _average(self.all_s, seconds)
+        self.all_s = average(self.all_s, seconds, ZERO_WEIGHT)
         if not beside_parts:
-            self.plain_s = _average(self.plain_s, seconds)
+            self.plain_s = average(self.plain_s, seconds, ZERO_WEIGHT)
 
     def cost(self) -> float:
         """A round at K = 0 over a plain one (at least 1; 1 until both are timed)."""
@@ -128,5 +127,6 @@ class ZeroRounds:
         return max(self.all_s / self.plain_s, 1.0)
 
 
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else (1 - ZERO_WEIGHT) * old + ZERO_WEIGHT * new
+def average(old: float | None, new: float, weight: float) -> float:
+    """An exponential average moved by ``new`` with ``weight`` (``new`` itself when there is none yet)."""
+    return new if old is None else (1 - weight) * old + weight * new

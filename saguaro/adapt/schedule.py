@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from saguaro.adapt.costs import LiveCosts, ZeroRounds
+from saguaro.adapt.costs import LiveCosts, ZeroRounds, average
 from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
@@ -317,8 +317,7 @@ class AdaptiveK(KSchedule):
         predicted = self.sent[0][1][min(max(steps, 0), len(self.sent[0][1]) - 1)]
         if predicted > 0:
             ratio = seconds / predicted
-            w = self.costs.weight
-            self.build_scale = ratio if self.build_scale is None else (1 - w) * self.build_scale + w * ratio
+            self.build_scale = average(self.build_scale, ratio, self.costs.weight)
             # a build is the draft's passes, predicted from the draft's table: so is a just-in-time miss, priced
             # by the same table (without this its scale would stay the target's, and a profile's guess of the
             # draft's relative cost would never be corrected)

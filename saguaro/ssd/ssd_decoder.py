@@ -93,7 +93,7 @@ class SSDDecoder(Decoder):
         beside_parts = self.building or self.catching_up  # what the speculator does beside this verification
         out: dict[int, list[int]] = {s.seq_id: [] for s in seqs}
         ready = [s for s in seqs if s.seq_id in self.pending]
-        outcomes, hits = [], []
+        outcomes, hits, verified_ks = [], [], []  # verified_ks: the K each was asked at
         if ready:
             proposal = self._proposal(ready)
             result = verify_round(self.target, ready, proposal)
@@ -103,11 +103,11 @@ class SSDDecoder(Decoder):
                 outcomes.append(Outcome(seq.seq_id, k, bonus, self.features.verified(b, k) if self.features else None))
                 out[seq.seq_id] = tokens
                 hit = self.pending.pop(seq.seq_id).hit
-                if seq.spec.k_per_round[-1]:  # a round asked at K = 0 (an AR step) neither hit nor missed
+                verified_ks.append(seq.spec.k_per_round[-1])  # before ``choose`` appends the next round's
+                if verified_ks[-1]:  # a round asked at K = 0 (an AR step) neither hit nor missed
                     hits.append(self._record_hit(seq, hit))
                 self.schedule.observe(seq, drafts[b], k, hit)
         t1 = time.perf_counter()
-        verified_ks = [s.spec.k_per_round[-1] for s in ready]  # before ``choose`` appends the next round's
         if ready:
             drafted = sum(drafts)  # none: the speculator had nothing to build meanwhile
             self.schedule.observe_verify(len(ready) + drafted, t1 - t0, beside_build=self.building)
