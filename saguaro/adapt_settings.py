@@ -13,16 +13,22 @@ class AdaptSettings:
     position), weighed as ``prior_rounds`` observed rounds. ``decay``: each new round's observation keeps this
     share of the older evidence (0.8: roughly the last 5 rounds count). A request at K = 0 probes with
     ``probe_k`` drafts after ``probe_interval`` rounds, the interval doubling after each probe that does not
-    pay, up to ``max_probe_interval``. Speculation must beat K = 0 by ``min_gain`` (predicted speedup; K = 0 runs
-    at AR's speed, or in SSD at what its rounds measure, with a probe's parts beside them) to be chosen; a
-    request that speculated last round (or probed) keeps on while its best K is predicted at ``stay_gain``
-    times K = 0's or more. At K = 0 a request learns nothing, so one bad round near break-even must not end its
-    speculation, and a text that turns predictable must be found again soon. In simulated requests (``bench
-    adapt_sim``: the int4 pair's profile, acceptance 0.3-0.9 and a text that changes half way), this, the prior's
-    weight of 3 rounds and probes after 4 to 8 rounds raised the worst ratio to the best fixed K from 0.91 to 0.95
-    (64 tokens). A K never drafts its next position, whose rate then stays the prior's guess: once a request knows
-    the positions before it, K + 1 is tried while that position is hardly tried and its predicted gain is within
-    ``explore_margin`` of the best (a seeded code request at T=1 otherwise stayed at K = 1 with 0.94 accepted).
+    pay, up to ``max_probe_interval``; and never shorter than a probe's cost allows: a probe may cost
+    ``probe_budget`` of the rounds at K = 0 it follows, so the wait before one is at least its cost in rounds (its
+    own round's loss and, in SSD, what its parts add to the rounds beside them) over ``probe_budget``, up to
+    ``max_probe_wait``. Where a probe is cheap (a GPU, a draft whose parts hide) the intervals rule; where it is
+    dear it waits longer (avx2 with the int4 pair: a probe's parts took 0.28 AR steps in each of two rounds, and
+    at intervals of 4 to 8 they were 71% of what chat requests lost to AR). Speculation must beat K = 0 by
+    ``min_gain`` (predicted speedup; K = 0 runs at AR's speed, or in SSD at what its rounds measure, with a
+    probe's parts beside them) to be chosen; a request that speculated last round (or probed) keeps on while its
+    best K is predicted at ``stay_gain`` times K = 0's or more. At K = 0 a request learns nothing, so one bad
+    round near break-even must not end its speculation, and a text that turns predictable must be found again
+    soon. In simulated requests (``bench adapt_sim``: the int4 pair's profile, acceptance 0.3-0.9 and a text that
+    changes half way), this, the prior's weight of 3 rounds and probes after 4 to 8 rounds raised the worst ratio
+    to the best fixed K from 0.91 to 0.95 (64 tokens). A K never drafts its next position, whose rate then stays
+    the prior's guess: once a request knows the positions before it, K + 1 is tried while that position is hardly
+    tried and its predicted gain is within ``explore_margin`` of the best (a seeded code request at T=1 otherwise
+    stayed at K = 1 with 0.94 accepted).
 
     SSD can also choose each round's cache tree among the plan's own and a few more fixed at start-up
     (``saguaro.adapt.trees``): the plan's fan-outs scaled by each of ``fan_out_scales``, Thm 12's geometric shape
@@ -42,6 +48,8 @@ class AdaptSettings:
     probe_k: int = 1
     probe_interval: int = 4
     max_probe_interval: int = 8
+    probe_budget: float = 0.03
+    max_probe_wait: int = 64
     min_gain: float = 1.02
     stay_gain: float = 0.95
     explore_margin: float = 0.05
@@ -70,6 +78,11 @@ class AdaptSettings:
         if self.probe_interval < 1 or self.max_probe_interval < self.probe_interval:
             raise ValueError(f"adaptive probe intervals need 1 <= probe_interval <= max_probe_interval, got "
                              f"{self.probe_interval} and {self.max_probe_interval}")
+        if not 0.0 < self.probe_budget <= 1.0:
+            raise ValueError(f"adaptive probe_budget must lie in (0, 1], got {self.probe_budget}")
+        if self.max_probe_wait < self.max_probe_interval:
+            raise ValueError(f"adaptive max_probe_wait must be >= max_probe_interval = {self.max_probe_interval}, "
+                             f"got {self.max_probe_wait}")
         if self.min_gain <= 0:
             raise ValueError(f"adaptive min_gain must be > 0, got {self.min_gain}")
         if not 0.0 <= self.explore_margin < 1.0:

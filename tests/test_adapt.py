@@ -19,7 +19,9 @@ from saguaro.theory.speedup import expected_tokens, sd_speedup
     (dict(decay=1.0), "decay"), (dict(probe_k=0), "probe_k"), (dict(probe_interval=0), "probe"),
     (dict(probe_interval=9, max_probe_interval=8), "probe"), (dict(prior_rounds=0), "prior_rounds"),
     (dict(min_gain=0), "min_gain"), (dict(stay_gain=0), "stay_gain"), (dict(stay_gain=1.1), "stay_gain"),
-    (dict(explore_margin=1.0), "explore_margin"), (dict(explore_margin=-0.1), "explore_margin")])
+    (dict(explore_margin=1.0), "explore_margin"), (dict(explore_margin=-0.1), "explore_margin"),
+    (dict(probe_budget=0.0), "probe_budget"), (dict(probe_budget=1.5), "probe_budget"),
+    (dict(max_probe_wait=4), "max_probe_wait")])
 def test_settings_out_of_range_are_refused(bad, message):
     with pytest.raises(ValueError, match=message):
         AdaptSettings(**bad)
@@ -107,7 +109,8 @@ def test_chooser_picks_k_from_the_estimate():
 
 
 def test_chooser_falls_to_ar_probes_and_returns():
-    c = chooser(prior=0.9, draft_ratio=0.3, probe_interval=2, max_probe_interval=8)
+    # a budget that lets the intervals rule (a probe here costs a third of a round: ``test_a_probe_waits_...``)
+    c = chooser(prior=0.9, draft_ratio=0.3, probe_interval=2, max_probe_interval=8, probe_budget=1.0)
     s = seq()
     assert c.choose([s])[0] > 0
     for _ in range(10):  # every first draft rejected
@@ -129,12 +132,67 @@ def test_chooser_falls_to_ar_probes_and_returns():
     assert s.seq_id not in c.states
 
 
+def test_a_probe_waits_as_long_as_its_cost_allows():
+    """A probe may cost ``probe_budget`` of the rounds at K = 0 before it. In SD with a draft step at 0.3 of a
+    verification and nothing accepted, a probe of one draft costs its row (0.02) and its step (0.3), less what it
+    is expected to bring: at 3% it waits 10 rounds where the intervals said 2, at most ``max_probe_wait``, and a
+    cheap draft (0.001) leaves the intervals to rule."""
+    def rejected(draft_ratio, **settings):
+        c, s = chooser(prior=0.9, draft_ratio=draft_ratio, probe_interval=2, max_probe_interval=8, **settings), seq()
+        c.choose([s])
+        for _ in range(30):
+            c.observe(s, 5, 0)
+        return c, s
+
+    c, s = rejected(0.3)
+    cost = c.probe_cost(s, 1)
+    gained = c.state(s).estimate.expected_tokens(1)[1] - 1.0
+    assert cost == pytest.approx(0.02 + 0.3 - gained) and 0.28 < cost < 0.32
+    wait = int(np.ceil(cost / 0.03))
+    ks = [c.choose([s])[0] for _ in range(wait + 1)]
+    assert ks == [0] * wait + [1] and c.states[s.seq_id].interval == wait
+    c.observe(s, 1, 0)  # a failed probe: the doubled interval (4) is still shorter than the cost allows
+    assert [c.choose([s])[0] for _ in range(wait + 1)] == [0] * wait + [1]
+    c, s = rejected(0.3, probe_budget=0.001, max_probe_wait=40)
+    assert c.choose([s]) == [0] and c.states[s.seq_id].interval == 40
+    c, s = rejected(0.001)
+    assert c.probe_cost(s, 1) < 0.03 and c._wait(s, 2, 1) == 2
+
+
+def test_an_ssd_probe_is_priced_by_what_its_parts_add():
+    """In SSD a probe's parts (the catch-up and the build beside the rounds before it) are measured at K = 0 as
+    what they add to those rounds: two rounds at 1.3 plain ones add 0.6 of a round per probe, whether probes come
+    every 4 rounds or every 20. Until measured, and always for a seeded request (no clock), they are two rounds
+    slowed by the profile's contention; the probe's own round adds its row, less its expected tokens."""
+    from saguaro.adapt.costs import ZeroRounds
+    for wait in (4, 20):
+        rounds = ZeroRounds()
+        for i in range(40 * wait):
+            parts = i % wait >= wait - 2
+            rounds.observe(1.3 if parts else 1.0, parts)
+            if i % wait == wait - 1:
+                rounds.probed()
+        assert rounds.probe_parts() == pytest.approx(0.6, rel=0.05)
+    assert ZeroRounds().probe_parts() is None
+    c = AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.5), Priors([0.0], [[0.1]], [0.3], [0.5]),
+                  SSDModel(lambda b: True, 0.18, slowdown=1.25))
+    s, seeded = seq(), Sequence([1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_tokens=100))
+    own = 0.02 - 0.1  # one row more, 0.1 of a token expected: the round itself gains
+    assert c.probe_cost(s, 1) == pytest.approx(2 * 0.25) and c.probe_cost(seeded, 1) == pytest.approx(0.5)
+    for i in range(400):  # measured: a fifth of a round per probe
+        c.observe_round([0], 1.2 if i % 10 == 9 else 1.0, beside_parts=i % 10 == 9)
+        if i % 10 == 9:
+            c.zero[1].probed()
+    assert c.probe_cost(s, 1) == pytest.approx(0.2, rel=0.05) and own < 0
+    assert c.probe_cost(seeded, 1) == pytest.approx(0.5)  # the seeded request's stays the profile's
+
+
 @pytest.mark.parametrize("draft_ratio, catches_up", [(0.6, True), (0.3, False)])
 def test_a_request_catches_up_before_its_probe_where_the_glue_would_outlast_the_ar_step(draft_ratio, catches_up):
     """Two rounds before its probe a request at K = 0 has its draft cache fed in the speculator's idle time, if
     the build that prepares the probe, its glue of the skipped tokens and a step, would outlast the AR step
     (a draft step 0.6 of a verification: 0.67 + 0.6 > 1); a cheap draft (0.3: 0.34 + 0.3) glues them there."""
-    c, s = chooser(prior=0.9, draft_ratio=draft_ratio, probe_interval=4, max_probe_interval=4), seq()
+    c, s = chooser(prior=0.9, draft_ratio=draft_ratio, probe_interval=4, max_probe_interval=4, probe_budget=1.0), seq()
     c.choose([s])
     for _ in range(10):
         c.observe(s, 5, 0)

@@ -81,7 +81,7 @@ def test_adaptive_k_changes_mid_request_and_equals_ar(pair, ar_outputs, mode, tr
     """The adaptive default with settings that make it move: a weak draft drives requests to K = 0, probes
     bring them back for a round (SSD: their speculation built beside the AR step before, their draft cache fed
     in the speculator's idle time a round before that), and the output is AR's."""
-    adapt = AdaptSettings(prior=0.9, probe_interval=2, max_probe_interval=4)
+    adapt = AdaptSettings(prior=0.9, probe_interval=2, max_probe_interval=4, probe_budget=1.0)
     prepared, caught_up, parts, beside = [], [], [], []
     with LLM(target=pair[0], draft=pair[1], mode=mode, num_speculative_tokens=3, block_size=4, adapt=adapt,
              speculator_transport=transport) as llm:

@@ -175,7 +175,8 @@ def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeyp
     c, fresh, a, b = chooser([SHALLOW, DEEP]), chooser([SHALLOW, DEEP]), seq(), seq()
     twin = seq()  # the same request for the other chooser (a request's K history is its own)
     for x in (c, fresh):
-        x.settings = AdaptSettings(min_gain=100.0, probe_interval=3, max_probe_interval=3)  # K = 0, probes
+        # K = 0, probes
+        x.settings = AdaptSettings(min_gain=100.0, probe_interval=3, max_probe_interval=3, probe_budget=1.0)
     scored, real = [], c.tree_gains
     monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None: scored.append(only) or real(seqs, costs, only))
     ks, expected = [], []

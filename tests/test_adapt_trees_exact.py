@@ -45,8 +45,8 @@ def test_every_tree_in_turn_equals_ar(pair, ar_outputs, transport):
 
 
 def test_the_adaptive_trees_equal_ar_and_are_reported(pair, ar_outputs):
-    adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True,
-                          **TREE_OPTIONS)
+    adapt = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, probe_budget=1.0,
+                          trees_without_profile=True, **TREE_OPTIONS)
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4, adapt=adapt,
              speculator_transport="thread") as llm:
         outs = llm.generate(PROMPTS, SamplingParams(max_tokens=TOKENS))

@@ -11,7 +11,8 @@ from saguaro.adapt_settings import TREE_OPTIONS, AdaptSettings  # noqa: E402
 from saguaro.server.metrics import RequestCounts, ServerMetrics  # noqa: E402
 from tests.tiny import PROMPTS, weak_pair  # noqa: E402
 
-MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, trees_without_profile=True, **TREE_OPTIONS)
+MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, probe_budget=1.0, trees_without_profile=True,
+                       **TREE_OPTIONS)
 
 
 def _value(text: str, name: str) -> float:

@@ -97,7 +97,7 @@ def test_the_chooser_s_prices_are_set_beside_the_rounds_it_chose(pair):
     round's start."""
     from saguaro import LLM, SamplingParams
     from saguaro.adapt_settings import AdaptSettings
-    adapt = AdaptSettings(prior=0.9, probe_interval=2, max_probe_interval=4)
+    adapt = AdaptSettings(prior=0.9, probe_interval=2, max_probe_interval=4, probe_budget=1.0)
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4, adapt=adapt) as llm:
         out, = llm.generate([[3, 7, 1, 9, 2]], SamplingParams(max_tokens=24))
         trace = SSDRounds(llm.engine.decoder).slice(0, len(llm.engine.decoder.trace))

@@ -25,8 +25,8 @@ POSITIONS = [3, 4]
 PARAMS = SamplingParams(temperature=1.0)
 # drops to 0 (as soon as speculation is not predicted to pay), probes every other round; SSD's trees offered though
 # the tiny pair has no calibration profile
-MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, stay_gain=1.02, trees_without_profile=True,
-                       **TREE_OPTIONS)
+MOVING = AdaptSettings(prior=0.9, probe_interval=1, max_probe_interval=2, probe_budget=1.0, stay_gain=1.02,
+                       trees_without_profile=True, **TREE_OPTIONS)
 TREES = AdaptSettings(trees_without_profile=True, **TREE_OPTIONS)
 
 

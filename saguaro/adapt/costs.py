@@ -111,20 +111,37 @@ class ZeroRounds:
     averages. Their ratio is what a probe's parts add to a round at K = 0 (``cost``). It is taken against the
     plain rounds, not the AR step's price, as what every round of SSD pays (the post to the speculator, the
     chooser) is paid by a speculating round as well and is not K = 0's: on a tiny model the post alone is a
-    verification's time."""
+    verification's time. ``rounds`` and ``probes`` count the rounds and the probes sent from them, decayed alike,
+    so their ratio is the rounds a probe follows in the averages' window, and what one probe's parts add
+    (``probe_parts``) stays the same whatever the wait between probes."""
     all_s: float | None = None
     plain_s: float | None = None
+    rounds: float = 0.0
+    probes: float = 0.0
 
     def observe(self, seconds: float, beside_parts: bool) -> None:
         self.all_s = average(self.all_s, seconds, ZERO_WEIGHT)
         if not beside_parts:
             self.plain_s = average(self.plain_s, seconds, ZERO_WEIGHT)
+        self.rounds = (1 - ZERO_WEIGHT) * self.rounds + 1.0
+        self.probes *= 1 - ZERO_WEIGHT
+
+    def probed(self, count: int = 1) -> None:
+        """``count`` requests probe in the coming round, after rounds at K = 0 of this batch size."""
+        self.probes += count
 
     def cost(self) -> float:
         """A round at K = 0 over a plain one (at least 1; 1 until both are timed)."""
         if self.all_s is None or self.plain_s is None:
             return 1.0
         return max(self.all_s / self.plain_s, 1.0)
+
+    def probe_parts(self) -> float | None:
+        """What one probe's parts add to the rounds at K = 0 before it, in plain rounds (None until a probe and
+        both averages are measured)."""
+        if self.all_s is None or self.plain_s is None or self.probes <= 0:
+            return None
+        return (self.cost() - 1.0) * self.rounds / self.probes
 
 
 def average(old: float | None, new: float, weight: float) -> float:

@@ -2,6 +2,7 @@
 verified before it (the seam it fills, ``KSchedule``, is ``saguaro.engine.k_schedule``'s)."""
 from __future__ import annotations
 
+import math
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,11 @@ from saguaro.engine.sequence import Sequence
 
 EXPLORE_TRIED = 0.5  # decayed trials below which a draft position's rate is still mostly the prior's
 TREE_INTERVAL = 8  # rounds between two scorings of every cache tree (the same batch); the chosen one every round
+
+
+def _seeded(seq: Sequence) -> bool:
+    """A sampled request with a seed: its choices read no clock (see ``AdaptiveK``)."""
+    return seq.generator is not None and seq.params.seed is not None
 
 
 def _column(values: list[float]) -> np.ndarray:
@@ -72,7 +78,8 @@ class AdaptiveK(KSchedule):
     costs). Speculation must be predicted to beat AR by ``settings.min_gain`` to start, and a request that
     speculates stops only below ``settings.stay_gain`` (at K = 0 it learns nothing); a request at K = 0 probes with
     ``probe_k`` drafts every ``interval`` rounds (doubling while probes do not pay), so it returns to
-    speculation when its text becomes predictable.
+    speculation when its text becomes predictable; never sooner than keeps the probe's cost (``probe_cost``) to
+    ``settings.probe_budget`` of the rounds it waits.
 
     In SSD a round at K = 0 is not quite an AR step: the probes it waits for have parts beside the rounds before
     them (the catch-up of the draft cache in the speculator's idle time, the probe's build) that share the memory
@@ -129,7 +136,10 @@ class AdaptiveK(KSchedule):
         if self.max_k == 0 or not seqs:
             return [0] * len(seqs)
         gains = self._round_gains(seqs)
-        ks = [self._one(seq, row) for seq, row in zip(seqs, gains)]
+        ks = [self._one(seq, row, len(seqs)) for seq, row in zip(seqs, gains)]
+        probes = sum(1 for seq, k in zip(seqs, ks) if k and self.states[seq.seq_id].probing)
+        if probes and probes == sum(1 for k in ks if k) and self.ssd is not None:  # after rounds at K = 0 only
+            self.zero.setdefault(len(seqs), ZeroRounds()).probed(probes)
         for seq, row, k in zip(seqs, gains, ks):
             seq.spec.gain_per_round.append(float(row[k]))
         if self.ssd is not None and self.ssd.trees is not None:
@@ -150,7 +160,7 @@ class AdaptiveK(KSchedule):
                 self.sent.append(self.sent[-1])
             return self._rest[1]
         live = self._live_gains(seqs, BatchCosts.at(self.costs, len(seqs), self.max_k))
-        group = [s for s in seqs if s.generator is not None and s.params.seed is not None]
+        group = [s for s in seqs if _seeded(s)]
         rows = dict(zip([s.seq_id for s in group], self._reproducible_gains(group) if group else []))
         live[:, 0] = self.zero_gain(len(seqs))
         gains = [rows.get(seq.seq_id, row) for seq, row in zip(seqs, live)]
@@ -238,7 +248,7 @@ class AdaptiveK(KSchedule):
         rounds = self.zero.get(batch)
         return 1.0 if rounds is None else 1.0 / rounds.cost()
 
-    def _one(self, seq: Sequence, gains: np.ndarray) -> int:
+    def _one(self, seq: Sequence, gains: np.ndarray, batch: int) -> int:
         state, s = self.state(seq), self.settings
         best = 1 + int(np.argmax(gains[1:]))
         speculating = bool(seq.spec.k_per_round) and seq.spec.k_per_round[-1] > 0  # last round: K > 0 or a probe
@@ -254,13 +264,38 @@ class AdaptiveK(KSchedule):
             state.at_zero, state.probing, state.interval = 0, False, s.probe_interval
             return best
         if state.probing:  # the probe did not pay: wait longer for the next one
-            state.interval = min(2 * state.interval, s.max_probe_interval)
+            state.interval = self._wait(seq, min(2 * state.interval, s.max_probe_interval), batch)
             state.probing = False
+        elif speculating or not seq.spec.k_per_round:  # its first round at K = 0 since it speculated, or at all
+            state.interval = self._wait(seq, s.probe_interval, batch)
         if state.probe_due():
             state.at_zero, state.probing = 0, True
             return self._probe_k
         state.at_zero += 1
         return 0
+
+    def _wait(self, seq: Sequence, interval: int, batch: int) -> int:
+        """The rounds at K = 0 before ``seq``'s next probe: ``interval``, or as many as make the probe cost
+        ``probe_budget`` of them (``probe_cost``), up to ``max_probe_wait``."""
+        s = self.settings
+        return max(interval, min(math.ceil(self.probe_cost(seq, batch) / s.probe_budget), s.max_probe_wait))
+
+    def probe_cost(self, seq: Sequence, batch: int) -> float:
+        """What ``seq``'s probe costs, in rounds of ``batch`` at K = 0: its own round's verification of ``probe_k``
+        rows more (SD: and their drafts), less the tokens it is expected to bring (the request's estimate), and in
+        SSD what its parts add to the rounds before it, as measured at this batch size (``ZeroRounds``), or until
+        then (and always for a seeded request, whose choice reads no clock: the profile at batch 1) two rounds
+        slowed by the bus as the profile's contention probe measured: the catch-up's and the build's."""
+        seeded = _seeded(seq)
+        costs, batch = (self.profile, 1) if seeded else (self.costs, batch)
+        k, verify = self._probe_k, costs.verify(batch)
+        gained = self.state(seq).estimate.expected_tokens(k)[k] - 1.0
+        own = (costs.verify(batch + k) - verify) / verify - gained / batch
+        if self.ssd is None:
+            return max(own + k * costs.draft_step(1) / verify, 0.0)
+        measured = None if seeded or batch not in self.zero else self.zero[batch].probe_parts()
+        parts = measured if measured is not None else 2.0 * (self.ssd.slowdown - 1.0)
+        return max(own, 0.0) + parts
 
     @property
     def _probe_k(self) -> int:
