@@ -135,8 +135,9 @@ def test_chooser_falls_to_ar_probes_and_returns():
 def test_a_probe_waits_as_long_as_its_cost_allows():
     """A probe may cost ``probe_budget`` of the rounds at K = 0 before it. In SD with a draft step at 0.3 of a
     verification and nothing accepted, a probe of one draft costs its row (0.02) and its step (0.3), less what it
-    is expected to bring: at 3% it waits 10 rounds where the intervals said 2, at most ``max_probe_wait``, and a
-    cheap draft (0.001) leaves the intervals to rule."""
+    is expected to bring: at 3% it waits 10 rounds where the intervals said 2, at most ``max_probe_wait``; a
+    cheap draft (0.001) leaves the intervals to rule, and so does a budget raised by speculation that paid, or a
+    request that has not speculated yet."""
     def rejected(draft_ratio, **settings):
         c, s = chooser(prior=0.9, draft_ratio=draft_ratio, probe_interval=2, max_probe_interval=8, **settings), seq()
         c.choose([s])
@@ -157,6 +158,19 @@ def test_a_probe_waits_as_long_as_its_cost_allows():
     assert c.choose([s]) == [0] and c.states[s.seq_id].interval == 40
     c, s = rejected(0.001)
     assert c.probe_cost(s, 1) < 0.03 and c._wait(s, 2, 1) == 2
+    # speculation that paid (15 rounds of every draft accepted) raises the budget to what it gained a round: after
+    # a bad patch that same probe waits only the intervals, as the text is likely to pay again
+    c, s = chooser(prior=0.9, draft_ratio=0.3, probe_interval=2, max_probe_interval=8), seq()
+    for i in range(40):
+        k = c.choose([s])[0]
+        if k:
+            c.observe(s, k, k if i < 15 else 0)
+    state = c.state(s)
+    assert state.advantage > 0.3 and state.speculated > 15 and c.probe_cost(s, 1) > 0.15  # 5+ rounds at 3%
+    assert c._wait(s, 2, 1) == 2 and state.interval == 8  # the doubled interval, not the cost's
+    # a request the prior put at K = 0 has no round of its own against speculating: it probes after the interval
+    c, s = chooser(prior=0.05, draft_ratio=0.3, probe_interval=2, max_probe_interval=8), seq()
+    assert [c.choose([s])[0] for _ in range(3)] == [0, 0, 1] and c.probe_cost(s, 1) > 0.2
 
 
 def test_an_ssd_probe_is_priced_by_what_its_parts_add():

@@ -52,6 +52,9 @@ class RequestState:
     at_zero: int = 0  # rounds in a row at K = 0 since the last probe
     interval: int = 8  # rounds at K = 0 before the next probe
     probing: bool = False  # the last round was a probe
+    advantage: float = 0.0  # its mean speedup over K = 0 in the rounds it speculated (``observe``)
+    speculated: int = 0  # those rounds
+    priced: tuple[float, float] | None = None  # the round in flight: its predicted cost (AR steps), K = 0's gain
 
     def probe_due(self) -> bool:
         """Its next round at K = 0 would be its probe (the interval is out)."""
@@ -262,6 +265,7 @@ class AdaptiveK(KSchedule):
                     and gains[best + 1] >= (1.0 - s.explore_margin) * gains[best]):
                 best += 1
             state.at_zero, state.probing, state.interval = 0, False, s.probe_interval
+            self._price(state, gains, best)
             return best
         if state.probing:  # the probe did not pay: wait longer for the next one
             state.interval = self._wait(seq, min(2 * state.interval, s.max_probe_interval), batch)
@@ -270,15 +274,29 @@ class AdaptiveK(KSchedule):
             state.interval = self._wait(seq, s.probe_interval, batch)
         if state.probe_due():
             state.at_zero, state.probing = 0, True
+            self._price(state, gains, self._probe_k)
             return self._probe_k
         state.at_zero += 1
         return 0
 
+    def _price(self, state: RequestState, gains: np.ndarray, k: int) -> None:
+        """Keep what the coming round at ``k`` is predicted to cost, so that ``observe`` can tell what it gave."""
+        state.priced = (state.estimate.expected_tokens(k)[k] / gains[k], gains[0])
+
     def _wait(self, seq: Sequence, interval: int, batch: int) -> int:
-        """The rounds at K = 0 before ``seq``'s next probe: ``interval``, or as many as make the probe cost
-        ``probe_budget`` of them (``probe_cost``), up to ``max_probe_wait``."""
-        s = self.settings
-        return max(interval, min(math.ceil(self.probe_cost(seq, batch) / s.probe_budget), s.max_probe_wait))
+        """The rounds at K = 0 before ``seq``'s next probe: ``interval``, or as many as make the probe cost a
+        budget of them (``probe_cost``), up to ``max_probe_wait``. The budget is ``probe_budget``, or what
+        speculating gained this request a round over its life (``RequestState.advantage``: its tokens against
+        each round's predicted cost), if more: a text whose speculation paid well (code, math) is likely to pay
+        again after a bad patch, and loses that much a round while it waits; one that hardly paid (chat on a dear
+        verification) gains little from a probe that finds it again. Its tokens, not its predicted gains, which
+        start from the profile's prior; a request that has not speculated yet has no such evidence and waits the
+        interval."""
+        s, state = self.settings, self.state(seq)
+        if not state.speculated:  # no round of its own says speculating does not pay: the prior put it at K = 0
+            return interval
+        budget = max(s.probe_budget, state.advantage)
+        return max(interval, min(math.ceil(self.probe_cost(seq, batch) / budget), s.max_probe_wait))
 
     def probe_cost(self, seq: Sequence, batch: int) -> float:
         """What ``seq``'s probe costs, in rounds of ``batch`` at K = 0: its own round's verification of ``probe_k``
@@ -326,6 +344,11 @@ class AdaptiveK(KSchedule):
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         state = self.state(seq)
         state.estimate.observe(drafted, kept)
+        if drafted and state.priced is not None:  # what speculating gave against the price of K = 0
+            cost, zero = state.priced
+            state.speculated += 1
+            state.advantage += ((1 + kept) / cost / zero - 1.0 - state.advantage) / state.speculated
+            state.priced = None
         if hit is not None and drafted:
             state.hit_rate.observe(1, int(hit))
         seq.spec.acceptance_estimate = state.estimate.rates(self.max_k)
