@@ -189,7 +189,7 @@ def test_an_ssd_probe_is_priced_by_what_its_parts_add():
         assert rounds.probe_parts() == pytest.approx(0.6, rel=0.05)
     assert ZeroRounds().probe_parts() is None
     c = AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.5), Priors([0.0], [[0.1]], [0.3], [0.5]),
-                  SSDModel(lambda b: True, 0.18, slowdown=1.25))
+                  SSDModel(lambda b: True, 0.18, part_slowdown=1.25))
     s, seeded = seq(), Sequence([1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_tokens=100))
     own = 0.02 - 0.1  # one row more, 0.1 of a token expected: the round itself gains
     assert c.probe_cost(s, 1) == pytest.approx(2 * 0.25) and c.probe_cost(seeded, 1) == pytest.approx(0.5)
@@ -199,6 +199,24 @@ def test_an_ssd_probe_is_priced_by_what_its_parts_add():
             c.zero[1].probed()
     assert c.probe_cost(s, 1) == pytest.approx(0.2, rel=0.05) and own < 0
     assert c.probe_cost(seeded, 1) == pytest.approx(0.5)  # the seeded request's stays the profile's
+
+
+def test_the_engine_prices_a_probe_s_parts_from_the_one_row_contention(monkeypatch):
+    """Until measured (and for a seeded request always), a probe's part is priced by the profile's contention
+    probe beside one draft row, which streams the bus; the build's own slowdown stays the plan's width's."""
+    from dataclasses import replace
+
+    import saguaro.adapt.build as build
+    from saguaro.calibration.profile import BusyDraft, ContentionProbe, default_profile
+    from saguaro.ssd.plan import SpecPlan
+    calibrated = replace(default_profile("t", "d", "bfloat16", 3), default=False)
+    calibrated.timing.contention = ContentionProbe(busy=[BusyDraft(1, 1.3, 50.0), BusyDraft(8, 1.05, 10.0)], rows=4)
+    monkeypatch.setattr(build, "_profile", lambda cfg: calibrated)
+    cfg = Config(target="t", draft="d", mode="ssd", dtype="bfloat16", num_speculative_tokens=3)
+    _, schedule = build.ssd_schedule(cfg, SpecPlan.fixed([4, 2, 1, 1]))
+    assert schedule.ssd.part_slowdown == pytest.approx(1.3) and schedule.ssd.slowdown < 1.3
+    seeded = Sequence([1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_tokens=100))
+    assert schedule.probe_cost(seeded, 1) >= 0.6 - 1e-9  # two parts at 0.3, its own round none or more
 
 
 @pytest.mark.parametrize("draft_ratio, catches_up", [(0.6, True), (0.3, False)])

@@ -65,7 +65,8 @@ def _adaptive(cfg: Config, profile: Profile, plan: SpecPlan | None) -> AdaptiveK
         pass_s = build.t_hit * build.t_v / (build.deep_steps + 1)  # the hit round over the passes it holds
         ssd = SSDModel(lambda b: plan.miss_strategy_for(b) == MissStrategy.JIT, pass_s,
                        slowdowns(profile.timing, branches)[0], trees,
-                       builds_time_drafts=(cfg.draft_device or cfg.device) == "cpu")
+                       builds_time_drafts=(cfg.draft_device or cfg.device) == "cpu",
+                       part_slowdown=slowdowns(profile.timing, 1)[0])
     return AdaptiveK(k, cfg.adapt, costs, priors, ssd)
 
 

@@ -73,6 +73,9 @@ class SSDModel:
     slowdown: float = 1.0  # the verification's beside a build (the profile's contention probe; 1 without one)
     trees: TreeModel | None = None  # the plan's cache trees, one chosen per round (None: the plan's own only)
     builds_time_drafts: bool = True  # a build's seconds are its draft passes' (on a GPU: the host's queueing)
+    # the verification's beside one draft pass that streams the bus (the contention probe at one draft row): what a
+    # probe's part is taken to add to a round until measured, and always for a seeded request (``probe_cost``)
+    part_slowdown: float = 1.0
 
 
 class AdaptiveK(KSchedule):
@@ -302,8 +305,11 @@ class AdaptiveK(KSchedule):
         """What ``seq``'s probe costs, in rounds of ``batch`` at K = 0: its own round's verification of ``probe_k``
         rows more (SD: and their drafts), less the tokens it is expected to bring (the request's estimate), and in
         SSD what its parts add to the rounds before it, as measured at this batch size (``ZeroRounds``), or until
-        then (and always for a seeded request, whose choice reads no clock: the profile at batch 1) two rounds
-        slowed by the bus as the profile's contention probe measured: the catch-up's and the build's."""
+        then (and always for a seeded request, whose choice reads no clock: the profile at batch 1) two rounds,
+        the catch-up's and the build's, each slowed as the profile's contention probe found a verification
+        beside one draft pass (``SSDModel.part_slowdown``: on avx2 with the int4 pair, measured parts added 0.28
+        of a round each, the profile's probe moved to that tier 0.17 beside one draft row, and 0.01-0.08
+        beside wider passes, within its noise)."""
         seeded = _seeded(seq)
         costs, batch = (self.profile, 1) if seeded else (self.costs, batch)
         k, verify = self._probe_k, costs.verify(batch)
@@ -312,7 +318,7 @@ class AdaptiveK(KSchedule):
         if self.ssd is None:
             return max(own + k * costs.draft_step(1) / verify, 0.0)
         measured = None if seeded or batch not in self.zero else self.zero[batch].probe_parts()
-        parts = measured if measured is not None else 2.0 * (self.ssd.slowdown - 1.0)
+        parts = measured if measured is not None else 2.0 * (self.ssd.part_slowdown - 1.0)
         return max(own, 0.0) + parts
 
     @property
