@@ -350,11 +350,11 @@ class AdaptiveK(KSchedule):
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         state = self.state(seq)
         state.estimate.observe(drafted, kept)
-        if drafted and state.priced is not None:  # what speculating gave against the price of K = 0
-            cost, zero = state.priced
+        priced, state.priced = state.priced, None  # a round that drafted nothing (the length's end) has no gain
+        if drafted and priced is not None:  # what speculating gave against the price of K = 0
+            cost, zero = priced
             state.speculated += 1
             state.advantage += ((1 + kept) / cost / zero - 1.0 - state.advantage) / state.speculated
-            state.priced = None
         if hit is not None and drafted:
             state.hit_rate.observe(1, int(hit))
         seq.spec.acceptance_estimate = state.estimate.rates(self.max_k)
