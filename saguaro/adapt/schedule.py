@@ -283,8 +283,9 @@ class AdaptiveK(KSchedule):
         return 0
 
     def _price(self, state: RequestState, gains: np.ndarray, k: int) -> None:
-        """Keep what the coming round at ``k`` is predicted to cost, so that ``observe`` can tell what it gave."""
-        state.priced = (state.estimate.expected_tokens(k)[k] / gains[k], gains[0])
+        """Keep what the coming round at ``k`` is predicted to cost, so that ``observe`` can tell what it gave (the
+        expected tokens at max K, whose rates the round's gains have just read: E(k) is their prefix's)."""
+        state.priced = (state.estimate.expected_tokens(self.max_k)[k] / gains[k], gains[0])
 
     def _wait(self, seq: Sequence, interval: int, batch: int) -> int:
         """The rounds at K = 0 before ``seq``'s next probe: ``interval``, or as many as make the probe cost a
@@ -313,7 +314,7 @@ class AdaptiveK(KSchedule):
         seeded = _seeded(seq)
         costs, batch = (self.profile, 1) if seeded else (self.costs, batch)
         k, verify = self._probe_k, costs.verify(batch)
-        gained = self.state(seq).estimate.expected_tokens(k)[k] - 1.0
+        gained = self.state(seq).estimate.expected_tokens(self.max_k)[k] - 1.0
         own = (costs.verify(batch + k) - verify) / verify - gained / batch
         if self.ssd is None:
             return max(own + k * costs.draft_step(1) / verify, 0.0)
