@@ -1,18 +1,16 @@
 """Adaptive speculation against the best fixed configuration and AR, per dataset, temperature and batch size.
 
-Rows, on the same chat-templated prompts: AR; SD and SSD at each fixed K of ``--ks`` (``adaptive=False``); SD
-and SSD adaptive (the default: each request's K chosen every round, 0 to ``--max-k``, over SSD's plan's own
-cache tree); and SSD adaptive choosing each round's cache tree too (``TREE_OPTIONS``:
-fan-outs and taper, opt-in), so the trees' share of the gain shows. Per dataset and
-temperature and batch size: tok/s of every row (``--rate``: decode, the tokens after each request's first over
-the time after its batch's last first token, as bench peers; or total, all new tokens over the batch's wall
-time), median over batches, the best fixed configuration chosen after the fact (AR included), and the adaptive rows'
-ratio to it and to AR. Batches hold ``--batch`` requests of one dataset, and with ``--mixed`` also one batch
-of every dataset's prompts together (code and chat in one batch). The K chosen per round by the adaptive rows
-is kept for every request (and SSD's branches per build), and one request per dataset is drawn
-(``results/bench_adapt_k.png``); the table gives the adaptive SSD rows' mean branches per build. At batch 1 a
-second table sets the chooser's predicted gain per K against what the adaptive SSD rows' rounds gave
-(``chooser_prices``).
+Rows, on the same chat-templated prompts: AR; SD and SSD at each fixed K of ``--ks`` (``adaptive=False``); SD and SSD
+adaptive (the default: each request's K chosen every round, 0 to ``--max-k``, over SSD's plan's own cache tree); and SSD
+adaptive choosing each round's cache tree too (``TREE_OPTIONS``: fan-outs and taper, opt-in), so the trees' share of the
+gain shows. Per dataset and temperature and batch size: tok/s of every row (``--rate``: decode, the tokens after each
+request's first over the engine's decode steps, prefill steps out; or total, all new tokens over the batch's wall time),
+median over batches, the best fixed configuration chosen after the fact (AR included), and the adaptive rows' ratio to
+it and to AR. Batches hold ``--batch`` requests of one dataset, and with ``--mixed`` also one batch of every dataset's
+prompts together (code and chat in one batch). The K chosen per round by the adaptive rows is kept for every request
+(and SSD's branches per build), and one request per dataset is drawn (``results/bench_adapt_k.png``); the table gives
+the adaptive SSD rows' mean branches per build. At batch 1 a second table sets the chooser's predicted gain per K
+against what the adaptive SSD rows' rounds gave (``chooser_prices``).
 
     saguaro bench adapt                                    # Qwen pair, 4 datasets, T=0 and 1, batch 1
     saguaro bench adapt --target smollm2-135m --draft smollm2-135m --draft-weights int4 --prompts 1 \\
@@ -38,8 +36,7 @@ DATASETS = "humaneval,mtbench,mtbench-math,mtbench-writing"
 MIXED = "mixed"  # the batch of every dataset's prompts together
 ORDERS = {False: "Every engine open at once, each batch through all rows in turn (the order rotated per batch).",
           True: "Rows ran one after another (each meets its own minutes' load)."}  # by --sequential
-RATES = {"decode": "the tokens after each request's first over the time after its batch's last first token "
-                   "(prefill out, as bench peers)",
+RATES = {"decode": "the tokens after each request's first over the engine's decode steps (prefill steps out)",
          "total": "every request's new tokens over its batch's wall time (prefill included)"}
 
 
@@ -104,16 +101,22 @@ def measure(name: str, llm, item: tuple[float, int, str, list[Prompt]], args: ar
     """One batch through one engine: its rates, outputs and K per round."""
     temperature, size, group, batch = item
     params = [sampling_params(temperature, args.max_tokens, args.seed + p.index) for p in batch]
-    decoder = getattr(getattr(llm, "engine", None), "decoder", None)
+    engine = getattr(llm, "engine", None)
+    decoder = getattr(engine, "decoder", None)
     rounds = SSDRounds(decoder) if hasattr(decoder, "trace") else None  # SSD's rounds, timed
     first = len(rounds) if rounds is not None else 0
+    steps = dict(getattr(engine, "step_seconds", {}))
     start = time.perf_counter()
     outs = llm.generate([p.ids for p in batch], params)
     wall = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    # decode: the tokens after each request's first over the time after the batch's last first token (bench
-    # peers' rate; prefill out), total: every new token over the batch's wall time
-    decode_s = wall - max(o.timings.ttft_s for o in outs)
+    # decode: the tokens after each request's first over the engine's decode steps (prefill out), total: every new
+    # token over the batch's wall time. A batch's prompts are prefilled in chunks between the others' decode
+    # rounds, so the time after its last first token would leave most of its decoding out (2x the rate at 8)
+    if steps:
+        decode_s = engine.step_seconds["decode"] - steps["decode"]
+    else:
+        decode_s = wall - max(o.timings.ttft_s for o in outs)
     decode = (tokens - len(outs)) / decode_s if decode_s > 0 else 0.0
     run = {"config": name, "dataset": group, "temperature": temperature,
            "batch": len(batch) if group == MIXED else size,

@@ -9,17 +9,17 @@ class AdaptSettings:
     """How each request's K is chosen from round to round (``saguaro.adapt.schedule.AdaptiveK``).
 
     ``max_k`` caps K (None: the engine's ``num_speculative_tokens``); K = 0 is AR for that request.
-    ``prior``: the acceptance assumed before a request's first rounds (None: the calibration profile's, by
-    position), weighed as ``prior_rounds`` observed rounds. ``decay``: each new round's observation keeps this
-    share of the older evidence (0.8: roughly the last 5 rounds count). A request at K = 0 probes with
-    ``probe_k`` drafts after ``probe_interval`` rounds, the interval doubling after each probe that does not
-    pay, up to ``max_probe_interval``; and never shorter than a probe's cost allows: the wait before a probe is
-    at least its cost in rounds (its own round's loss and, in SSD, what its parts add to the rounds beside them)
-    over a budget, up to ``max_probe_wait``. The budget is ``probe_budget``, or what speculating gained that
-    request a round, if more (code after a bad patch probes at the intervals); a request that has not speculated
-    yet waits the interval. Where a probe is cheap (a GPU, a draft whose parts hide) the intervals rule; where it is
-    dear it waits longer (avx2 with the int4 pair: a probe's parts took 0.28 AR steps in each of two rounds, and
-    at intervals of 4 to 8 they were 71% of what chat requests lost to AR). Speculation must beat K = 0 by
+    ``prior``: the acceptance assumed before a request's first rounds (None: the calibration profile's, by position),
+    weighed as ``prior_rounds`` observed rounds. ``decay``: each new round's observation keeps this share of the older
+    evidence (0.8: roughly the last 5 rounds count). A request at K = 0 probes with ``probe_k`` drafts after
+    ``probe_interval`` rounds, the interval doubling after each probe that does not pay, up to ``max_probe_interval``;
+    and never shorter than a probe's cost allows: the wait before a probe is at least its cost in rounds (its own
+    round's loss and, in SSD, what its parts add to the rounds beside them) over a budget, times the batch size (its
+    cost slows every request's round), up to ``max_probe_wait``. The budget is ``probe_budget``, or what speculating
+    gained that request a round, if more (code after a bad patch probes at the intervals); a request that has not
+    speculated yet waits the interval. Where a probe is cheap (a GPU, a draft whose parts hide) the intervals rule;
+    where it is dear it waits longer (avx2 with the int4 pair: a probe's parts took 0.28 AR steps in each of two rounds,
+    and at intervals of 4 to 8 they were 71% of what chat requests lost to AR). Speculation must beat K = 0 by
     ``min_gain`` (predicted speedup; K = 0 runs at AR's speed, or in SSD at what its rounds measure, with a
     probe's parts beside them) to be chosen; a request that speculated last round (or probed) keeps on while its
     best K is predicted at ``stay_gain`` times K = 0's or more. At K = 0 a request learns nothing, so one bad

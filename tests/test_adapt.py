@@ -158,6 +158,18 @@ def test_a_probe_waits_as_long_as_its_cost_allows():
     assert c.choose([s]) == [0] and c.states[s.seq_id].interval == 40
     c, s = rejected(0.001)
     assert c.probe_cost(s, 1) < 0.03 and c._wait(s, 2, 1) == 2
+    # in a batch a probe's cost falls on every request's round: four requests that fail alike each wait four
+    # times what one probe's cost in a round of four allows, so together they spend the same budget
+    c = chooser(prior=0.9, draft_ratio=0.3, probe_interval=2, max_probe_interval=8)
+    batch = [seq() for _ in range(4)]
+    c.choose(batch)
+    for _ in range(30):
+        for s in batch:
+            c.observe(s, 5, 0)
+    wait = int(np.ceil(4 * c.probe_cost(batch[0], 4) / 0.03))
+    assert 2 * 10 < wait < 64  # at batch 1 it was 10
+    rounds = [c.choose(batch) for _ in range(wait + 1)]
+    assert rounds == [[0] * 4] * wait + [[1] * 4] and c.states[batch[0].seq_id].interval == wait
     # speculation that paid (15 rounds of every draft accepted) raises the budget to what it gained a round: after
     # a bad patch that same probe waits only the intervals, as the text is likely to pay again
     c, s = chooser(prior=0.9, draft_ratio=0.3, probe_interval=2, max_probe_interval=8), seq()

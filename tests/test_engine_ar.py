@@ -41,6 +41,38 @@ def test_batched_greedy_equals_alone_and_reference(target):
     assert llm.engine.target.blocks.num_free == llm.engine.target.blocks.num_blocks
 
 
+def test_the_engine_counts_its_prefill_and_decode_steps_seconds(target, monkeypatch):
+    """``step_seconds``: each step's time under its kind (a batch's decode rate reads the decode steps'), here
+    on a clock that each prefill step advances by 1 s and each decode step by 0.01 s."""
+    import saguaro.engine.llm_engine as engine_module
+    llm = LLM(target, block_size=4, kv_cache_tokens=512, max_prefill_tokens=4)
+    engine, now, kinds = llm.engine, [0.0], []
+
+    class Clock:
+        @staticmethod
+        def perf_counter():
+            return now[0]
+    real_prefill, real_decode = engine._prefill, engine.decoder.decode
+
+    def prefill(seqs, chunks):
+        now[0] += 1.0
+        kinds.append("prefill")
+        return real_prefill(seqs, chunks)
+
+    def decode(seqs):
+        now[0] += 0.01
+        kinds.append("decode")
+        return real_decode(seqs)
+    monkeypatch.setattr(engine_module, "time", Clock)
+    monkeypatch.setattr(engine, "_prefill", prefill)
+    monkeypatch.setattr(engine.decoder, "decode", decode)
+    llm.generate(PROMPTS, SamplingParams(max_tokens=6))
+    # prompts of 3, 7, 1 and 11 tokens in chunks of at most 4 interleave with the others' decode rounds
+    assert kinds.count("prefill") >= 6 and kinds.index("decode") < len(kinds) - kinds[::-1].index("prefill")
+    assert engine.step_seconds == pytest.approx({"prefill": kinds.count("prefill"),
+                                                 "decode": 0.01 * kinds.count("decode")})
+
+
 def test_request_joining_mid_flight(target):
     llm = LLM(target, block_size=4, kv_cache_tokens=512)
     engine = llm.engine

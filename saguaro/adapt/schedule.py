@@ -295,12 +295,13 @@ class AdaptiveK(KSchedule):
         again after a bad patch, and loses that much a round while it waits; one that hardly paid (chat on a dear
         verification) gains little from a probe that finds it again. Its tokens, not its predicted gains, which
         start from the profile's prior; a request that has not speculated yet has no such evidence and waits the
-        interval."""
+        interval. In a batch of b, a probe's cost falls on every request's round and what it finds speeds one of
+        them: b requests probing alike cost the batch b times one's, so the wait is b times as long."""
         s, state = self.settings, self.state(seq)
         if not state.speculated:  # no round of its own says speculating does not pay: the prior put it at K = 0
             return interval
         budget = max(s.probe_budget, state.advantage)
-        return max(interval, min(math.ceil(self.probe_cost(seq, batch) / budget), s.max_probe_wait))
+        return max(interval, min(math.ceil(batch * self.probe_cost(seq, batch) / budget), s.max_probe_wait))
 
     def probe_cost(self, seq: Sequence, batch: int) -> float:
         """What ``seq``'s probe costs, in rounds of ``batch`` at K = 0: its own round's verification of ``probe_k``

@@ -39,6 +39,9 @@ class LLMEngine:
         self.scheduler = Scheduler(target.blocks, max_num_seqs, chunks, on_preempt=decoder.release)
         self.eos_ids = set(tokenizer.eos_token_ids)
         self.grammars = Grammars(tokenizer, target.config.vocab_size)  # JSON-constrained requests' compiler
+        # seconds spent in each kind of step, over the engine's life: a batch's decode rate is its new tokens over
+        # its decode steps (wall time less the first token's mixes in the others' decoding between prefill chunks)
+        self.step_seconds = {"prefill": 0.0, "decode": 0.0}
 
     # -- requests -----------------------------------------------------------------
     def add_request(self, prompt_ids: list[int], params: SamplingParams, prompt: str | None = None) -> Sequence:
@@ -84,6 +87,7 @@ class LLMEngine:
         batch = self.scheduler.schedule(self.decoder.lookahead)
         if batch is None:
             return []
+        start = time.perf_counter()
         new_tokens = self._prefill(batch.seqs, batch.chunks) if batch.is_prefill else self.decoder.decode(batch.seqs)
         events = []
         for seq, tokens in zip(batch.seqs, new_tokens):
@@ -95,6 +99,7 @@ class LLMEngine:
             events.append((seq, gained))
             if seq.finished:
                 self._finish(seq)
+        self.step_seconds["prefill" if batch.is_prefill else "decode"] += time.perf_counter() - start
         return events
 
     def _prefill(self, seqs: list[Sequence], chunks: list[int]) -> list[list[int]]:
