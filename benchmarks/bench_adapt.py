@@ -38,6 +38,8 @@ ORDERS = {False: "Every engine open at once, each batch through all rows in turn
           True: "Rows ran one after another (each meets its own minutes' load)."}  # by --sequential
 RATES = {"decode": "the tokens after each request's first over the engine's decode steps (prefill steps out)",
          "total": "every request's new tokens over its batch's wall time (prefill included)"}
+SEEDING = {False: "are seeded (prompt i: seed + i), so each prices its K from the profile at batch 1",
+           True: "carry no seed, so each prices its K from the batch's measured costs"}  # by --unseeded
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -57,6 +59,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "turn (less memory; rows then meet different load)")
     p.add_argument("--rate", choices=list(RATES), default="decode",
                    help="what the table compares: decode tok/s, prefill out (default), or total, prefill included")
+    p.add_argument("--unseeded", action="store_true",
+                   help="sampled requests carry no seed, as a server's usually do: each prices its rounds from the "
+                        "batch's measured costs (a seeded one from the profile at batch 1, to draw alike in any batch)")
     args = p.parse_args(argv)
     if any(m not in ("sd", "ssd") for m in args.modes) or min(args.ks, default=1) < 1 or args.max_k < 1:
         p.error("--modes takes sd and ssd; --ks and --max-k must be >= 1")
@@ -100,7 +105,8 @@ def work(prompts: list[Prompt], args: argparse.Namespace) -> list[tuple[float, i
 def measure(name: str, llm, item: tuple[float, int, str, list[Prompt]], args: argparse.Namespace) -> dict[str, Any]:
     """One batch through one engine: its rates, outputs and K per round."""
     temperature, size, group, batch = item
-    params = [sampling_params(temperature, args.max_tokens, args.seed + p.index) for p in batch]
+    params = [sampling_params(temperature, args.max_tokens, None if args.unseeded else args.seed + p.index)
+              for p in batch]
     engine = getattr(llm, "engine", None)
     decoder = getattr(engine, "decoder", None)
     rounds = SSDRounds(decoder) if hasattr(decoder, "trace") else None  # SSD's rounds, timed
@@ -173,14 +179,17 @@ def summarize(runs: list[dict[str, Any]], names: list[str]) -> list[dict[str, An
     for t, dataset, batch in keys:
         at = [r for r in runs if (r["temperature"], r["dataset"], r["batch"]) == (t, dataset, batch)]
         speed = {n: median(r["tok_s"] for r in at if r["config"] == n) for n in names}
+        total = {n: median(r.get("total_tok_s") for r in at if r["config"] == n) for n in names}
         fixed = {n: s for n, s in speed.items() if "adaptive" not in n and s is not None}
         best = max(fixed, key=fixed.get) if fixed else None
-        cell = {"temperature": t, "dataset": dataset, "batch": batch, "tok_s": speed, "best_fixed": best,
+        cell = {"temperature": t, "dataset": dataset, "batch": batch, "tok_s": speed, "total_tok_s": total,
+                "best_fixed": best,
                 "mean_fan_out": {n: mean_fan_out([r for r in at if r["config"] == n]) for n in names}}
         for n in names:
             if "adaptive" in n:
                 cell[f"{n} x best fixed"] = ratio(speed[n], fixed.get(best))
                 cell[f"{n} x AR"] = ratio(speed[n], speed.get("AR"))
+                cell[f"{n} x AR total"] = ratio(total[n], total.get("AR"))  # prefill in: a batch's wait for all
         cells.append(cell)
     return cells
 
@@ -231,10 +240,12 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
     adaptive = [n for n in names if "adaptive" in n]
     trees = [n for n in adaptive if n.startswith("SSD")]
     headers = ["T", "dataset", "b", *names, "best fixed", *(f"{n} x best" for n in adaptive),
-               *(f"{n} x AR" for n in adaptive), *(f"{n} branches/build" for n in trees)]
+               *(f"{n} x AR" for n in adaptive), *(f"{n} x AR total" for n in adaptive),
+               *(f"{n} branches/build" for n in trees)]
     rows = [[temp_key(c["temperature"]), c["dataset"], c["batch"], *(fmt(c["tok_s"][n]) for n in names),
              c["best_fixed"] or "-", *(fmt(c[f"{n} x best fixed"]) for n in adaptive),
-             *(fmt(c[f"{n} x AR"]) for n in adaptive), *(fmt(c["mean_fan_out"][n]) for n in trees)] for c in cells]
+             *(fmt(c[f"{n} x AR"]) for n in adaptive), *(fmt(c[f"{n} x AR total"]) for n in adaptive),
+             *(fmt(c["mean_fan_out"][n]) for n in trees)] for c in cells]
     equal, compared = greedy_equal(runs)
     env = environment()
     cpu = cpu_description()
@@ -242,7 +253,8 @@ def report(args, names, runs, cells) -> tuple[dict[str, Any], str]:
              f"({args.draft_weights}), target weights {args.target_weights}", "",
              f"CPU: {cpu['summary']}.",
              f"{args.prompts} prompt(s) per dataset, {args.max_tokens} new tokens, {args.threads} target thread(s), "
-             f"the speculator on the next core. tok/s: {RATES[args.rate]}, median over batches. "
+             f"the speculator on the next core. Sampled requests {SEEDING[args.unseeded]}. "
+             f"tok/s: {RATES[args.rate]}, median over batches; x AR total: {RATES['total']}. "
              f"{ORDERS[args.sequential]} Load average at the end: "
              f"{', '.join(f'{x:.1f}' for x in env['loadavg'] or [])} on {env['cpus']} cores.", "",
              table(headers, rows), "",

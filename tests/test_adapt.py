@@ -341,6 +341,32 @@ def test_ssd_chooser_uses_the_hit_rate():
     assert c.costs.verify(5) == pytest.approx(0.0108)
 
 
+def test_a_speculating_round_is_priced_with_the_answer_it_waits_for():
+    """What rounds at a batch size waited for the speculator's answer after their verification is added to every
+    speculating round's price there (Cor. 17's latency + T_w), and only there; a seeded request, whose choice
+    reads no clock, leaves it out."""
+    def ssd():
+        return AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.3), Priors([0.0], [[0.6]], [0.3], [0.8]),
+                         SSDModel(lambda b: True, 0.05))
+    c, fresh = ssd(), ssd()
+    s, seeded = seq(), Sequence([1, 2, 3], SamplingParams(temperature=1.0, seed=7, max_tokens=100))
+    batch = BatchCosts.at(c.costs, 2, 4)
+    tokens = np.array(c.state(s).estimate.expected_tokens(4))
+    plain = SSDRound(0.8, c.costs.build_s(4, 0.05), True, 0.3)  # the prior's hit rate, the prior's build
+    before = c.gains([s], batch)[0]
+    assert before == pytest.approx(ssd_gains(tokens, batch, plain))
+    c.observe_answer(2, 0.4)
+    c.observe_answer(2, 0.4)
+    assert c.answer_s(2) == pytest.approx(0.4) and c.answer_s(1) == 0.0
+    after = c.gains([s], batch)[0]
+    assert after == pytest.approx(ssd_gains(tokens, batch, SSDRound(0.8, c.costs.build_s(4, 0.05), True, 0.3,
+                                                                     answer_s=0.4)))
+    assert (after[1:] < before[1:]).all() and after[0] == before[0] == 1.0
+    at_one = BatchCosts.at(c.costs, 1, 4)
+    assert c.gains([s], at_one)[0] == pytest.approx(fresh.gains([s], at_one)[0])  # none timed at batch 1
+    assert c._reproducible_gains([seeded]) == pytest.approx(fresh._reproducible_gains([seeded]))
+
+
 def test_an_ssd_build_that_outlasts_the_verification_prices_deep_k():
     """A build at K makes K + 1 passes: where each pass costs a third of a verification, K = 5 keeps the round
     waiting on the build (6 passes, two verifications long) and a shorter K wins, though every hit carries K tokens;

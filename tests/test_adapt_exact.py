@@ -233,6 +233,8 @@ def test_ssd_rounds_at_k_zero_cost_no_build_and_no_wait(pair, ar_outputs, transp
         decoder.schedule = Scripted(3, [0, 0, 0, 3])  # quiet rounds, then one that waits for a speculation
         timed = []  # what the schedule is told of each round: the Ks it verified, its time, what ran beside it
         decoder.schedule.observe_round = lambda ks, seconds, beside: timed.append((ks, seconds, beside))
+        answers = []  # and of each answer it waited for (a round that asked for a speculation)
+        decoder.schedule.observe_answer = lambda batch, seconds: answers.append((batch, seconds))
         start = len(decoder.trace)
         again = llm.generate(PROMPTS[1], SamplingParams(max_tokens=TOKENS))
         assert calls["exchange"] > 0 and decoder.failure is None
@@ -242,6 +244,8 @@ def test_ssd_rounds_at_k_zero_cost_no_build_and_no_wait(pair, ar_outputs, transp
         assert len(verified) == len(chosen) - 1 and verified == [[k] for k in chosen[:-1]]
         # a verification runs beside the build the round before asked for (its K > 0)
         assert [b for _, _, b in timed] == [False] + [k > 0 for k in chosen[:-1]]
+        waited = [t.wait_s for t, k in zip(rounds, chosen) if k]
+        assert [s for _, s in answers] == pytest.approx(waited) and {b for b, _ in answers} == {1} and waited
     assert outs[0].token_ids == ar_outputs[1] == again[0].token_ids
     assert all(t.build_steps == 0 for t in trace)
     assert 3 in again[0].spec_counts.k_per_round and again[0].spec_counts.drafted > 0

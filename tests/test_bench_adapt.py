@@ -33,6 +33,35 @@ def test_best_fixed_is_chosen_after_the_fact_and_the_adaptive_rows_compared():
     assert cell["SD adaptive K<=5 x best fixed"] == pytest.approx(1.1) == cell["SD adaptive K<=5 x AR"]
 
 
+def test_the_adaptive_rows_are_also_compared_on_every_token_over_the_wall_time():
+    """Prefill in: what a batch waits for all its requests, beside the chosen rate."""
+    names = ["AR", "SD adaptive K<=5"]
+    runs = [{"config": c, "dataset": "mtbench", "temperature": 1.0, "batch": 8, "tok_s": s, "total_tok_s": t}
+            for c, s, t in [("AR", 10.0, 5.0), ("SD adaptive K<=5", 12.0, 4.0)]]
+    cell, = ba.summarize(runs, names)
+    assert cell["SD adaptive K<=5 x AR"] == pytest.approx(1.2)
+    assert cell["SD adaptive K<=5 x AR total"] == pytest.approx(0.8)
+
+
+def test_unseeded_sampled_requests_carry_no_seed():
+    """``--unseeded``: as a server's requests, each prices its K from the batch's measured costs; greedy ones never
+    carry a seed, and by default sampled prompt i carries seed + i."""
+    from types import SimpleNamespace
+    seen = []
+
+    class Engine:
+        def generate(self, ids, params):
+            seen.append([p.seed for p in params])
+            return [SimpleNamespace(token_ids=[1, 2], timings=SimpleNamespace(ttft_s=0.0), spec=None) for _ in ids]
+
+    batch = _prompts()[:2]
+    for argv in ([], ["--unseeded"]):
+        args = ba.parse_args(["--modes", "sd", "--seed", "100"] + argv)
+        for t in (0.0, 1.0):
+            ba.measure("AR", Engine(), (t, 2, "humaneval", batch), args)
+    assert seen == [[None, None], [100, 101], [None, None], [None, None]]
+
+
 def test_ssd_gets_a_row_that_chooses_trees_and_the_branches_per_build():
     args = ba.parse_args(["--modes", "ssd", "--ks", "2", "--max-k", "3"])
     rows = dict(ba.configs(args))

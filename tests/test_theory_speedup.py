@@ -49,6 +49,10 @@ def test_theorem2_reduces_to_parts():
 def test_corollary17_batch_one_is_theorem2_and_limit():
     args = (0.8, 3.4, 1.1, 0.6, 0.3)
     assert ssd_speedup_batch(*args, 1) == pytest.approx(ssd_speedup(*args))
+    # a measured wait for the speculator's answer adds to every round's latency
+    base = ssd_speedup_batch(*args, 4)
+    waited = ssd_speedup_batch(*args, 4, 0.25)
+    assert 1.0 / waited == pytest.approx(1.0 / base + 0.25 / (args[0] * args[1] + (1 - args[0]) * args[2]))
     big = ssd_speedup_batch(*args, 10_000)
     assert big == pytest.approx(ssd_speedup_batch_limit(0.8, 3.4, 1.1, 0.3))
     assert ssd_speedup_batch(*args, np.inf) == pytest.approx(big)

@@ -94,7 +94,11 @@ class AdaptiveK(KSchedule):
     ``costs.ZeroRounds``), and its inverse is K = 0's gain (at most 1), against which ``min_gain`` and
     ``stay_gain`` are read. With an int4 pair on avx2 (chat, T = 0) a round beside a probe's catch-up took 1.25
     AR steps and one beside its build 1.4; priced at 1, K = 0 had held requests at 0.9x AR where speculating at
-    K = 1, predicted at 0.93, gave 0.99.
+    K = 1, predicted at 0.93, gave 0.99. A speculating round also waits after its verification for the
+    speculator's answer (the outcomes taken in, a speculation drafted on the spot where none was built), which
+    the model's round leaves out: it is measured per batch size (``answer``) and added to every speculating
+    round's price. With the int4 pair on a 2-core Intel Xeon, 8 MT-Bench requests at T = 0 waited 26 ms after
+    verifications of about 135 ms (median), and requests priced at 1.0-1.7x AR ran 0.8-0.9x.
 
     A sampled request with a seed chooses from its own verified rounds only: the profile's costs at batch 1 and
     (SSD) the hit rate the profile's hit curves give at its own acceptance, never a clock, a measured hit or its
@@ -127,6 +131,7 @@ class AdaptiveK(KSchedule):
         # the last gains computed: (the batch and what it had verified, the gains, rounds they were reused)
         self._rest: tuple[tuple, list[np.ndarray], int] | None = None
         self.zero: dict[int, ZeroRounds] = {}  # batch size -> its rounds at K = 0 (SSD)
+        self.answer: dict[int, float] = {}  # batch size -> the speculator's answer after a verification (SSD), seconds
 
     def state(self, seq: Sequence) -> RequestState:
         state = self.states.get(seq.seq_id)
@@ -228,7 +233,7 @@ class AdaptiveK(KSchedule):
             # included), and a hit carries the steps it made
             build = trees.build(seqs, tree, costs.batch, self.max_k)
             round_ = SSDRound(p_hit[:, None], build.cut_s * scale, self.ssd.jit_misses_at(costs.batch), backup,
-                              build.slowdown)  # (each at K = 0..max)
+                              build.slowdown, 0.0 if reproducible else self.answer_s(costs.batch))  # (at K = 0..max)
             hit = trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources)[:, build.done]
             out.append(ssd_gains(hit, costs, round_, miss_tokens=tokens))
         return np.stack(out)
@@ -246,8 +251,13 @@ class AdaptiveK(KSchedule):
         build = (self.profile if reproducible else self.costs).build_s(self.max_k, self.ssd.build_pass_prior_s)
         round_ = SSDRound(_column(hit), build, self.ssd.jit_misses_at(costs.batch),
                           _column([self.priors.backup_acceptance[state.prior_index] for state in states]),
-                          self.ssd.slowdown)
+                          self.ssd.slowdown, 0.0 if reproducible else self.answer_s(costs.batch))
         return ssd_gains(tokens, costs, round_)
+
+    def answer_s(self, batch: int) -> float:
+        """What a speculating round at ``batch`` waits for the speculator's answer after its verification, as
+        measured (0 until one is: the model's round ends with the verification or the build)."""
+        return self.answer.get(batch, 0.0)
 
     def zero_gain(self, batch: int) -> float:
         """K = 0's speedup over AR at ``batch`` as measured (1 until its rounds are timed)."""
@@ -373,6 +383,9 @@ class AdaptiveK(KSchedule):
         # only rounds with every request at K = 0: a mixed round's time is its speculations' as much
         if ks and not any(ks) and seconds > 0:
             self.zero.setdefault(len(ks), ZeroRounds()).observe(seconds, beside_parts)
+
+    def observe_answer(self, batch: int, seconds: float) -> None:
+        self.answer[batch] = average(self.answer.get(batch), seconds, self.costs.weight)
 
     def observe_build(self, seconds: float, steps: int) -> None:
         self.costs.observe_build(seconds, steps)

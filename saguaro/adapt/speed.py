@@ -9,8 +9,9 @@ assumed to run the same K (each request is judged as if the batch were like it):
 * SSD: a hit round lasts max(verification slowed by the build beside it, build at that K) -- the slowdown is what the
   calibration's contention probe measured for the memory bus the two share (``timeline.slowdowns``) -- a miss
   round the same verification plus the miss strategy's drafting (K just-in-time steps; nothing for a point-mass
-  backup). ``ssd_speedup_batch`` weighs them with the request's hit rate (Cor. 17), then the same conversion
-  to AR steps, whose verification runs alone.
+  backup); each then waits for the speculator's answer as rounds at this batch size have (``AdaptiveK.answer``).
+  ``ssd_speedup_batch`` weighs them with the request's hit rate (Cor. 17), then the same conversion to AR steps,
+  whose verification runs alone.
 
 K = 0 is AR: speedup 1.
 """
@@ -55,6 +56,7 @@ class SSDRound:
     jit_misses: bool  # a miss is drafted just in time (K draft steps); else by a point-mass backup (free)
     backup_acceptance: float | np.ndarray  # a point-mass backup's acceptance (E_miss when not just in time)
     slowdown: float | np.ndarray = 1.0  # the verification's beside a build (the bus contention; or [max_k + 1])
+    answer_s: float = 0.0  # what a round waits for the speculator's answer after its verification, as measured
 
 
 def ssd_gains(tokens: np.ndarray, costs: BatchCosts, round_: SSDRound,
@@ -67,7 +69,8 @@ def ssd_gains(tokens: np.ndarray, costs: BatchCosts, round_: SSDRound,
         e_miss, t_miss = tokens if miss_tokens is None else miss_tokens, k * costs.draft_step / verify
     else:
         e_miss, t_miss = np.asarray(expected_tokens(round_.backup_acceptance, k)), np.zeros(len(k))
-    speedup = ssd_speedup_batch(round_.p_hit, tokens, e_miss, round_.build_s / verify, t_miss, costs.batch)
+    speedup = ssd_speedup_batch(round_.p_hit, tokens, e_miss, round_.build_s / verify, t_miss, costs.batch,
+                                round_.answer_s / verify)
     gains = np.array(speedup * costs.verify[0] / verify)
     gains[..., 0] = 1.0
     return gains

@@ -56,6 +56,10 @@ class KSchedule(ABC):
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         """Drafting took ``seconds`` for ``steps`` passes, the widest over ``rows`` rows."""
 
+    def observe_answer(self, batch: int, seconds: float) -> None:
+        """SSD: after a verification of ``batch`` sequences, the speculator's answer to a round that asked for
+        speculation (not every K 0) took ``seconds`` to arrive."""
+
     def observe_build(self, seconds: float, steps: int) -> None:
         """The SSD speculator's last cache build took ``seconds`` for ``steps`` branch steps after its glue."""
 

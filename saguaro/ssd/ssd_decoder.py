@@ -135,9 +135,11 @@ class SSDDecoder(Decoder):
             return [out[s.seq_id] for s in seqs]
         for seq, row in zip(seqs, response.rows):
             self.pending[seq.seq_id] = row
+        t2 = time.perf_counter()
+        if not quiet:
+            self.schedule.observe_answer(len(seqs), t2 - t1)
         if response.build_steps:
             self.schedule.observe_build(response.build_s, response.build_steps)
-        t2 = time.perf_counter()
         self.schedule.observe_round(verified_ks, t2 - t0, beside_parts)
         self.trace.append(RoundTrace(t0, t1 - t0, t2 - t1, response.build_s,
                                      response.build_steps, hits, self.miss_strategies.at(len(seqs)),

@@ -131,13 +131,14 @@ def ssd_speedup(p_hit, E_hit, E_miss, T_p, T_b):
     return ssd_speedup_batch(p_hit, E_hit, E_miss, T_p, T_b, 1)
 
 
-def ssd_speedup_batch(p_hit, E_hit, E_miss, T_p, T_b, batch_size):
+def ssd_speedup_batch(p_hit, E_hit, E_miss, T_p, T_b, batch_size, T_w=0.0):
     """Cor. 17: expected per-sequence speedup of SSD over AR at batch size b,
 
-        speedup = [p_hit E_hit + (1 - p_hit) E_miss] / [p_hit^b max(1, T_p) + (1 - p_hit^b)(1 + T_b)].
+        speedup = [p_hit E_hit + (1 - p_hit) E_miss] / [p_hit^b max(1, T_p) + (1 - p_hit^b)(1 + T_b) + T_w].
 
     The whole batch waits for the backup whenever any of its b (independent) sequences misses, so the round is
     fast only with probability p_hit^b. ``batch_size = np.inf`` gives the b -> infinity limit (needs p_hit < 1).
+    ``T_w`` (0 in the paper) is what every round waits beyond that for the speculator's answer, as measured.
     """
     p = np.asarray(p_hit, dtype=float)
     b = np.asarray(batch_size, dtype=float)
@@ -149,7 +150,7 @@ def ssd_speedup_batch(p_hit, E_hit, E_miss, T_p, T_b, batch_size):
     all_hit = p**b
     latency = all_hit * np.maximum(1.0, np.asarray(T_p, dtype=float)) + (1.0 - all_hit) * (
         1.0 + np.asarray(T_b, dtype=float)
-    )
+    ) + np.asarray(T_w, dtype=float)
     return _out(tokens / latency)
 
 
