@@ -24,6 +24,7 @@ from saguaro.drafts import SpeculatorDraft, as_draft, received_draft
 from saguaro.loading import LoadedModel
 from saguaro.ssd.channel import Channel, ChannelClosed, MessageCounters
 from saguaro.ssd.host import SpeculatorOptions, serve, start_speculator
+from saguaro.ssd.outbox import Outbox
 from saguaro.workers.process import WorkerProcess, free_port, parent_alive
 from saguaro.workers.shipment import Shipment
 from saguaro.ssd.protocol import CMD_STOP, RoundRequest, RoundResponse, pack_request, pack_response, \
@@ -75,6 +76,7 @@ class WorkerLink:
                  wait: bool = True):
         self.opts = opts
         self.channel: Channel | None = None
+        self.outbox: Outbox | None = None  # posts sent on a thread (a Gloo-only link: see ``outbox.py``)
         port = free_port()
         counters = MessageCounters()
         shipment = as_draft(draft).shipment()
@@ -93,6 +95,8 @@ class WorkerLink:
         """Wait until the worker has connected and loaded its draft; on a failure kill it and raise."""
         try:
             self.channel = self.process.expect("connecting", self._connected.result, self.opts.timeout_s)
+            # an NCCL link's device frames are queued on the caller's stream: its sends stay on the caller's thread
+            self.outbox = Outbox(self.channel.send) if self.channel.gpu is None else None
             load_s = max(self.opts.timeout_s, 600)
             ready = self.process.expect("loading the draft", lambda: self._ready(load_s), load_s)
         except BaseException:
@@ -110,18 +114,28 @@ class WorkerLink:
             raise
 
     def post(self, request: RoundRequest) -> None:
-        """Send a request that gets no response (``SpeculatorLink.post``). Raises ``ChannelClosed``."""
-        self.channel.send(pack_request(request))
+        """Send a request that gets no response (``SpeculatorLink.post``), without waiting for the speculator to
+        take it where the link allows (``outbox.py``). Raises ``ChannelClosed``."""
+        if self.outbox is not None:
+            self.outbox.put(pack_request(request))
+        else:
+            self.channel.send(pack_request(request))
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
         """Send one request, wait for the one response. Raises ``ChannelClosed`` on failure."""
-        self.channel.send(pack_request(request))
+        if self.outbox is not None:
+            self.outbox.put(pack_request(request))
+            self.outbox.flush()
+        else:
+            self.channel.send(pack_request(request))
         reply = self.channel.recv(timeout_s=self.opts.timeout_s, alive=self.process.is_alive)
         return unpack_response(reply, self.opts.k, self.vocab)
 
     def stop(self) -> None:
         if self.process.is_alive() and self.channel is not None:
             try:
+                if self.outbox is not None:
+                    self.outbox.flush()
                 self.channel.send(pack_request(RoundRequest(command=CMD_STOP)))
                 self.process.join(timeout=5)
             except ChannelClosed:
@@ -129,6 +143,8 @@ class WorkerLink:
         self.kill()
 
     def kill(self) -> None:
+        if self.outbox is not None:
+            self.outbox.close()
         self.process.kill()
         if self.channel is not None:
             self.channel.close()
