@@ -30,9 +30,10 @@ def test_a_post_returns_while_the_speculator_has_not_taken_it_and_flush_waits():
 
 
 def test_a_failed_send_is_raised_by_the_next_call_and_the_rest_dropped():
-    sent = []
+    sent, go = [], threading.Event()
 
     def send(message):
+        go.wait(timeout=10)  # every put below is made before the first send (the failure is raised after them)
         if int(message[0]) == 1:
             raise RuntimeError("connection reset by peer")
         sent.append(int(message[0]))
@@ -41,6 +42,7 @@ def test_a_failed_send_is_raised_by_the_next_call_and_the_rest_dropped():
     box.put([torch.tensor(0)])
     box.put([torch.tensor(1)])
     box.put([torch.tensor(2)])
+    go.set()
     with pytest.raises(ChannelClosed, match="connection reset"):
         box.flush()
     with pytest.raises(ChannelClosed):

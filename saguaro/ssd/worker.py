@@ -116,27 +116,28 @@ class WorkerLink:
     def post(self, request: RoundRequest) -> None:
         """Send a request that gets no response (``SpeculatorLink.post``), without waiting for the speculator to
         take it where the link allows (``outbox.py``). Raises ``ChannelClosed``."""
-        if self.outbox is not None:
-            self.outbox.put(pack_request(request))
-        else:
-            self.channel.send(pack_request(request))
+        self._send(request)
 
     def exchange(self, request: RoundRequest) -> RoundResponse:
         """Send one request, wait for the one response. Raises ``ChannelClosed`` on failure."""
-        if self.outbox is not None:
-            self.outbox.put(pack_request(request))
-            self.outbox.flush()
-        else:
-            self.channel.send(pack_request(request))
+        self._send(request, flush=True)
         reply = self.channel.recv(timeout_s=self.opts.timeout_s, alive=self.process.is_alive)
         return unpack_response(reply, self.opts.k, self.vocab)
+
+    def _send(self, request: RoundRequest, flush: bool = False) -> None:
+        """Through the outbox (``flush``: then wait until the speculator holds it and all before it), or a
+        blocking send where there is none."""
+        if self.outbox is None:
+            self.channel.send(pack_request(request))
+            return
+        self.outbox.put(pack_request(request))
+        if flush:
+            self.outbox.flush()
 
     def stop(self) -> None:
         if self.process.is_alive() and self.channel is not None:
             try:
-                if self.outbox is not None:
-                    self.outbox.flush()
-                self.channel.send(pack_request(RoundRequest(command=CMD_STOP)))
+                self._send(RoundRequest(command=CMD_STOP), flush=True)
                 self.process.join(timeout=5)
             except ChannelClosed:
                 pass
