@@ -467,3 +467,39 @@ def test_fixed_k_records_its_rounds():
     assert s.spec.k_per_round == [3]
     with pytest.raises(ValueError, match="max K"):
         FixedK(-1)
+
+
+def test_a_start_that_on_the_spot_drafting_would_not_pay_is_built_beside_an_ar_step_first():
+    """SSD: a request that did not speculate last round and would gain from speculating, but not from a
+    speculation drafted on the spot after the verification (priced as an SD round), asks K = 0 once while its
+    speculation is built beside that AR step (``ahead``), then asks it of the cache. Where drafting on the spot
+    pays, or a free backup drafts what the cache lacks, it starts at once."""
+    def ssd(draft_ratio, jit=True):
+        return AdaptiveK(4, AdaptSettings(), costs(draft_ratio=draft_ratio), Priors([0.0], [[0.6]], [0.3], [1.0]),
+                         SSDModel(lambda b: jit, 0.05))
+
+    dear, s = ssd(0.6), seq()
+    tokens = np.array(dear.state(s).estimate.expected_tokens(4))
+    assert sd_gains(tokens, BatchCosts.at(dear.costs, 1, 4))[1:].max() < 1.0  # SD would not pay here
+    best = int(np.argmax(dear.gains([s], BatchCosts.at(dear.costs, 1, 4))[0]))
+    assert best > 0  # and SSD's hits would
+    first = dear.choose([s])
+    assert first == [0] and dear.ahead([s], first) == [best]  # the AR step's build prepares it
+    assert dear.choose([s]) == [best] and dear.states[s.seq_id].start == 0
+    for _ in range(3):  # it goes on speculating from its builds
+        dear.observe(s, best, best)
+        assert dear.choose([s])[0] > 0
+
+    cheap, backup = ssd(0.1), ssd(0.6, jit=False)
+    for c in (cheap, backup):
+        assert c.choose([seq()])[0] > 0
+    # a request at K = 0 whose text becomes predictable returns the same way: built beside an AR step first
+    weak = AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.6), Priors([0.0], [[0.0]], [0.3], [1.0]),
+                     SSDModel(lambda b: True, 0.05))
+    r = seq()
+    assert weak.choose([r]) == [0] and weak.ahead([r], [0]) == [0]
+    state = weak.states[r.seq_id]
+    for _ in range(3):
+        weak.observe(r, 4, 4)
+    assert weak.choose([r]) == [0] and weak.ahead([r], [0]) == [state.start] and state.start > 0
+    assert weak.choose([r])[0] > 0

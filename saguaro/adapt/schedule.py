@@ -55,6 +55,7 @@ class RequestState:
     advantage: float = 0.0  # its mean speedup over K = 0 in the rounds it speculated (``observe``)
     speculated: int = 0  # those rounds
     priced: tuple[float, float] | None = None  # the round in flight: its predicted cost (AR steps), K = 0's gain
+    start: int = 0  # SSD: the K its coming AR step's build prepares, so that its next round asks it of the cache
 
     def probe_due(self) -> bool:
         """Its next round at K = 0 would be its probe (the interval is out)."""
@@ -85,7 +86,9 @@ class AdaptiveK(KSchedule):
     speculates stops only below ``settings.stay_gain`` (at K = 0 it learns nothing); a request at K = 0 probes with
     ``probe_k`` drafts every ``interval`` rounds (doubling while probes do not pay), so it returns to
     speculation when its text becomes predictable; never sooner than keeps the probe's cost (``probe_cost``) to
-    ``settings.probe_budget`` of the rounds it waits.
+    ``settings.probe_budget`` of the rounds it waits. In SSD a request that starts to speculate (new, or back from
+    K = 0) where drafting its speculation on the spot would not pay takes one AR step first, beside which its
+    speculation is built (``_pays_unbuilt``, ``ahead``).
 
     In SSD a round at K = 0 is not quite an AR step: the probes it waits for have parts beside the rounds before
     them (the catch-up of the draft cache in the speculator's idle time, the probe's build) that share the memory
@@ -277,9 +280,15 @@ class AdaptiveK(KSchedule):
             if (best < self.max_k and est.tried_at(best - 1) >= EXPLORE_TRIED > est.tried_at(best)
                     and gains[best + 1] >= (1.0 - s.explore_margin) * gains[best]):
                 best += 1
-            state.at_zero, state.probing, state.interval = 0, False, s.probe_interval
+            if (self.ssd is not None and not speculating and not state.start and not state.probe_due()
+                    and not self._pays_unbuilt(seq, best, batch, gains[0])):
+                state.start = best  # built beside this round's AR step (``ahead``), asked in the next
+                state.at_zero += 1
+                return 0
+            state.at_zero, state.probing, state.interval, state.start = 0, False, s.probe_interval, 0
             self._price(state, gains, best)
             return best
+        state.start = 0
         if state.probing:  # the probe did not pay: wait longer for the next one
             state.interval = self._wait(seq, min(2 * state.interval, s.max_probe_interval), batch)
             state.probing = False
@@ -291,6 +300,20 @@ class AdaptiveK(KSchedule):
             return self._probe_k
         state.at_zero += 1
         return 0
+
+    def _pays_unbuilt(self, seq: Sequence, k: int, batch: int, zero: float) -> bool:
+        """Whether ``seq``, which did not speculate last round and has nothing built, gains by speculating ``k``
+        now: its speculation is then drafted on the spot after the verification, which every request of the
+        batch waits for, as in an SD round (priced so: ``sd_gains``). If it does not, it starts a round later, from
+        a speculation built beside its AR step (``ahead``), as a probe does. With the int4 pair on a 2-core Xeon,
+        8 MT-Bench requests at T = 0 waited 60-140 ms for such starts and admissions, beside verifications of
+        120-200 ms. A seeded request prices it as its other choices, from the profile at batch 1."""
+        seeded = _seeded(seq)
+        if not self.ssd.jit_misses_at(1 if seeded else batch):  # the miss strategy's backup drafts it, free
+            return True
+        costs = BatchCosts.at(self.profile if seeded else self.costs, 1 if seeded else batch, k)
+        tokens = np.array(self.state(seq).estimate.expected_tokens(k))
+        return float(sd_gains(tokens, costs)[k]) >= self.settings.min_gain * zero
 
     def _price(self, state: RequestState, gains: np.ndarray, k: int) -> None:
         """Keep what the coming round at ``k`` is predicted to cost, so that ``observe`` can tell what it gave (the
@@ -338,10 +361,15 @@ class AdaptiveK(KSchedule):
         return min(self.settings.probe_k, self.max_k)
 
     def ahead(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
-        # a request at K = 0 probes once its interval is out (``_one``): its probe's speculation is built beside
-        # the AR step before it, from what that step verifies, so the probe is answered as a round is
-        return [self._probe_k if k == 0 and (st := self.states.get(seq.seq_id)) is not None and st.probe_due()
-                else k for seq, k in zip(seqs, ks)]
+        # a request at K = 0 probes once its interval is out (``_one``), or starts to speculate where drafting on
+        # the spot would not pay (``_pays_unbuilt``): its speculation is built beside the AR step before it, from
+        # what that step verifies, so it is answered as a round is
+        return [k or self._prepared(self.states.get(seq.seq_id)) for seq, k in zip(seqs, ks)]
+
+    def _prepared(self, state: RequestState | None) -> int:
+        if state is None:
+            return 0
+        return state.start or (self._probe_k if state.probe_due() else 0)
 
     def catch_up(self, seqs: list[Sequence], ks: list[int]) -> list[int]:
         # a round earlier still, its draft cache takes the tokens of its rounds at K = 0 in the speculator's idle
