@@ -182,6 +182,27 @@ def test_a_probe_s_speculation_is_built_beside_the_ar_step_before_it(pair):
     assert runner.blocks.num_free == runner.blocks.num_blocks
 
 
+def test_a_new_request_s_first_speculation_is_built_beside_its_first_ar_step(pair):
+    """A start (``AdaptiveK._pays_unbuilt``): a request admitted at K = 0 with ``prepare`` = 3 gets an empty row,
+    the build beside its first AR step prepares three drafts for that step's outcome, and its next round asks
+    them: a hit with the three drafts, nothing drafted then."""
+    runner, spec, fed = _counted_speculator(pair[1])
+    prompt = [3, 7, 1, 9]
+    rows = spec.respond(RoundRequest([], [Admission(0, prompt, SamplingParams(), 0)], [], [0], ks=[0],
+                                     prepare=[3])).rows
+    assert rows[0].tokens == [] and fed == []  # no draft on the spot
+    assert spec.build().steps == 3
+    keys = set(spec.cache.keys())
+    assert keys and all(k[1] == 0 for k in keys)  # every branch guesses the AR step's token
+    _, _, guessed = next(iter(keys))
+    fed.clear()
+    rows = spec.respond(RoundRequest([Outcome(0, 0, guessed)], [], [], [0], ks=[3])).rows
+    assert rows[0].hit and len(rows[0].tokens) == 3 and fed == []
+    spec.respond(RoundRequest([], [], [0], []))
+    spec.build()
+    assert runner.blocks.num_free == runner.blocks.num_blocks
+
+
 def test_a_k_zero_sequence_catches_up_in_idle_time_before_its_probe(pair):
     """``RoundRequest.catch_up``: the draft cache of a sequence at K = 0 takes its verified tokens as idle-time
     work (no build); the build that prepares its probe a round later then feeds two tokens, not all it skipped,
