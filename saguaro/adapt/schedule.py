@@ -367,6 +367,7 @@ class AdaptiveK(KSchedule):
         return [k or self._prepared(self.states.get(seq.seq_id)) for seq, k in zip(seqs, ks)]
 
     def _prepared(self, state: RequestState | None) -> int:
+        """The K a request at K = 0 has built beside its coming AR step: its start's, its probe's, or none."""
         if state is None:
             return 0
         return state.start or (self._probe_k if state.probe_due() else 0)
