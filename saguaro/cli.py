@@ -172,8 +172,9 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="the draft: a model or an EAGLE-3 head directory (SD, SSD); auto tells them apart")
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--miss-strategy", choices=[m.value for m in MissStrategy],
-                   help="SSD: how a cache miss is drafted: jit (the draft, just in time), ngram, random, or auto "
-                        "(jit below the critical batch size, n-gram from there)")
+                   help="SSD: how a cache miss is drafted: jit (the draft, just in time), ngram, random, skip (an AR "
+                        "step, the next speculation built beside it), or auto (the default: jit below the critical "
+                        "batch size, n-gram from there)")
     p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")
     p.add_argument("--branch-steps",
                    help="SSD: build steps that decode every branch (default K); past them only the likeliest "

@@ -3,7 +3,9 @@
 Glossary:
   * miss strategy (``MissStrategy``): how the speculator answers a sequence whose verification outcome its
     cache missed: "jit" (the primary draft drafts it just in time), "ngram" or "random" (a point-mass
-    backup drafted on the host), or "auto" (jit below the critical batch size b*, n-gram from there; Thm 18).
+    backup drafted on the host), "skip" (no drafts: the request takes an AR step, and its next speculation is
+    built beside it, as a start's is), or "auto" (jit below the critical batch size b*, n-gram from there;
+    Thm 18).
   * drafted by (``DraftedBy``): who drafted a speculation, which picks the fan-outs of the cache built for
     its outcomes: the primary draft (F^p) or the backup (F^b).
 
@@ -23,6 +25,7 @@ class MissStrategy(StrEnum):
     JIT = "jit"
     NGRAM = "ngram"
     RANDOM = "random"
+    SKIP = "skip"  # an empty row: nothing drafted while the batch waits, nothing verified in vain
     AUTO = "auto"  # only as a setting: a plan resolves it per batch size (SpecPlan.miss_strategy_for)
 
     @classmethod
@@ -41,7 +44,9 @@ class DraftedBy(StrEnum):
 @dataclass(frozen=True)
 class SSDSettings:
     fan_out: tuple[int, ...] | Auto | None = None  # F_0..F_K of every cache; None: all 1s
-    miss_strategy: MissStrategy = MissStrategy.JIT
+    # by batch size from the pair's profile (Thm 18): on a 2-core Xeon with the int4 pair, jit misses held the
+    # batch 60-100 ms each, and n-gram misses ran 1.1x jit's tok/s at batch 1 and 8
+    miss_strategy: MissStrategy = MissStrategy.AUTO
     saguaro_c: float | Auto = 1.0  # Saguaro sampling's down-weighting constant C in [0, 1] (Def. 14)
     branch_steps: int | Auto | None = None  # build steps that decode every branch (None: K; fewer: tapered)
     deep_branches: int = 1  # the likeliest branches that go on past branch_steps, up to K tokens

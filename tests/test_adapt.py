@@ -341,6 +341,24 @@ def test_ssd_chooser_uses_the_hit_rate():
     assert c.costs.verify(5) == pytest.approx(0.0108)
 
 
+def test_a_skipped_miss_counts_as_a_miss_and_its_one_token_against_its_price():
+    """Miss strategy "skip" answers a miss with an empty row: the round asked drafts and drafted none. Its miss
+    moves the hit rate and its one token what speculating gave this request; a round at K = 0 (no hit flag)
+    moves neither."""
+    c = AdaptiveK(4, AdaptSettings(), costs(draft_ratio=0.5), Priors([0.0], [[0.6]], [0.0], [0.5]),
+                  SSDModel(lambda b: False, 0.18))
+    s = seq()
+    c.choose([s])
+    assert s.spec.k_per_round[-1] > 0
+    before = c.states[s.seq_id].hit_rate.rate(0)
+    c.observe(s, 0, 0, hit=False)  # asked, skipped
+    state = c.states[s.seq_id]
+    assert state.hit_rate.rate(0) < before and state.speculated == 1 and state.advantage < 0
+    rate = state.hit_rate.rate(0)
+    c.observe(s, 0, 0, hit=None)  # an AR step
+    assert state.hit_rate.rate(0) == rate and state.speculated == 1
+
+
 def test_a_speculating_round_is_priced_with_the_answer_it_waits_for():
     """What rounds at a batch size waited for the speculator's answer after their verification is added to every
     speculating round's price there (Cor. 17's latency + T_w), and only there; a seeded request, whose choice

@@ -239,7 +239,7 @@ def test_ssd_rounds_at_k_zero_cost_no_build_and_no_wait(pair, ar_outputs, transp
     """A round whose every K is 0 is posted to the speculator, which applies it and builds nothing; the verifier
     does not wait for its (empty) answer. When K comes back the speculator has followed every AR step."""
     with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4,
-             fan_out=[2, 2, 2, 4], speculator_transport=transport) as llm:
+             fan_out=[2, 2, 2, 4], speculator_transport=transport, miss_strategy="jit") as llm:  # K drafts asked, K got
         decoder = llm.engine.decoder
         calls = {"post": 0, "exchange": 0}
         for name in calls:

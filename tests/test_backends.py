@@ -186,12 +186,15 @@ def test_defaults_take_the_fastest_exact_path():
 # reference's token for token, with batches whose passes cross bucket boundaries.
 
 def use_paged_backend(monkeypatch):
+    import saguaro.calibration.resolve as resolve
     import saguaro.engine.model_runner as model_runner
     real = model_runner.make_backend
 
     def paged(model, cache, device, enforce_eager, weights, head_ids, kind, graphs, **kw):
         return real(model, cache, device, enforce_eager, weights, head_ids, "paged", graphs, **kw)
     monkeypatch.setattr(model_runner, "make_backend", paged)
+    # the speculator builds by graph replay, as a GPU draft does: miss strategy "auto" is jit there too
+    monkeypatch.setattr(resolve, "_graph_builds", lambda cfg: not cfg.enforce_eager)
 
 
 @pytest.fixture

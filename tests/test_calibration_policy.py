@@ -130,6 +130,35 @@ def test_critical_batch_size_is_thm18_on_the_measured_inputs():
     assert want is None or math.isclose(b_star, want)
 
 
+def test_b_star_is_judged_with_the_fan_outs_the_plan_uses():
+    """Given fan-outs, Thm 18 compares the options with them (the p_hit and E_hit they give), not with each
+    option's best: the plan's threshold is then the one its caches make, and no per-batch search runs."""
+    profile = default_profile("a", "b", "bf16", 4)
+    for t in profile.temperatures.values():
+        t.backup.tokens_per_round = 1.3
+    given = [1, 1, 1, 1, 1]
+    _, best = critical_batch(profile, "0.0", 4, VOCAB)
+    _, ones = critical_batch(profile, "0.0", 4, VOCAB, fan_out=given)
+    assert ones["p_hit"] < best["p_hit"]
+    plan = make_plan(profile, 4, SSDSettings(fan_out=given, miss_strategy="auto"), 64, VOCAB).plan
+    b_star, _ = critical_batch(profile, "0.0", 4, VOCAB, fan_out=given)
+    assert plan.b_star == b_star and plan.primary == [[given]] * 2
+
+
+def test_auto_misses_are_jit_where_the_build_replays_a_graph():
+    """A backup's speculation sends a graph build back to Python: "auto" is jit for a GPU draft on its fast path,
+    Thm 18's choice on the CPU (the default settings)."""
+    from types import SimpleNamespace
+
+    from saguaro.calibration.resolve import _graph_builds
+    assert SSDSettings().miss_strategy == "auto"
+    gpu = SimpleNamespace(device="cuda:0", draft_device="cuda:1", enforce_eager=False)
+    assert _graph_builds(gpu)
+    assert not _graph_builds(SimpleNamespace(device="cuda:0", draft_device="cuda:1", enforce_eager=True))
+    assert not _graph_builds(SimpleNamespace(device="cuda:0", draft_device="cpu", enforce_eager=False))
+    assert not _graph_builds(SimpleNamespace(device="cpu", draft_device=None, enforce_eager=False))
+
+
 def test_plan_tables_and_c():
     profile = default_profile("a", "b", "bf16", 2)
     sweep = replace(profile.temperatures["1.0"].primary, c=0.5, acceptance=0.74)
@@ -139,7 +168,7 @@ def test_plan_tables_and_c():
     assert plan.temperatures == [0.0, 1.0] and plan.c[0] == 1.0 and plan.c[1] in (1.0, 0.5)
     assert all(len(t) == 4 for t in plan.primary + plan.backup)
     assert chosen.report.b_star == plan.b_star
-    fixed = make_plan(profile, 2, SSDSettings(fan_out="auto", saguaro_c=0.3), 2, VOCAB).plan
+    fixed = make_plan(profile, 2, SSDSettings(fan_out="auto", saguaro_c=0.3, miss_strategy="jit"), 2, VOCAB).plan
     assert fixed.c == [0.3, 0.3] and fixed.b_star == math.inf
     assert 1 <= recommended_k(profile) <= 8
 
@@ -218,7 +247,7 @@ def test_engine_auto_miss_strategy_switches_at_b_star(pair, tmp_path, monkeypatc
         want = [o.token_ids for o in ar.generate(PROMPTS, SamplingParams(max_tokens=16))]
     with caplog.at_level(logging.INFO, logger="saguaro.ssd"):
         with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, miss_strategy="auto",
-                 fan_out=[1, 1, 1, 1], block_size=4, max_num_seqs=4) as llm:
+                 fan_out="auto", block_size=4, max_num_seqs=4) as llm:  # b* with each option's best fan-outs
             first = llm.generate(PROMPTS[0], SamplingParams(max_tokens=16))[0]
             outs = llm.generate(PROMPTS, SamplingParams(max_tokens=16))
             decoder = llm.engine.decoder

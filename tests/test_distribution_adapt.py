@@ -57,6 +57,8 @@ def pair():
 
 def engine(pair, mode, **options):
     options.setdefault("adapt", TREES)
+    if mode == "ssd":  # just-in-time misses: drafts the chooser prices, so that K moves on this pair
+        options.setdefault("miss_strategy", "jit")
     return LLM(target=pair[0], draft=pair[1], mode=mode, num_speculative_tokens=3, block_size=4, max_num_seqs=1024,
                kv_cache_tokens=1024 * 16, speculator_transport="thread", **options)
 

@@ -46,8 +46,8 @@ def pair():
 
 def engine(pair, mode: str) -> LLM:
     options = dict(block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16, num_speculative_tokens=1)
-    if mode == "ssd":
-        options["fan_out"] = [1, 2]
+    if mode == "ssd":  # sampled misses drafted just in time: the rows that carry q (the unpacking's subject)
+        options.update(fan_out=[1, 2], miss_strategy="jit")
     return LLM(adaptive=False, target=pair[0], draft=pair[1], mode=mode, **options)
 
 

@@ -9,6 +9,8 @@ variation over 50,000 seeded requests (threshold derivation: tests/dist_harness.
 - all hits: fan-out 8 at both depths covers every possible outcome on an 8-token vocabulary;
 - all misses: fan-out 0 prepares nothing, so every round takes the fallback;
 - mixed: fan-out [1, 2], with top-p, gives both in one batch.
+Misses are drafted just in time (the sampled drafts the verifier judges against q); the point-mass backups
+and skipped misses have their own check (tests/test_saguaro_distribution.py).
 The negative control plants a wrong verifier and must fail the same check.
 
 The mixed case and the negative control also run through the thread transport (the
@@ -36,7 +38,8 @@ def pair():
 
 def run(pair, fan_out, params, n=50_000, positions=POSITIONS, **options):
     llm = LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=len(fan_out) - 1, fan_out=fan_out,
-              adaptive=False, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16, **options)
+              adaptive=False, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16, miss_strategy="jit",
+              **options)
     try:
         tv, threshold = measure(llm, pair[0], params, positions, n)
         trace = llm.engine.decoder.trace

@@ -121,7 +121,7 @@ def test_misses_draft_what_sd_drafts(target, head_dir, monkeypatch):  # noqa: F8
     SD's proposer does, so the drafts match SD's round for round (the prompt prefilled in chunks of 3)."""
     sd = recorded_drafts(monkeypatch, lambda: LLM(target=target, draft=head_dir, mode="sd", num_speculative_tokens=3,
                                                   block_size=4, dtype="float32", adaptive=False))
-    ssd = recorded_drafts(monkeypatch, lambda: eagle_ssd(target, head_dir, fan_out=[0, 0, 0, 0],
+    ssd = recorded_drafts(monkeypatch, lambda: eagle_ssd(target, head_dir, fan_out=[0, 0, 0, 0], miss_strategy="jit",
                                                          speculator_transport="thread", max_prefill_tokens=3))
     assert len(sd) > 5 and ssd == sd
 

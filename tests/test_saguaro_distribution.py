@@ -4,7 +4,7 @@ Same set-up as tests/test_distribution_ssd.py (K = 1, vocabulary 8, 50,000 seede
 output tokens 3 and 4 against the exact AR law by total variation, threshold from tests/dist_harness.py).
 Every primary draw -- cached branches and just-in-time drafts -- comes from sigma_{F,C} with C = 0.3, so
 the verifier must use the down-weighted q; misses go to the jit drafter, the n-gram backup (point-mass
-drafts) or random tokens. Fan-out [1, 2] gives hits and misses in every batch.
+drafts) or random tokens, or take an AR step (skip). Fan-out [1, 2] gives hits and misses in every batch.
 Every engine here runs a fixed K (``adaptive=False``), the paths it names; adaptive K has its own
 check, tests/test_distribution_adapt.py.
 """
@@ -15,7 +15,7 @@ from tests.dist_harness import in_process, measure
 from tests.test_distribution_ssd import POSITIONS, pair  # noqa: F401  (fixture)
 
 
-@pytest.mark.parametrize("strategy, c", [("jit", 0.3), ("ngram", 0.3), ("random", 0.3)])
+@pytest.mark.parametrize("strategy, c", [("jit", 0.3), ("ngram", 0.3), ("random", 0.3), ("skip", 0.3)])
 def test_saguaro_sampling_and_miss_strategies_are_exact(pair, strategy, c):  # noqa: F811
     llm = LLM(adaptive=False, target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=1, fan_out=[1, 2],
               miss_strategy=strategy, saguaro_c=c, block_size=4, max_num_seqs=1024, kv_cache_tokens=1024 * 16)

@@ -74,19 +74,20 @@ def _priors(profile: Profile, k: int, plan: SpecPlan | None, ngram: bool) -> Pri
     temperatures = sorted(float(t) for t in profile.temperatures)
     acceptance, backup, p_hit = [], [], []
     # the hit rate is predicted as for a point-mass backup when misses draw random tokens (which are rarely
-    # accepted: no acceptance is assumed for them)
-    random = plan is not None and plan.miss_strategy_for(1) == MissStrategy.RANDOM
+    # accepted: no acceptance is assumed for them); a skipped miss drafts nothing: its round is an AR step's
+    strategy = plan.miss_strategy_for(1) if plan is not None else None
+    random, skip = strategy == MissStrategy.RANDOM, strategy == MissStrategy.SKIP
     for t in temperatures:
         entry = entry_at(profile, t)
         source = entry.backup if ngram else entry.primary
         acceptance.append(list(source.acceptance_by_position) or [float(source.acceptance)])
-        backup.append(0.0 if random else float(entry.backup.acceptance))
+        backup.append(0.0 if random or skip else float(entry.backup.acceptance))
         if plan is None:
             p_hit.append(0.0)
             continue
         predicted = predict_fixed(profile, t, k, 1, plan.fan_out(t, DraftedBy.PRIMARY),
                                   plan.fan_out(t, DraftedBy.BACKUP),
-                                  MissStrategy.NGRAM if random else plan.miss_strategy_for(1),
+                                  MissStrategy.NGRAM if random else strategy,
                                   branch_steps=plan.steps_for(t), deep=plan.deep_branches)
         p_hit.append(min(max(float(predicted.p_hit), 0.0), 1.0))
     return Priors(temperatures, acceptance, backup, p_hit)

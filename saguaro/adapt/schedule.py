@@ -391,12 +391,13 @@ class AdaptiveK(KSchedule):
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         state = self.state(seq)
         state.estimate.observe(drafted, kept)
-        priced, state.priced = state.priced, None  # a round that drafted nothing (the length's end) has no gain
-        if drafted and priced is not None:  # what speculating gave against the price of K = 0
+        priced, state.priced = state.priced, None  # a round that drafted nothing (the length's end) has no gain,
+        # but for a miss answered with nothing (strategy "skip"): its one token is what the round's price bought
+        if (drafted or hit is False) and priced is not None:  # what speculating gave against the price of K = 0
             cost, zero = priced
             state.speculated += 1
             state.advantage += ((1 + kept) / cost / zero - 1.0 - state.advantage) / state.speculated
-        if hit is not None and drafted:
+        if hit is not None:  # the round asked for drafts: its speculation hit or missed
             state.hit_rate.observe(1, int(hit))
         seq.spec.acceptance_estimate = state.estimate.rates(self.max_k)
 

@@ -61,7 +61,7 @@ BUDGETS = (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16, 20, 24, 32, 40, 48, 64)
 class Choice:
     """The predicted best configuration at one (temperature, batch size, miss strategy)."""
     batch: int
-    miss_strategy: MissStrategy  # jit or ngram
+    miss_strategy: MissStrategy  # jit, ngram or skip
     budget: int
     steps: int  # L, tokens in a cached speculation (its every branch)
     primary: list[int]
@@ -103,14 +103,16 @@ def predict(profile: Profile, entry: TemperatureEntry, k: int, batch: int, budge
     else:
         candidates = [(list(f_p), "given")]
     sides = [hit_side(primary, backup, f, f_b, build.steps, build.deep_steps, k, deep) for f, _ in candidates]
-    measured = [miss_tokens(primary, f, strategy) for f, _ in candidates]
+    skip = strategy == MissStrategy.SKIP  # a miss's round is an AR step: one token, nothing drafted
+    measured = [None if skip else miss_tokens(primary, f, strategy) for f, _ in candidates]
     jit = strategy == MissStrategy.JIT
     choices = []
     for (f, method), side, e_measured in zip(candidates, sides, measured):
-        e_miss = e_measured or (side.e_all if jit
-                                else float(backup.tokens_per_round or expected_tokens(float(backup.acceptance), k)))
+        e_miss = 1.0 if skip else e_measured or (
+            side.e_all if jit else float(backup.tokens_per_round or expected_tokens(float(backup.acceptance), k)))
         p_p, p_b = side.p_hit_p, side.p_hit_b
-        p_hit = p_p if jit or abs(p_p - p_b) >= 1 else float(unconditional_hit_rate(p_p, p_b))
+        # after a skipped miss the build is the primary's, from the AR step's outcome: priced as after a hit
+        p_hit = p_p if jit or skip or abs(p_p - p_b) >= 1 else float(unconditional_hit_rate(p_p, p_b))
         speedup = float(ssd_speedup_batch(p_hit, side.e_hit, e_miss, build.t_hit, t_miss, batch))
         tok_s = speedup / build.t_v
         choices.append(Choice(batch=batch, miss_strategy=strategy, budget=budget, steps=build.steps, primary=list(f),
@@ -154,6 +156,15 @@ def best_choice(profile: Profile, entry: TemperatureEntry, k: int, batch: int, s
                key=lambda c: c.tok_s)
 
 
+def _choice(profile: Profile, entry: TemperatureEntry, k: int, batch: int, strategy: MissStrategy, vocab: int,
+            fan_out: list[int] | None, shapes: list[int | None] = (None,), deep: int = 1) -> Choice:
+    """``best_choice``, or with ``fan_out`` given for every cache the best of ``shapes`` for it alone."""
+    if fan_out is None:
+        return best_choice(profile, entry, k, batch, strategy, vocab, shapes, deep)
+    return max((predict(profile, entry, k, batch, sum(fan_out), strategy, vocab, f_p=fan_out, f_b=fan_out,
+                        branch_steps=s, deep=deep) for s in shapes), key=lambda c: c.tok_s)
+
+
 def _entry_with_c(entry: TemperatureEntry, c: float) -> TemperatureEntry:
     """The temperature entry whose primary source is the one calibrated at the C nearest to ``c``."""
     options = [(1.0, entry.primary)] + [(float(s.c), s) for s in entry.c_sweep]
@@ -174,11 +185,12 @@ def choose_c(profile: Profile, temperature: str, k: int, strategy: MissStrategy,
                key=lambda c: best_choice(profile, _entry_with_c(entry, c), k, 1, strategy, vocab).tok_s)
 
 
-def critical_batch(profile: Profile, temperature: str, k: int, vocab: int, c: float = 1.0) -> tuple[float, dict]:
-    """Thm 18's b* (jit below, n-gram at or above) from the jit option's b = 1 prediction."""
+def critical_batch(profile: Profile, temperature: str, k: int, vocab: int, c: float = 1.0,
+                   fan_out: list[int] | None = None) -> tuple[float, dict]:
+    """Thm 18's b* (jit below, n-gram at or above) from the jit option's b = 1 prediction, with the best
+    fan-outs for each option or the ``fan_out`` given for every cache."""
     entry = _entry_with_c(profile.temperatures[temperature], c)
-    jit = best_choice(profile, entry, k, 1, MissStrategy.JIT, vocab)
-    ngram = best_choice(profile, entry, k, 1, MissStrategy.NGRAM, vocab)
+    jit, ngram = (_choice(profile, entry, k, 1, m, vocab, fan_out) for m in (MissStrategy.JIT, MissStrategy.NGRAM))
     args = dict(p_hit=jit.p_hit, E_hit=jit.e_hit, T_p=jit.t_hit, E_miss_ngram=ngram.e_miss, T_ngram=ngram.t_miss,
                 E_miss_jit=jit.e_miss, T_jit=jit.t_miss)
     try:
@@ -247,7 +259,10 @@ class CalibratedPlan:
 
 
 def _at_batch_one(strategy: MissStrategy) -> MissStrategy:
-    """The strategy predictions use at b = 1: "auto" starts with jit; random is priced as the n-gram backup."""
+    """The strategy predictions use at b = 1: "auto" starts with jit; random is priced as the n-gram backup, skip
+    as itself."""
+    if strategy == MissStrategy.SKIP:
+        return strategy
     return MissStrategy.JIT if strategy in (MissStrategy.JIT, MissStrategy.AUTO) else MissStrategy.NGRAM
 
 
@@ -260,15 +275,18 @@ def make_plan(profile: Profile, k: int, settings: SSDSettings, max_batch: int, v
     cs = [choose_c(profile, t, k, _at_batch_one(strategy), vocab) if settings.saguaro_c == "auto"
           else float(settings.saguaro_c) for t in temps]  # greedy rows ignore C
     auto = strategy == MissStrategy.AUTO
-    b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0]) if auto else (math.inf, {})
+    given = None if settings.fan_out == "auto" else settings.fan_out_for(k)
+    b_star, thm18 = critical_batch(profile, temps[0], k, vocab, cs[0], given) if auto else (math.inf, {})
     report = PlanReport(profile.default, b_star, thm18)
     primary, backup, tapers = [], [], []
+    # fan-outs per batch size only where they are chosen here: given ones need b = 1 alone (the taper, the report)
+    batches = range(1, (max_batch if given is None else 1) + 1)
     for t, c in zip(temps, cs):
         entry = _entry_with_c(profile.temperatures[t], c)
         p_table, b_table, shapes = [], [], tree_shapes(k, settings.branch_steps == "auto")
-        for b in range(1, max_batch + 1):
+        for b in batches:
             kind = (MissStrategy.JIT if b < b_star else MissStrategy.NGRAM) if auto else _at_batch_one(strategy)
-            choice = best_choice(profile, entry, k, b, kind, vocab, shapes, deep)
+            choice = _choice(profile, entry, k, b, kind, vocab, given, shapes, deep)
             p_table.append(choice.primary)
             b_table.append(choice.backup)
             if b == 1:

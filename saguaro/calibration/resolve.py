@@ -19,7 +19,9 @@ from saguaro.calibration.policy import make_plan, recommended_k
 from saguaro.calibration.profile import Profile
 from saguaro.calibration.store import resolve_profile
 from saguaro.config import Config
+from saguaro.placement import gpu_index
 from saguaro.ssd.plan import SpecPlan
+from saguaro.ssd_settings import MissStrategy
 
 log = logging.getLogger("saguaro.ssd")
 
@@ -77,6 +79,11 @@ def resolve_k(cfg: Config) -> Config:
     return dataclasses.replace(cfg, num_speculative_tokens=k)
 
 
+def _graph_builds(cfg: Config) -> bool:
+    """Whether the speculator's builds run as graph replays (a GPU draft on the paged backend)."""
+    return gpu_index(cfg.draft_device or cfg.device) is not None and not cfg.enforce_eager
+
+
 def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
     """Fan-outs, Saguaro C and miss strategy for the speculator (K already resolved).
 
@@ -84,10 +91,15 @@ def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
     named ``miss_strategy``, a ``branch_steps`` count or None) give a fixed plan. Any "auto" loads the
     calibration profile for (target, draft, dtype) -- or the documented defaults, with a warning -- and lets
     ``saguaro.calibration.policy.make_plan`` choose (Thm 12 / Thm 13 fan-outs per temperature, batch size and
-    drafter; C; Thm 18's b*; the tree's taper); explicit settings still override their part of it.
+    drafter; C; Thm 18's b*; the tree's taper); explicit settings still override their part of it. The miss
+    strategy "auto" (the default) is jit at every batch size where builds run as graph replays (``_graph_builds``).
     """
     settings, k = cfg.ssd, cfg.num_speculative_tokens
     settings.check_vocab(vocab)
+    if settings.miss_strategy == MissStrategy.AUTO and _graph_builds(cfg):
+        # the build replays its graph after a full-K speculation of the draft: a backup's (shorter, or not in the
+        # draft cache) sends it back to the Python build, the host work the graph removes; jit misses stay in it
+        settings = dataclasses.replace(settings, miss_strategy=MissStrategy.JIT)
     if settings.any_auto:
         profile = pair_profile(cfg, k)
         chosen = make_plan(profile, k, settings, cfg.max_num_seqs, vocab)

@@ -152,7 +152,9 @@ def jit_draft_s(timing: Timing, k: int, batch: int) -> float:
 
 def miss_draft_s(timing: Timing, strategy: MissStrategy, k: int, batch: int) -> float:
     """Seconds a miss's drafting keeps the target waiting: just in time (``jit_draft_s``), or the n-gram
-    backup's host time per sequence."""
+    backup's host time per sequence; none for a skipped miss."""
     if strategy == MissStrategy.JIT:
         return jit_draft_s(timing, k, batch)
+    if strategy == MissStrategy.SKIP:
+        return 0.0
     return batch * float(timing.ngram_s)

@@ -47,7 +47,7 @@ class KSchedule(ABC):
 
     def observe(self, seq: Sequence, drafted: int, kept: int, hit: bool | None = None) -> None:
         """``seq``'s round was verified: ``drafted`` drafts, ``kept`` accepted (and, in SSD, whether it was a
-        cache hit)."""
+        cache hit; None where it asked no drafts: a round at K = 0)."""
 
     def observe_verify(self, rows: int, seconds: float, beside_build: bool = False) -> None:
         """A verification over ``rows`` target rows took ``seconds`` (SSD: ``beside_build`` while the speculator

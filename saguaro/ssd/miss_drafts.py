@@ -4,7 +4,7 @@ before it is read.
 The just-in-time drafter leaves its drafts and ranked ids on the draft's device; ``respond`` reads them
 together with the hits it gathered there (``pieces``), then makes the rows (``answer``), or on the graph-build
 path leaves them there unread (``spoken``, ``answer_on_device``). A point-mass backup (n-gram / random) drafts
-on the host and has nothing to read.
+on the host and has nothing to read; miss strategy "skip" answers with empty rows.
 """
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ class MissDrafts:
     """The misses' speculations: a just-in-time proposal still on the draft's device, or point-mass tokens."""
     proposal: Proposal | None = None
     point_mass: list[list[int]] | None = None
+    empty: bool = False  # miss strategy "skip": empty rows, no backup's speculation (built after as the primary's)
 
     @property
     def pieces(self) -> list[torch.Tensor]:
@@ -60,7 +61,7 @@ class MissDrafts:
     def answer(self, states: list[SeqState], values: list[list]) -> list[tuple[int, SpecRow]]:
         """(sequence id, row) per state, from ``pieces``' values; records each state's ranked ids."""
         if self.proposal is None:
-            return [(s.seq.seq_id, SpecRow(False, toks, None, point_mass=True))
+            return [(s.seq.seq_id, SpecRow(False, toks, None, point_mass=not self.empty))
                     for s, toks in zip(states, self.point_mass or [])]
         p = self.proposal
         every = ranked_rows(values[1], values[2])

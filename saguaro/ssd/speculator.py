@@ -380,6 +380,8 @@ class Speculator:
         seqs = [s.seq for s in states]
         if self.miss_strategy == MissStrategy.JIT:
             return MissDrafts(self.jit.propose(seqs, ks, read=False))
+        if self.miss_strategy == MissStrategy.SKIP:  # an AR step; the build beside it prepares the next round
+            return MissDrafts(point_mass=[[] for _ in states], empty=True)
         if self.miss_strategy == MissStrategy.NGRAM:
             tokens = []
             for s, k in zip(states, ks):

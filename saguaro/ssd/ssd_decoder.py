@@ -104,9 +104,10 @@ class SSDDecoder(Decoder):
                 out[seq.seq_id] = tokens
                 hit = self.pending.pop(seq.seq_id).hit
                 verified_ks.append(seq.spec.k_per_round[-1])  # before ``choose`` appends the next round's
-                if verified_ks[-1]:  # a round asked at K = 0 (an AR step) neither hit nor missed
+                asked = verified_ks[-1] > 0  # a round asked at K = 0 (an AR step) neither hit nor missed
+                if asked:  # (a miss answered with an empty row, strategy "skip", did miss)
                     hits.append(self._record_hit(seq, hit))
-                self.schedule.observe(seq, drafts[b], k, hit)
+                self.schedule.observe(seq, drafts[b], k, hit if asked else None)
         t1 = time.perf_counter()
         if ready:
             drafted = sum(drafts)  # none: the speculator had nothing to build meanwhile
