@@ -44,8 +44,8 @@ class DraftedBy(StrEnum):
 @dataclass(frozen=True)
 class SSDSettings:
     fan_out: tuple[int, ...] | Auto | None = None  # F_0..F_K of every cache; None: all 1s
-    # by batch size from the pair's profile (Thm 18): on a 2-core Xeon with the int4 pair, jit misses held the
-    # batch 60-100 ms each, and n-gram misses ran 1.1x jit's tok/s at batch 1 and 8
+    # by batch size from the pair's calibration (Thm 18; jit without one): on a 2-core Xeon with the int4 pair,
+    # jit misses held the batch 60-100 ms each, and n-gram misses ran 1.1x jit's tok/s at batch 1 and 8
     miss_strategy: MissStrategy = MissStrategy.AUTO
     saguaro_c: float | Auto = 1.0  # Saguaro sampling's down-weighting constant C in [0, 1] (Def. 14)
     branch_steps: int | Auto | None = None  # build steps that decode every branch (None: K; fewer: tapered)

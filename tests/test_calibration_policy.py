@@ -233,6 +233,14 @@ def test_engine_auto_settings_with_and_without_a_profile(pair, tmp_path, monkeyp
     assert not report.default_profile and report.temperatures["0.0"].choice.method == "thm13-empirical"
 
 
+def test_the_default_auto_misses_are_jit_without_a_calibration(pair, tmp_path, monkeypatch):
+    """The defaults' hit model cannot judge a tree of single guesses (it predicts no hit), so an uncalibrated
+    pair keeps jit; a calibrated one follows its b* (``test_engine_auto_miss_strategy_switches_at_b_star``)."""
+    monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))
+    with LLM(target=pair[0], draft=pair[1], mode="ssd", num_speculative_tokens=3, block_size=4) as llm:
+        assert llm.config.ssd.miss_strategy == "auto" and llm.engine.decoder.plan.miss_strategy == "jit"
+
+
 def test_engine_auto_miss_strategy_switches_at_b_star(pair, tmp_path, monkeypatch, caplog):
     """A profile whose Thm 18 threshold is b* = 2.5: batches of 3 use the n-gram backup, smaller ones jit."""
     monkeypatch.setenv("SAGUARO_CACHE", str(tmp_path))

@@ -92,16 +92,19 @@ def ssd_plan(cfg: Config, vocab: int) -> SpecPlan:
     calibration profile for (target, draft, dtype) -- or the documented defaults, with a warning -- and lets
     ``saguaro.calibration.policy.make_plan`` choose (Thm 12 / Thm 13 fan-outs per temperature, batch size and
     drafter; C; Thm 18's b*; the tree's taper); explicit settings still override their part of it. The miss
-    strategy "auto" (the default) is jit at every batch size where builds run as graph replays (``_graph_builds``).
+    strategy "auto" (the default) is jit at every batch size without a calibration, and where builds run as graph
+    replays (``_graph_builds``).
     """
     settings, k = cfg.ssd, cfg.num_speculative_tokens
     settings.check_vocab(vocab)
-    if settings.miss_strategy == MissStrategy.AUTO and _graph_builds(cfg):
-        # the build replays its graph after a full-K speculation of the draft: a backup's (shorter, or not in the
-        # draft cache) sends it back to the Python build, the host work the graph removes; jit misses stay in it
+    profile = pair_profile(cfg, k) if settings.any_auto else None
+    if settings.miss_strategy == MissStrategy.AUTO and (profile.default or _graph_builds(cfg)):
+        # the defaults' hit model (1 - F^-r) predicts no hit for a single guess, so Thm 18 would send every miss
+        # of the default tree to the backup and the chooser to K = 0; and a graph build replays after a full-K
+        # speculation of the draft: a backup's (shorter, or not in the draft cache) sends it back to the Python
+        # build, the host work the graph removes
         settings = dataclasses.replace(settings, miss_strategy=MissStrategy.JIT)
     if settings.any_auto:
-        profile = pair_profile(cfg, k)
         chosen = make_plan(profile, k, settings, cfg.max_num_seqs, vocab)
         log.info("SSD plan (%s): %s", "defaults" if profile.default else "calibrated", chosen.summary)
         return chosen.plan
