@@ -173,8 +173,8 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--fan-out", help="SSD fan-out F_0..F_K, comma separated, or 'auto'")
     p.add_argument("--miss-strategy", choices=[m.value for m in MissStrategy],
                    help="SSD: how a cache miss is drafted: jit (the draft, just in time), ngram, random, skip (an AR "
-                        "step, the next speculation built beside it), or auto (the default: jit below the critical "
-                        "batch size, n-gram from there)")
+                        "step, the next speculation built beside it), or auto (the default: from the calibration, jit "
+                        "below the critical batch size, n-gram from there; jit without one)")
     p.add_argument("--saguaro-c", help="SSD: Saguaro sampling constant C in [0, 1], or 'auto'")
     p.add_argument("--branch-steps",
                    help="SSD: build steps that decode every branch (default K); past them only the likeliest "
