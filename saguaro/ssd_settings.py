@@ -4,8 +4,9 @@ Glossary:
   * miss strategy (``MissStrategy``): how the speculator answers a sequence whose verification outcome its
     cache missed: "jit" (the primary draft drafts it just in time), "ngram" or "random" (a point-mass
     backup drafted on the host), "skip" (no drafts: the request takes an AR step, and its next speculation is
-    built beside it, as a start's is), or "auto" (jit below the critical batch size b*, n-gram from there;
-    Thm 18).
+    built beside it, as a start's is), or "auto", the default (from the pair's calibration: jit below the
+    critical batch size b*, n-gram from there, Thm 18; jit without a calibration and for a GPU draft's graph
+    builds: ``calibration.resolve.ssd_plan``).
   * drafted by (``DraftedBy``): who drafted a speculation, which picks the fan-outs of the cache built for
     its outcomes: the primary draft (F^p) or the backup (F^b).
 
