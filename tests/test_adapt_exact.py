@@ -255,7 +255,7 @@ def test_ssd_rounds_at_k_zero_cost_no_build_and_no_wait(pair, ar_outputs, transp
         timed = []  # what the schedule is told of each round: the Ks it verified, its time, what ran beside it
         decoder.schedule.observe_round = lambda ks, seconds, beside: timed.append((ks, seconds, beside))
         answers = []  # and of each answer it waited for (a round that asked for a speculation)
-        decoder.schedule.observe_answer = lambda batch, seconds: answers.append((batch, seconds))
+        decoder.schedule.observe_answer = lambda batch, seconds, depth: answers.append((batch, seconds))
         start = len(decoder.trace)
         again = llm.generate(PROMPTS[1], SamplingParams(max_tokens=TOKENS))
         assert calls["exchange"] > 0 and decoder.failure is None

@@ -157,15 +157,21 @@ def test_every_tree_is_scored_every_few_rounds_and_when_the_batch_changes(monkey
     """Scoring every tree costs milliseconds of host time per round at batch 1: the chooser scores them all every
     ``TREE_INTERVAL`` rounds of one batch (and at once when the batch changes), the chosen tree in between."""
     c, a, b = chooser([SHALLOW, DEEP]), seq(), seq()
-    scored, real = [], c.tree_gains
-    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None: scored.append(only) or real(seqs, costs, only))
+    calls, real = [], c.tree_gains
+    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None, depth=None:
+                        calls.append((only, depth)) or real(seqs, costs, only, depth=depth))
+
+    def scored() -> list:  # every tree (None), or the chosen one: once a round (then priced at each build depth)
+        return [only for only, depth in calls if depth is None]
+
     for _ in range(TREE_INTERVAL + 1):
         c.choose([a])
         c.observe(a, K, 1, hit=True)  # a verified round: the next one's gains are new
-    assert scored == [None] + [[c.tree]] * (TREE_INTERVAL - 1) + [None]
-    scored.clear()
+    assert scored() == [None, None]  # every tree at the first round and after the interval
+    assert [only for only, depth in calls if depth is not None] == [[c.tree]] * K * (TREE_INTERVAL + 1)
+    calls.clear()
     c.choose([a, b])
-    assert scored == [None]
+    assert scored() == [None]
 
 
 def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeypatch):
@@ -177,8 +183,9 @@ def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeyp
     for x in (c, fresh):
         # K = 0, probes
         x.settings = AdaptSettings(min_gain=100.0, probe_interval=3, max_probe_interval=3, probe_budget=1.0)
-    scored, real = [], c.tree_gains
-    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None: scored.append(only) or real(seqs, costs, only))
+    scored, real = [], c.tree_gains  # one entry per round whose gains were computed (at the first build depth)
+    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None, depth=None:
+                        (depth == 1 and scored.append(only)) or real(seqs, costs, only, depth=depth))
     ks, expected = [], []
     for _ in range(2 * (TREE_INTERVAL + 1) + 1):
         ks.append(c.choose([a])[0])

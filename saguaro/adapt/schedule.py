@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from saguaro.adapt.costs import LiveCosts, ZeroRounds, average
+from saguaro.adapt.depth import batch_depth
 from saguaro.adapt.estimate import AcceptanceEstimate
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
@@ -25,6 +26,11 @@ TREE_INTERVAL = 8  # rounds between two scorings of every cache tree (the same b
 def _seeded(seq: Sequence) -> bool:
     """A sampled request with a seed: its choices read no clock (see ``AdaptiveK``)."""
     return seq.generator is not None and seq.params.seed is not None
+
+
+def _speculating(seq: Sequence) -> bool:
+    """Its last round asked for drafts (K > 0, or a probe)."""
+    return bool(seq.spec.k_per_round) and seq.spec.k_per_round[-1] > 0
 
 
 def _column(values: list[float]) -> np.ndarray:
@@ -99,14 +105,19 @@ class AdaptiveK(KSchedule):
     AR steps and one beside its build 1.4; priced at 1, K = 0 had held requests at 0.9x AR where speculating at
     K = 1, predicted at 0.93, gave 0.99. A speculating round also waits after its verification for the
     speculator's answer (the outcomes taken in, a speculation drafted on the spot where none was built), which
-    the model's round leaves out: it is measured per batch size (``answer``) and added to every speculating
-    round's price. With the int4 pair on a 2-core Intel Xeon, 8 MT-Bench requests at T = 0 waited 26 ms after
-    verifications of about 135 ms (median), and requests priced at 1.0-1.7x AR ran 0.8-0.9x.
+    the model's round leaves out: it is measured per batch size (``answer``), and per depth of the build beside
+    the verification (``answer_at``: a deeper build than the batch verifies is waited for), and added to every
+    speculating round's price. With the int4 pair on a 2-core Intel Xeon, 8 MT-Bench requests at T = 0 waited
+    26 ms after verifications of about 135 ms (median), and requests priced at 1.0-1.7x AR ran 0.8-0.9x.
 
     A sampled request with a seed chooses from its own verified rounds only: the profile's costs at batch 1 and
     (SSD) the hit rate the profile's hit curves give at its own acceptance, never a clock, a measured hit or its
     neighbours. Its K, and so its draws, are then the same alone or in any batch, run after run, as at a fixed
     K; requests without a seed use everything measured.
+
+    In SSD the batch's build goes as deep as the most K asked of it, so each round the batch chooses that depth
+    (``depth.batch_depth``: each request priced at each depth, the sum of their best gains) and every request's
+    K stays within it (``self.depth``), but for one exploring a position, which deepens it by one.
 
     SSD with ``ssd.trees``: each round also picks the cache tree the speculator builds (``self.tree``, one for
     the batch, as the GPU build captures one shape per tree): every tree's gains come from ``tree_choice``'s
@@ -131,10 +142,12 @@ class AdaptiveK(KSchedule):
         self.build_scale: float | None = None  # measured build / the profile's for its tree (None: none measured)
         self.tree = 0
         self._tree_age, self._tree_batch = TREE_INTERVAL, frozenset()  # rounds since every tree was scored, for whom
-        # the last gains computed: (the batch and what it had verified, the gains, rounds they were reused)
-        self._rest: tuple[tuple, list[np.ndarray], int] | None = None
+        # the last gains computed: (the batch and what it had verified, the gains, rounds they were reused, depth)
+        self._rest: tuple[tuple, list[np.ndarray], int, int | None] | None = None
+        self.depth: int | None = None  # SSD: the steps of this round's build, the most K it lets a request ask
         self.zero: dict[int, ZeroRounds] = {}  # batch size -> its rounds at K = 0 (SSD)
         self.answer: dict[int, float] = {}  # batch size -> the speculator's answer after a verification (SSD), seconds
+        self.answer_at: dict[tuple[int, int], float] = {}  # (batch size, its build's depth) -> the same
 
     def state(self, seq: Sequence) -> RequestState:
         state = self.states.get(seq.seq_id)
@@ -167,9 +180,12 @@ class AdaptiveK(KSchedule):
         """Each sequence's gains at K = 0..max for this round. A batch that verified no draft last round (every
         request at K = 0) has learnt nothing: only the slowly moving pass costs could change its gains, so they
         are kept for up to ``TREE_INTERVAL`` such rounds. This keeps the chooser off an AR step's path."""
-        key = tuple((s.seq_id, st.estimate.rounds, st.hit_rate.rounds) for s, st in zip(seqs, map(self.state, seqs)))
+        # (whether it speculated last round sets its bar in the choice of the build's depth: ``_deepest``)
+        key = tuple((s.seq_id, st.estimate.rounds, st.hit_rate.rounds, _speculating(s))
+                    for s, st in zip(seqs, map(self.state, seqs)))
         if self._rest is not None and self._rest[0] == key and self._rest[2] < TREE_INTERVAL:
-            self._rest = (key, self._rest[1], self._rest[2] + 1)
+            self._rest = (key, self._rest[1], self._rest[2] + 1, self._rest[3])
+            self.depth = self._rest[3]
             if self.sent:  # the round is sent in the same tree, whose build is priced the same
                 self.sent.append(self.sent[-1])
             return self._rest[1]
@@ -178,14 +194,18 @@ class AdaptiveK(KSchedule):
         rows = dict(zip([s.seq_id for s in group], self._reproducible_gains(group) if group else []))
         live[:, 0] = self.zero_gain(len(seqs))
         gains = [rows.get(seq.seq_id, row) for seq, row in zip(seqs, live)]
-        self._rest = (key, gains, 0)
+        self._rest = (key, gains, 0, self.depth)
         return gains
 
     def _live_gains(self, seqs: list[Sequence], costs: BatchCosts) -> np.ndarray:
-        """[B, max_k + 1] from everything measured, in the round's tree (SSD: chosen here, ``self.tree``)."""
-        trees = self.ssd.trees if self.ssd is not None else None
-        if trees is None:
+        """[B, max_k + 1] from everything measured, in the round's tree (SSD: chosen here, ``self.tree``) and at
+        its build's depth (SSD: chosen here, ``self.depth``)."""
+        self.depth = None
+        if self.ssd is None:
             return self.gains(seqs, costs)
+        trees = self.ssd.trees
+        if trees is None:
+            return self._deepest(seqs, [self.gains(seqs, costs, depth=d) for d in range(1, self.max_k + 1)])
         batch = frozenset(s.seq_id for s in seqs)
         if self._tree_age >= TREE_INTERVAL or batch != self._tree_batch:
             # every tree scored (milliseconds of numpy at batch 1); between times only the chosen one, which the
@@ -194,12 +214,19 @@ class AdaptiveK(KSchedule):
             top = gains[..., 1:].max(axis=-1)  # a sequence that would not speculate in a tree counts K = 0's there
             best = np.where(top >= self.settings.min_gain * zero, top, zero)
             self.tree = int(np.argmax(best.sum(axis=1)))  # the first of equals: the plan's own tree first
-            self._tree_age, self._tree_batch, gains = 0, batch, gains[self.tree]
-        else:
-            gains = self.tree_gains(seqs, costs, [self.tree])[0]
+            self._tree_age, self._tree_batch = 0, batch
         self._tree_age += 1
+        by_depth = [self.tree_gains(seqs, costs, [self.tree], depth=d)[0] for d in range(1, self.max_k + 1)]
         self.sent.append((self.tree, self.ssd.trees.build(seqs, self.tree, len(seqs), self.max_k).cost))
-        return gains
+        return self._deepest(seqs, by_depth)
+
+    def _deepest(self, seqs: list[Sequence], by_depth: list[np.ndarray]) -> np.ndarray:
+        """The gains at the round's build depth (``depth.batch_depth``, kept in ``self.depth``);
+        ``by_depth[d - 1]``: the gains when the build goes d steps."""
+        s = self.settings
+        bar = self.zero_gain(len(seqs)) * np.array([s.stay_gain if _speculating(q) else s.min_gain for q in seqs])
+        self.depth = batch_depth(by_depth, bar, self.zero_gain(len(seqs)), np.array([not _seeded(q) for q in seqs]))
+        return by_depth[self.depth - 1]
 
     def _reproducible_gains(self, seqs: list[Sequence]) -> np.ndarray:
         """[B, max_k + 1] for seeded requests: from their verified rounds and the profile alone, at batch 1. With
@@ -213,9 +240,10 @@ class AdaptiveK(KSchedule):
         return self.tree_gains(seqs, costs, [0], reproducible=True)[0]
 
     def tree_gains(self, seqs: list[Sequence], costs: BatchCosts, only: list[int] | None = None,
-                   reproducible: bool = False) -> np.ndarray:
+                   reproducible: bool = False, depth: int | None = None) -> np.ndarray:
         """[trees, B, max_k + 1]: ``gains`` in each of the plan's trees (see the class docstring), or in ``only``
-        those. ``reproducible``: the model's hit rate and the profile's build time, nothing measured."""
+        those. ``reproducible``: the model's hit rate and the profile's build time, nothing measured. ``depth``:
+        the build goes that many steps at the Ks below it (``TreeModel.build``)."""
         trees, states = self.ssd.trees, [self.state(seq) for seq in seqs]
         tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
         weights = np.array([state.estimate.outcome_pmf(self.max_k) for state in states])
@@ -234,17 +262,19 @@ class AdaptiveK(KSchedule):
             p_hit = np.clip(observed + trees.model_hits(fan_outs, weights, sources) - reference, 0.0, 1.0)
             # a build asked for K stops when the verification ends: it lasts until then (the pass in flight
             # included), and a hit carries the steps it made
-            build = trees.build(seqs, tree, costs.batch, self.max_k)
+            build = trees.build(seqs, tree, costs.batch, self.max_k, depth)
             round_ = SSDRound(p_hit[:, None], build.cut_s * scale, self.ssd.jit_misses_at(costs.batch), backup,
-                              build.slowdown, 0.0 if reproducible else self.answer_s(costs.batch))  # (at K = 0..max)
+                              build.slowdown, 0.0 if reproducible else self.answers(costs.batch, depth))  # (K = 0..max)
             hit = trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources)[:, build.done]
             out.append(ssd_gains(hit, costs, round_, miss_tokens=tokens))
         return np.stack(out)
 
-    def gains(self, seqs: list[Sequence], costs: BatchCosts, reproducible: bool = False) -> np.ndarray:
+    def gains(self, seqs: list[Sequence], costs: BatchCosts, reproducible: bool = False,
+              depth: int | None = None) -> np.ndarray:
         """[B, max_k + 1]: each sequence's predicted speedup over AR at K = 0..max_k in a round of ``costs``
         (one array computation for the batch: the chooser runs every round). ``reproducible``: from the
-        profile's hit rate and build time, not the measured ones."""
+        profile's hit rate and build time, not the measured ones. ``depth`` (SSD): the build makes that many
+        steps at the Ks below it."""
         states = [self.state(seq) for seq in seqs]
         tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
         if self.ssd is None:
@@ -252,15 +282,24 @@ class AdaptiveK(KSchedule):
         hit = [self.priors.p_hit[st.prior_index] if reproducible else st.hit_rate.rate(0) for st in states]
         # a build at K makes K + 1 passes: a deeper speculation is not free when the build outlasts the verification
         build = (self.profile if reproducible else self.costs).build_s(self.max_k, self.ssd.build_pass_prior_s)
+        if depth is not None:
+            build = np.maximum(build, build[min(depth, self.max_k)])
         round_ = SSDRound(_column(hit), build, self.ssd.jit_misses_at(costs.batch),
                           _column([self.priors.backup_acceptance[state.prior_index] for state in states]),
-                          self.ssd.slowdown, 0.0 if reproducible else self.answer_s(costs.batch))
+                          self.ssd.slowdown, 0.0 if reproducible else self.answers(costs.batch, depth))
         return ssd_gains(tokens, costs, round_)
 
-    def answer_s(self, batch: int) -> float:
+    def answer_s(self, batch: int, depth: int | None = None) -> float:
         """What a speculating round at ``batch`` waits for the speculator's answer after its verification, as
-        measured (0 until one is: the model's round ends with the verification or the build)."""
-        return self.answer.get(batch, 0.0)
+        measured (0 until one is: the model's round ends with the verification or the build); with ``depth``,
+        after a build of that many steps, as measured at this batch size (the batch size's until one is)."""
+        at = self.answer_at.get((batch, depth)) if depth is not None else None
+        return self.answer.get(batch, 0.0) if at is None else at
+
+    def answers(self, batch: int, depth: int | None = None) -> np.ndarray:
+        """[max_k + 1]: ``answer_s`` at K = 0..max_k, its build ``depth`` steps deep (or K's own, above it or
+        without one)."""
+        return np.array([self.answer_s(batch, max(k, depth or 0)) for k in range(self.max_k + 1)])
 
     def zero_gain(self, batch: int) -> float:
         """K = 0's speedup over AR at ``batch`` as measured (1 until its rounds are timed)."""
@@ -269,14 +308,16 @@ class AdaptiveK(KSchedule):
 
     def _one(self, seq: Sequence, gains: np.ndarray, batch: int) -> int:
         state, s = self.state(seq), self.settings
-        best = 1 + int(np.argmax(gains[1:]))
-        speculating = bool(seq.spec.k_per_round) and seq.spec.k_per_round[-1] > 0  # last round: K > 0 or a probe
+        cap = self.max_k if self.depth is None or _seeded(seq) else self.depth  # the round's build's depth
+        best = 1 + int(np.argmax(gains[1:cap + 1]))
+        speculating = _speculating(seq)  # last round: K > 0 or a probe
         # against what staying at K = 0 gives (``gains[0]``: 1 for a seeded request, whose choice reads no clock)
         if gains[best] >= (s.stay_gain if speculating else s.min_gain) * gains[0]:
             # one position deeper is priced from the prior while this request, which knows the positions before
             # it, has hardly tried it (a K that never drafts it never learns it): tried when its predicted gain
             # comes within explore_margin
             est = state.estimate
+            # (a K one past the build's depth deepens it: the batch pays a step for the position explored)
             if (best < self.max_k and est.tried_at(best - 1) >= EXPLORE_TRIED > est.tried_at(best)
                     and gains[best + 1] >= (1.0 - s.explore_margin) * gains[best]):
                 best += 1
@@ -414,8 +455,10 @@ class AdaptiveK(KSchedule):
         if ks and not any(ks) and seconds > 0:
             self.zero.setdefault(len(ks), ZeroRounds()).observe(seconds, beside_parts)
 
-    def observe_answer(self, batch: int, seconds: float) -> None:
+    def observe_answer(self, batch: int, seconds: float, depth: int | None = None) -> None:
         self.answer[batch] = average(self.answer.get(batch), seconds, self.costs.weight)
+        if depth:
+            self.answer_at[batch, depth] = average(self.answer_at.get((batch, depth)), seconds, self.costs.weight)
 
     def observe_build(self, seconds: float, steps: int) -> None:
         self.costs.observe_build(seconds, steps)

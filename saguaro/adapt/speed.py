@@ -56,7 +56,8 @@ class SSDRound:
     jit_misses: bool  # a miss is drafted just in time (K draft steps); else by a point-mass backup (free)
     backup_acceptance: float | np.ndarray  # a point-mass backup's acceptance (E_miss when not just in time)
     slowdown: float | np.ndarray = 1.0  # the verification's beside a build (the bus contention; or [max_k + 1])
-    answer_s: float = 0.0  # what a round waits for the speculator's answer after its verification, as measured
+    # what a round waits for the speculator's answer after its verification, as measured (or [max_k + 1]: at each K)
+    answer_s: float | np.ndarray = 0.0
 
 
 def ssd_gains(tokens: np.ndarray, costs: BatchCosts, round_: SSDRound,

@@ -94,20 +94,24 @@ class TreeModel:
             out[b] = (1 - share) * tokens[b, np.minimum(np.arange(k + 1), steps)] + share * tokens[b]
         return out
 
-    def build(self, seqs: list[Sequence], tree: int, batch: int, max_k: int) -> TreeBuild:
+    def build(self, seqs: list[Sequence], tree: int, batch: int, max_k: int, depth: int | None = None) -> TreeBuild:
         """A build in ``tree`` for this batch at K = 0..max_k: its sequences' mean branch count at each K, the
-        tree's taper at the first one's temperature."""
+        tree's taper at the first one's temperature. ``depth``: the batch's build goes that many steps (the
+        deepest K asked of it: ``AdaptiveK._deepest``), so at a K below it the verification is shorter than
+        the build and cut it, and the pass in flight is waited for; None (or a K above it): K steps."""
         rows = branches_at(self.fan_outs(seqs, tree, batch)).mean(axis=0)[:max_k + 1]
         rows = tuple(int(n) for n in np.maximum(1, np.round(rows)))
         steps = self.plan.steps_for(seq_temperature(seqs[0]), tree)
-        key = (rows, steps, batch)
+        key = (rows, steps, batch, depth)
         if key not in self._builds:
             deep, cost, done, cut, slow = self.plan.deep_branches, [], [], [], []
             for k, n in enumerate(rows):
-                whole = build_cost(self.timing, k, batch, n, steps, deep)
-                done.append(build_time(self.timing, k, batch, n, steps, deep).deep_steps)  # at most k
+                d = k if depth is None else max(k, depth)  # the steps the build goes, each n rows per sequence
+                whole = build_cost(self.timing, d, batch, n, steps, deep)
+                made = build_time(self.timing, d, batch, n, steps, deep, verify_rows=batch * (k + 1)).deep_steps
+                done.append(min(made, k))  # a hit carries at most the K asked
                 cost.append(whole[k])
-                cut.append(whole[done[-1]])
+                cut.append(whole[made])
                 slow.append(slowdowns(self.timing, batch * n)[0])
             self._builds[key] = TreeBuild(*(np.array(v) for v in (cost, done, cut, slow)))
         return self._builds[key]

@@ -109,7 +109,7 @@ def build_cost(timing: Timing, max_k: int, batch: int, rows: int, branch_steps: 
 
 
 def build_time(timing: Timing, k: int, batch: int, rows: int, branch_steps: int | None = None,
-               deep: int = 1, sampled: bool = False) -> BuildTime:
+               deep: int = 1, sampled: bool = False, verify_rows: float | None = None) -> BuildTime:
     """Steps a build completes when each branch step decodes ``rows`` rows per sequence (the first
     ``branch_steps`` of them, then ``deep`` rows: a tapered tree), and how long the verification takes.
 
@@ -118,8 +118,9 @@ def build_time(timing: Timing, k: int, batch: int, rows: int, branch_steps: int 
     meanwhile the verification advances at 1 / (the target's slowdown beside a pass of that width); once
     the draft stops, or while it works on a step's logits (``step_overhead``, no bus traffic to speak
     of), at full speed. ``sampled``: the steps draw from distributions (temperature > 0). The first step
-    always runs, a later one only starts while the verification is still running."""
-    t_alone = rows_time(timing.target_rows, batch * (k + 1))
+    always runs, a later one only starts while the verification is still running. The verification is of
+    K + 1 rows per sequence, or ``verify_rows`` (a build deeper than the K its batch verifies)."""
+    t_alone = rows_time(timing.target_rows, batch * (k + 1) if verify_rows is None else verify_rows)
     full = k if branch_steps is None else branch_steps
     widths = build_widths(k, batch, rows, branch_steps, deep)
     clock = work = 0.0  # wall time of the draft, verification work done (in uncontended seconds)

@@ -56,9 +56,10 @@ class KSchedule(ABC):
     def observe_draft(self, rows: int, steps: int, seconds: float) -> None:
         """Drafting took ``seconds`` for ``steps`` passes, the widest over ``rows`` rows."""
 
-    def observe_answer(self, batch: int, seconds: float) -> None:
+    def observe_answer(self, batch: int, seconds: float, depth: int | None = None) -> None:
         """SSD: after a verification of ``batch`` sequences, the speculator's answer to a round that asked for
-        speculation (not every K 0) took ``seconds`` to arrive."""
+        speculation (not every K 0) took ``seconds`` to arrive; ``depth``: the steps of the build beside that
+        verification (the most K the round verified)."""
 
     def observe_build(self, seconds: float, steps: int) -> None:
         """The SSD speculator's last cache build took ``seconds`` for ``steps`` branch steps after its glue."""

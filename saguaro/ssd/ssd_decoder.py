@@ -138,7 +138,8 @@ class SSDDecoder(Decoder):
             self.pending[seq.seq_id] = row
         t2 = time.perf_counter()
         if not quiet:
-            self.schedule.observe_answer(len(seqs), t2 - t1)
+            # the build beside this verification went as deep as the most K it verified (``Speculator._depth``)
+            self.schedule.observe_answer(len(seqs), t2 - t1, max(verified_ks, default=0) or None)
         if response.build_steps:
             self.schedule.observe_build(response.build_s, response.build_steps)
         self.schedule.observe_round(verified_ks, t2 - t0, beside_parts)
