@@ -161,17 +161,19 @@ def test_every_tree_is_scored_every_few_rounds_and_when_the_batch_changes(monkey
     monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None, depth=None:
                         calls.append((only, depth)) or real(seqs, costs, only, depth=depth))
 
-    def scored() -> list:  # every tree (None), or the chosen one: once a round (then priced at each build depth)
-        return [only for only, depth in calls if depth is None]
+    def scored() -> list:  # every tree scored (None)
+        return [only for only, depth in calls if only is None]
 
     for _ in range(TREE_INTERVAL + 1):
         c.choose([a])
         c.observe(a, K, 1, hit=True)  # a verified round: the next one's gains are new
     assert scored() == [None, None]  # every tree at the first round and after the interval
-    assert [only for only, depth in calls if depth is not None] == [[c.tree]] * K * (TREE_INTERVAL + 1)
+    # and every round the chosen one, alone at its own depth
+    assert [(only, depth) for only, depth in calls if only is not None] == [([c.tree], None)] * (TREE_INTERVAL + 1)
     calls.clear()
     c.choose([a, b])
-    assert scored() == [None]
+    assert scored() == [None]  # a new batch; of two, the chosen tree is priced at each build depth
+    assert [(only, depth) for only, depth in calls if only is not None] == [([c.tree], d) for d in range(1, K + 1)]
 
 
 def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeypatch):
@@ -183,9 +185,11 @@ def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeyp
     for x in (c, fresh):
         # K = 0, probes
         x.settings = AdaptSettings(min_gain=100.0, probe_interval=3, max_probe_interval=3, probe_budget=1.0)
-    scored, real = [], c.tree_gains  # one entry per round whose gains were computed (at the first build depth)
+    # one entry per round whose gains were computed: the chosen tree's (alone, or at the first build depth)
+    scored, real = [], c.tree_gains
     monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None, depth=None:
-                        (depth == 1 and scored.append(only)) or real(seqs, costs, only, depth=depth))
+                        (only is not None and depth in (None, 1) and scored.append(only))
+                        or real(seqs, costs, only, depth=depth))
     ks, expected = [], []
     for _ in range(2 * (TREE_INTERVAL + 1) + 1):
         ks.append(c.choose([a])[0])

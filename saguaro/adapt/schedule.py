@@ -203,8 +203,12 @@ class AdaptiveK(KSchedule):
         self.depth = None
         if self.ssd is None:
             return self.gains(seqs, costs)
+        # one request that counts (the rest seeded, or none): its own best K is the depth, priced as it is
+        shared = sum(not _seeded(s) for s in seqs) > 1
         trees = self.ssd.trees
         if trees is None:
+            if not shared:
+                return self.gains(seqs, costs)
             return self._deepest(seqs, [self.gains(seqs, costs, depth=d) for d in range(1, self.max_k + 1)])
         batch = frozenset(s.seq_id for s in seqs)
         if self._tree_age >= TREE_INTERVAL or batch != self._tree_batch:
@@ -216,9 +220,10 @@ class AdaptiveK(KSchedule):
             self.tree = int(np.argmax(best.sum(axis=1)))  # the first of equals: the plan's own tree first
             self._tree_age, self._tree_batch = 0, batch
         self._tree_age += 1
-        by_depth = [self.tree_gains(seqs, costs, [self.tree], depth=d)[0] for d in range(1, self.max_k + 1)]
+        depths = range(1, self.max_k + 1) if shared else [None]
+        by_depth = [self.tree_gains(seqs, costs, [self.tree], depth=d)[0] for d in depths]
         self.sent.append((self.tree, self.ssd.trees.build(seqs, self.tree, len(seqs), self.max_k).cost))
-        return self._deepest(seqs, by_depth)
+        return self._deepest(seqs, by_depth) if shared else by_depth[0]
 
     def _deepest(self, seqs: list[Sequence], by_depth: list[np.ndarray]) -> np.ndarray:
         """The gains at the round's build depth (``depth.batch_depth``, kept in ``self.depth``);
