@@ -158,8 +158,8 @@ def test_every_tree_is_scored_every_few_rounds_and_when_the_batch_changes(monkey
     ``TREE_INTERVAL`` rounds of one batch (and at once when the batch changes), the chosen tree in between."""
     c, a, b = chooser([SHALLOW, DEEP]), seq(), seq()
     calls, real = [], c.tree_gains
-    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None, depth=None:
-                        calls.append((only, depth)) or real(seqs, costs, only, depth=depth))
+    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None, depths=None:
+                        calls.append((only, depths)) or real(seqs, costs, only, depths=depths))
 
     def scored() -> list:  # every tree scored (None)
         return [only for only, depth in calls if only is None]
@@ -169,11 +169,11 @@ def test_every_tree_is_scored_every_few_rounds_and_when_the_batch_changes(monkey
         c.observe(a, K, 1, hit=True)  # a verified round: the next one's gains are new
     assert scored() == [None, None]  # every tree at the first round and after the interval
     # and every round the chosen one, alone at its own depth
-    assert [(only, depth) for only, depth in calls if only is not None] == [([c.tree], None)] * (TREE_INTERVAL + 1)
+    assert [(only, depths) for only, depths in calls if only is not None] == [([c.tree], [None])] * (TREE_INTERVAL + 1)
     calls.clear()
     c.choose([a, b])
     assert scored() == [None]  # a new batch; of two, the chosen tree is priced at each build depth
-    assert [(only, depth) for only, depth in calls if only is not None] == [([c.tree], d) for d in range(1, K + 1)]
+    assert [(only, depths) for only, depths in calls if only is not None] == [([c.tree], list(range(1, K + 1)))]
 
 
 def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeypatch):
@@ -185,11 +185,10 @@ def test_a_batch_that_verified_no_draft_keeps_its_gains_for_a_few_rounds(monkeyp
     for x in (c, fresh):
         # K = 0, probes
         x.settings = AdaptSettings(min_gain=100.0, probe_interval=3, max_probe_interval=3, probe_budget=1.0)
-    # one entry per round whose gains were computed: the chosen tree's (alone, or at the first build depth)
+    # one entry per round whose gains were computed: the chosen tree's (at every build depth at once)
     scored, real = [], c.tree_gains
-    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None, depth=None:
-                        (only is not None and depth in (None, 1) and scored.append(only))
-                        or real(seqs, costs, only, depth=depth))
+    monkeypatch.setattr(c, "tree_gains", lambda seqs, costs, only=None, depths=None:
+                        (only is not None and scored.append(only)) or real(seqs, costs, only, depths=depths))
     ks, expected = [], []
     for _ in range(2 * (TREE_INTERVAL + 1) + 1):
         ks.append(c.choose([a])[0])

@@ -220,8 +220,8 @@ class AdaptiveK(KSchedule):
             self.tree = int(np.argmax(best.sum(axis=1)))  # the first of equals: the plan's own tree first
             self._tree_age, self._tree_batch = 0, batch
         self._tree_age += 1
-        depths = range(1, self.max_k + 1) if shared else [None]
-        by_depth = [self.tree_gains(seqs, costs, [self.tree], depth=d)[0] for d in depths]
+        depths = list(range(1, self.max_k + 1)) if shared else [None]
+        by_depth = list(self.tree_gains(seqs, costs, [self.tree], depths=depths)[0])
         self.sent.append((self.tree, self.ssd.trees.build(seqs, self.tree, len(seqs), self.max_k).cost))
         return self._deepest(seqs, by_depth) if shared else by_depth[0]
 
@@ -245,10 +245,12 @@ class AdaptiveK(KSchedule):
         return self.tree_gains(seqs, costs, [0], reproducible=True)[0]
 
     def tree_gains(self, seqs: list[Sequence], costs: BatchCosts, only: list[int] | None = None,
-                   reproducible: bool = False, depth: int | None = None) -> np.ndarray:
+                   reproducible: bool = False, depth: int | None = None,
+                   depths: list[int] | None = None) -> np.ndarray:
         """[trees, B, max_k + 1]: ``gains`` in each of the plan's trees (see the class docstring), or in ``only``
         those. ``reproducible``: the model's hit rate and the profile's build time, nothing measured. ``depth``:
-        the build goes that many steps at the Ks below it (``TreeModel.build``)."""
+        the build goes that many steps at the Ks below it (``TreeModel.build``); ``depths``: at each of them,
+        [trees, depths, B, max_k + 1] (what does not depend on the depth computed once)."""
         trees, states = self.ssd.trees, [self.state(seq) for seq in seqs]
         tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
         weights = np.array([state.estimate.outcome_pmf(self.max_k) for state in states])
@@ -265,13 +267,16 @@ class AdaptiveK(KSchedule):
         for tree in range(trees.trees) if only is None else only:
             fan_outs = trees.fan_outs(seqs, tree, costs.batch)
             p_hit = np.clip(observed + trees.model_hits(fan_outs, weights, sources) - reference, 0.0, 1.0)
-            # a build asked for K stops when the verification ends: it lasts until then (the pass in flight
-            # included), and a hit carries the steps it made
-            build = trees.build(seqs, tree, costs.batch, self.max_k, depth)
-            round_ = SSDRound(p_hit[:, None], build.cut_s * scale, self.ssd.jit_misses_at(costs.batch), backup,
-                              build.slowdown, 0.0 if reproducible else self.answers(costs.batch, depth))  # (K = 0..max)
-            hit = trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources)[:, build.done]
-            out.append(ssd_gains(hit, costs, round_, miss_tokens=tokens))
+            hit = trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources)
+            at = []
+            for d in [depth] if depths is None else depths:
+                # a build asked for K stops when the verification ends: it lasts until then (the pass in flight
+                # included), and a hit carries the steps it made
+                build = trees.build(seqs, tree, costs.batch, self.max_k, d)
+                round_ = SSDRound(p_hit[:, None], build.cut_s * scale, self.ssd.jit_misses_at(costs.batch), backup,
+                                  build.slowdown, 0.0 if reproducible else self.answers(costs.batch, d))  # K = 0..max
+                at.append(ssd_gains(hit[:, build.done], costs, round_, miss_tokens=tokens))
+            out.append(at[0] if depths is None else np.stack(at))
         return np.stack(out)
 
     def gains(self, seqs: list[Sequence], costs: BatchCosts, reproducible: bool = False,
