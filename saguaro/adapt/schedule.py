@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
 from saguaro.adapt.costs import LiveCosts, ZeroRounds, average
 from saguaro.adapt.depth import batch_depth
 from saguaro.adapt.estimate import AcceptanceEstimate
+from saguaro.adapt.state import Priors, RequestState, SSDModel, is_seeded, was_speculating
 from saguaro.adapt_settings import AdaptSettings
 from saguaro.adapt.speed import BatchCosts, SSDRound, sd_gains, ssd_gains
-from saguaro.adapt.tree_choice import TreeModel, branches_at
+from saguaro.adapt.tree_choice import branches_at
 from saguaro.engine.k_schedule import KSchedule
 from saguaro.engine.sequence import Sequence
 
@@ -23,66 +22,8 @@ EXPLORE_TRIED = 0.5  # decayed trials below which a draft position's rate is sti
 TREE_INTERVAL = 8  # rounds between two scorings of every cache tree (the same batch); the chosen one every round
 
 
-def _seeded(seq: Sequence) -> bool:
-    """A sampled request with a seed: its choices read no clock (see ``AdaptiveK``)."""
-    return seq.generator is not None and seq.params.seed is not None
-
-
-def _speculating(seq: Sequence) -> bool:
-    """Its last round asked for drafts (K > 0, or a probe)."""
-    return bool(seq.spec.k_per_round) and seq.spec.k_per_round[-1] > 0
-
-
 def _column(values: list[float]) -> np.ndarray:
     return np.array(values, dtype=float)[:, None]
-
-
-@dataclass
-class Priors:
-    """What the calibration profile says before a request's first round, per calibrated temperature."""
-    temperatures: list[float]
-    acceptance: list[list[float]]  # the primary draft's a_j by position
-    backup_acceptance: list[float]  # the point-mass backup's (SSD, n-gram misses)
-    p_hit: list[float]  # SSD's cache-hit rate at batch 1 under the plan
-
-    def index(self, seq: Sequence) -> int:
-        t = 0.0 if seq.params.greedy else float(seq.params.temperature)
-        return min(range(len(self.temperatures)), key=lambda i: abs(self.temperatures[i] - t))
-
-
-@dataclass
-class RequestState:
-    prior_index: int  # the calibrated temperature its priors come from
-    estimate: AcceptanceEstimate
-    hit_rate: AcceptanceEstimate  # SSD: a one-position estimate of the cache-hit rate
-    at_zero: int = 0  # rounds in a row at K = 0 since the last probe
-    interval: int = 8  # rounds at K = 0 before the next probe
-    probing: bool = False  # the last round was a probe
-    advantage: float = 0.0  # its mean speedup over K = 0 in the rounds it speculated (``observe``)
-    speculated: int = 0  # those rounds
-    priced: tuple[float, float] | None = None  # the round in flight: its predicted cost (AR steps), K = 0's gain
-    start: int = 0  # SSD: the K its coming AR step's build prepares, so that its next round asks it of the cache
-
-    def probe_due(self) -> bool:
-        """Its next round at K = 0 would be its probe (the interval is out)."""
-        return self.at_zero >= self.interval
-
-    def probe_next_but_one(self) -> bool:
-        """Its round after the next would be its probe, if it stays at K = 0 (the interval is out a round on)."""
-        return self.at_zero == self.interval - 1
-
-
-@dataclass
-class SSDModel:
-    """The SSD side of the speed model: the miss strategy by batch size and the measured build."""
-    jit_misses_at: Callable[[int], bool]  # batch size -> whether misses are drafted just in time (Thm 18)
-    build_pass_prior_s: float  # one pass of a build (the glue or a step) before one is measured
-    slowdown: float = 1.0  # the verification's beside a build (the profile's contention probe; 1 without one)
-    trees: TreeModel | None = None  # the plan's cache trees, one chosen per round (None: the plan's own only)
-    builds_time_drafts: bool = True  # a build's seconds are its draft passes' (on a GPU: the host's queueing)
-    # the verification's beside one draft pass that streams the bus (the contention probe at one draft row): what a
-    # probe's part is taken to add to a round until measured, and always for a seeded request (``probe_cost``)
-    part_slowdown: float = 1.0
 
 
 class AdaptiveK(KSchedule):
@@ -181,7 +122,7 @@ class AdaptiveK(KSchedule):
         request at K = 0) has learnt nothing: only the slowly moving pass costs could change its gains, so they
         are kept for up to ``TREE_INTERVAL`` such rounds. This keeps the chooser off an AR step's path."""
         # (whether it speculated last round sets its bar in the choice of the build's depth: ``_deepest``)
-        key = tuple((s.seq_id, st.estimate.rounds, st.hit_rate.rounds, _speculating(s))
+        key = tuple((s.seq_id, st.estimate.rounds, st.hit_rate.rounds, was_speculating(s))
                     for s, st in zip(seqs, map(self.state, seqs)))
         if self._rest is not None and self._rest[0] == key and self._rest[2] < TREE_INTERVAL:
             self._rest = (key, self._rest[1], self._rest[2] + 1, self._rest[3])
@@ -190,7 +131,7 @@ class AdaptiveK(KSchedule):
                 self.sent.append(self.sent[-1])
             return self._rest[1]
         live = self._live_gains(seqs, BatchCosts.at(self.costs, len(seqs), self.max_k))
-        group = [s for s in seqs if _seeded(s)]
+        group = [s for s in seqs if is_seeded(s)]
         rows = dict(zip([s.seq_id for s in group], self._reproducible_gains(group) if group else []))
         live[:, 0] = self.zero_gain(len(seqs))
         gains = [rows.get(seq.seq_id, row) for seq, row in zip(seqs, live)]
@@ -204,7 +145,7 @@ class AdaptiveK(KSchedule):
         if self.ssd is None:
             return self.gains(seqs, costs)
         # one request that counts (the rest seeded, or none): its own best K is the depth, priced as it is
-        shared = sum(not _seeded(s) for s in seqs) > 1
+        shared = sum(not is_seeded(s) for s in seqs) > 1
         trees = self.ssd.trees
         if trees is None:
             if not shared:
@@ -229,8 +170,8 @@ class AdaptiveK(KSchedule):
         """The gains at the round's build depth (``depth.batch_depth``, kept in ``self.depth``);
         ``by_depth[d - 1]``: the gains when the build goes d steps."""
         s = self.settings
-        bar = self.zero_gain(len(seqs)) * np.array([s.stay_gain if _speculating(q) else s.min_gain for q in seqs])
-        self.depth = batch_depth(by_depth, bar, self.zero_gain(len(seqs)), np.array([not _seeded(q) for q in seqs]))
+        bar = self.zero_gain(len(seqs)) * np.array([s.stay_gain if was_speculating(q) else s.min_gain for q in seqs])
+        self.depth = batch_depth(by_depth, bar, self.zero_gain(len(seqs)), np.array([not is_seeded(q) for q in seqs]))
         return by_depth[self.depth - 1]
 
     def _reproducible_gains(self, seqs: list[Sequence]) -> np.ndarray:
@@ -318,9 +259,9 @@ class AdaptiveK(KSchedule):
 
     def _one(self, seq: Sequence, gains: np.ndarray, batch: int) -> int:
         state, s = self.state(seq), self.settings
-        cap = self.max_k if self.depth is None or _seeded(seq) else self.depth  # the round's build's depth
+        cap = self.max_k if self.depth is None or is_seeded(seq) else self.depth  # the round's build's depth
         best = 1 + int(np.argmax(gains[1:cap + 1]))
-        speculating = _speculating(seq)  # last round: K > 0 or a probe
+        speculating = was_speculating(seq)  # last round: K > 0 or a probe
         # against what staying at K = 0 gives (``gains[0]``: 1 for a seeded request, whose choice reads no clock)
         if gains[best] >= (s.stay_gain if speculating else s.min_gain) * gains[0]:
             # one position deeper is priced from the prior while this request, which knows the positions before
@@ -359,7 +300,7 @@ class AdaptiveK(KSchedule):
         a speculation built beside its AR step (``ahead``), as a probe does. With the int4 pair on a 2-core Xeon,
         8 MT-Bench requests at T = 0 waited 60-140 ms for such starts and admissions, beside verifications of
         120-200 ms. A seeded request prices it as its other choices, from the profile at batch 1."""
-        seeded = _seeded(seq)
+        seeded = is_seeded(seq)
         if not self.ssd.jit_misses_at(1 if seeded else batch):  # the miss strategy's backup drafts it, free
             return True
         costs = BatchCosts.at(self.profile if seeded else self.costs, 1 if seeded else batch, k)
@@ -396,7 +337,7 @@ class AdaptiveK(KSchedule):
         beside one draft pass (``SSDModel.part_slowdown``: on avx2 with the int4 pair, measured parts added 0.28
         of a round each, the profile's probe moved to that tier 0.17 beside one draft row, and 0.01-0.08
         beside wider passes, within its noise)."""
-        seeded = _seeded(seq)
+        seeded = is_seeded(seq)
         costs, batch = (self.profile, 1) if seeded else (self.costs, batch)
         k, verify = self._probe_k, costs.verify(batch)
         gained = self.state(seq).estimate.expected_tokens(self.max_k)[k] - 1.0
