@@ -51,7 +51,7 @@ def test_the_chooser_keeps_every_k_within_the_batch_s_depth():
     batch = low + [high]
     ks = c.choose(batch)
     costs = BatchCosts.at(c.costs, len(batch), K)
-    by_depth = [c.tree_gains(batch, costs, [0], depth=d)[0] for d in range(1, K + 1)]
+    by_depth = list(c.tree_gains(batch, costs, [0], depths=list(range(1, K + 1)))[0])
     zero = c.zero_gain(len(batch))
     bars = np.full(len(batch), c.settings.min_gain * zero)
     assert c.depth == batch_depth(by_depth, bars, zero, np.ones(len(batch), bool))
@@ -74,5 +74,5 @@ def test_the_answer_is_measured_and_priced_by_the_build_s_depth():
     assert c.answers(5)[1:] == pytest.approx([0.01, c.answer_s(5), 0.05])  # each K its own
     s = [seq() for _ in range(5)]
     costs = BatchCosts.at(c.costs, 5, K)
-    shallow, deep = (c.tree_gains(s, costs, [0], depth=d)[0] for d in (1, 3))
+    shallow, deep = c.tree_gains(s, costs, [0], depths=[1, 3])[0]
     assert (deep[:, 1] < shallow[:, 1]).all()  # K = 1 beside a 3-step build pays its wait

@@ -169,9 +169,9 @@ class AdaptiveK(KSchedule):
     def _deepest(self, seqs: list[Sequence], by_depth: list[np.ndarray]) -> np.ndarray:
         """The gains at the round's build depth (``depth.batch_depth``, kept in ``self.depth``);
         ``by_depth[d - 1]``: the gains when the build goes d steps."""
-        s = self.settings
-        bar = self.zero_gain(len(seqs)) * np.array([s.stay_gain if was_speculating(q) else s.min_gain for q in seqs])
-        self.depth = batch_depth(by_depth, bar, self.zero_gain(len(seqs)), np.array([not is_seeded(q) for q in seqs]))
+        s, zero = self.settings, self.zero_gain(len(seqs))
+        bar = zero * np.array([s.stay_gain if was_speculating(q) else s.min_gain for q in seqs])
+        self.depth = batch_depth(by_depth, bar, zero, np.array([not is_seeded(q) for q in seqs]))
         return by_depth[self.depth - 1]
 
     def _reproducible_gains(self, seqs: list[Sequence]) -> np.ndarray:
@@ -186,12 +186,11 @@ class AdaptiveK(KSchedule):
         return self.tree_gains(seqs, costs, [0], reproducible=True)[0]
 
     def tree_gains(self, seqs: list[Sequence], costs: BatchCosts, only: list[int] | None = None,
-                   reproducible: bool = False, depth: int | None = None,
-                   depths: list[int] | None = None) -> np.ndarray:
+                   reproducible: bool = False, depths: list[int] | None = None) -> np.ndarray:
         """[trees, B, max_k + 1]: ``gains`` in each of the plan's trees (see the class docstring), or in ``only``
-        those. ``reproducible``: the model's hit rate and the profile's build time, nothing measured. ``depth``:
-        the build goes that many steps at the Ks below it (``TreeModel.build``); ``depths``: at each of them,
-        [trees, depths, B, max_k + 1] (what does not depend on the depth computed once)."""
+        those. ``reproducible``: the model's hit rate and the profile's build time, nothing measured.
+        ``depths``: at each build depth (``TreeModel.build``: the build goes that many steps at the Ks below it),
+        [trees, depths, B, max_k + 1], what does not depend on the depth computed once."""
         trees, states = self.ssd.trees, [self.state(seq) for seq in seqs]
         tokens = np.array([state.estimate.expected_tokens(self.max_k) for state in states])
         weights = np.array([state.estimate.outcome_pmf(self.max_k) for state in states])
@@ -210,7 +209,7 @@ class AdaptiveK(KSchedule):
             p_hit = np.clip(observed + trees.model_hits(fan_outs, weights, sources) - reference, 0.0, 1.0)
             hit = trees.hit_tokens(seqs, tree, fan_outs, tokens, weights, sources)
             at = []
-            for d in [depth] if depths is None else depths:
+            for d in [None] if depths is None else depths:
                 # a build asked for K stops when the verification ends: it lasts until then (the pass in flight
                 # included), and a hit carries the steps it made
                 build = trees.build(seqs, tree, costs.batch, self.max_k, d)
